@@ -1,0 +1,144 @@
+"""Token-budget batching: micro-batches packed up to a padded-token budget instead of a fixed size.
+
+A fixed batch size wastes memory on short samples and runs out of it on long ones; a budget of
+``max_tokens`` padded tokens (``longest sample x batch size``) keeps every micro-batch's activation
+memory about the same. The same packer serves the data loaders here and the PPO micro-batches.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch.utils.data import DistributedSampler
+
+
+def padded_tokens(lengths: Sequence[int]) -> int:
+    """Tokens a right-padded batch of these lengths occupies."""
+    return max(lengths, default=0) * len(lengths)
+
+
+def pack_by_token_budget(
+    indices: Sequence[int],
+    lengths: Sequence[int],
+    max_tokens: int,
+    *,
+    max_batch_size: int | None = None,
+) -> list[list[int]]:
+    """Greedily group ``indices`` (in the given order) into batches whose padded size fits ``max_tokens``.
+
+    A sample longer than the budget gets a batch of its own rather than being dropped: truncation is
+    the data pipeline's job, and silently losing rows here would change the dataset.
+    """
+    if max_tokens <= 0:
+        raise ValueError(f"`max_tokens` must be positive, got {max_tokens}")
+    batches: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for idx in indices:
+        length = lengths[idx]
+        new_longest = max(longest, length)
+        full = max_batch_size is not None and len(current) >= max_batch_size
+        if current and (new_longest * (len(current) + 1) > max_tokens or full):
+            batches.append(current)
+            current, new_longest = [], length
+        current.append(idx)
+        longest = new_longest
+    if current:
+        batches.append(current)
+    return batches
+
+
+def split_batches_to_multiple(batches: list[list[int]], multiple: int) -> list[list[int]]:
+    """Split the largest batches in two until the count is a multiple of ``multiple``.
+
+    Every rank must run the same number of steps (collectives would hang otherwise); splitting keeps
+    every sample, where dropping the remainder would lose data.
+    """
+    batches = [list(b) for b in batches]
+    while len(batches) % multiple:
+        splittable = [i for i, b in enumerate(batches) if len(b) > 1]
+        if not splittable:
+            break
+        i = max(splittable, key=lambda j: len(batches[j]))
+        half = len(batches[i]) // 2
+        batches[i : i + 1] = [batches[i][:half], batches[i][half:]]
+    return batches[: len(batches) - len(batches) % multiple]
+
+
+class TokenBudgetSampler(DistributedSampler):
+    """A distributed sampler that yields whole batches of indices.
+
+    Batches are either ``batch_size`` samples or packed to ``max_tokens`` padded tokens (samples of
+    similar length grouped within windows of ``sort_window``). The packing is fixed once, so every
+    epoch has the same number of steps; each epoch reshuffles the batch order (``set_epoch``, which
+    Lightning calls). Batches go round-robin to ranks, so ranks get the same step count and similar
+    token loads. ``skip_batches`` drops the first batches of the next epoch this rank runs: how a
+    mid-epoch checkpoint resumes exactly where it stopped.
+
+    It subclasses ``DistributedSampler`` so that Lightning uses it as is instead of injecting its own.
+    Use it as ``DataLoader(dataset, sampler=sampler, batch_size=None)`` with a dataset whose
+    ``__getitem__`` takes a list of indices.
+    """
+
+    def __init__(
+        self,
+        lengths: Sequence[int],
+        *,
+        max_tokens: int | None = None,
+        batch_size: int | None = None,
+        num_replicas: int = 1,
+        rank: int = 0,
+        shuffle: bool = True,
+        seed: int = 0,
+        sort_window: int = 512,
+    ) -> None:
+        if (max_tokens is None) == (batch_size is None):
+            raise ValueError("set exactly one of `max_tokens_per_batch` and `batch_size`")
+        if batch_size is not None and batch_size <= 0:
+            raise ValueError(f"`batch_size` must be positive, got {batch_size}")
+        # DistributedSampler only needs a sized dataset; the lengths list is one.
+        super().__init__(lengths, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
+        self.lengths = list(lengths)
+        self.max_tokens = max_tokens
+        self.batch_size = batch_size
+        self.sort_window = sort_window
+        self.skip_batches = 0
+        self.batches = self._plan()
+
+    def _plan(self) -> list[list[int]]:
+        order = list(range(len(self.lengths)))
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed)
+            order = torch.randperm(len(order), generator=g).tolist()
+        if self.batch_size is not None:
+            batches = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
+        else:
+            batches = []
+            for start in range(0, len(order), self.sort_window):
+                window = sorted(order[start : start + self.sort_window], key=lambda i: -self.lengths[i])
+                batches += pack_by_token_budget(window, self.lengths, self.max_tokens)
+        return split_batches_to_multiple(batches, self.num_replicas)
+
+    def _epoch_batches(self) -> list[list[int]]:
+        order = range(len(self.batches))
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed + 1 + self.epoch)
+            order = torch.randperm(len(self.batches), generator=g).tolist()
+        ordered = [self.batches[i] for i in order]
+        return ordered[self.rank :: self.num_replicas]
+
+    def __iter__(self) -> Iterator[list[int]]:  # type: ignore[override]
+        batches = self._epoch_batches()
+        skip, self.skip_batches = self.skip_batches, 0
+        return iter(batches[skip:])
+
+    def __len__(self) -> int:
+        return math.ceil(len(self.batches) / self.num_replicas)
+
+    def padding_efficiency(self) -> float:
+        """Real tokens / padded tokens over the plan: 1.0 means no padding at all."""
+        real = sum(self.lengths[i] for b in self.batches for i in b)
+        padded = sum(padded_tokens([self.lengths[i] for i in b]) for b in self.batches)
+        return real / max(padded, 1)

@@ -1,0 +1,373 @@
+"""Instruction data: read chat or prompt/completion rows, format them with the tokenizer's chat
+template, mask the loss to the assistant's tokens, truncate, and batch by token budget.
+
+Row shapes accepted (JSONL, JSON or Parquet):
+
+- ``{"messages": [{"role": "user", "content": ...}, {"role": "assistant", "content": ...}, ...]}``:
+  the loss covers every assistant turn.
+- ``{"prompt": ..., "completion": ...}`` (optionally ``"system"``): the loss covers the completion.
+
+Other keys (e.g. ``answer`` for a reward rule) are carried along untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningDataModule
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_mem.batching import TokenBudgetSampler
+
+log = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100
+_FORMATS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
+
+
+class DataFormatError(ValueError):
+    """A data file or row that cannot be used; the message names the file and line."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading rows
+# ---------------------------------------------------------------------------------------------
+
+
+def check_data_file(path: str | Path, *, key: str) -> Path:
+    """Fail early, naming the config key, when a data file is missing or of an unknown format."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise FileNotFoundError(f"`{key}`: data file {str(path)!r} does not exist")
+    if p.suffix not in _FORMATS:
+        raise DataFormatError(f"`{key}`: {str(path)!r} has an unknown format; use one of {sorted(_FORMATS)}")
+    return p
+
+
+def read_rows(path: str | Path) -> list[dict[str, Any]]:
+    """Read a JSONL file ourselves (so a bad line is reported by number), other formats via `datasets`."""
+    p = Path(path)
+    if p.suffix == ".jsonl":
+        rows = []
+        with p.open() as f:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise DataFormatError(f"{p}:{lineno}: not valid JSON ({err.msg})") from None
+                if not isinstance(row, dict):
+                    raise DataFormatError(f"{p}:{lineno}: expected a JSON object, got {type(row).__name__}")
+                row["_where"] = f"{p}:{lineno}"
+                rows.append(row)
+        return rows
+    import datasets
+
+    table = datasets.load_dataset(_FORMATS[p.suffix], data_files=str(p), split="train")
+    return [dict(row, _where=f"{p}:row {i}") for i, row in enumerate(table)]
+
+
+def row_to_messages(row: dict[str, Any]) -> list[dict[str, str]]:
+    """Normalise a row to chat messages, or raise naming the row's file and line."""
+    where = row.get("_where", "row")
+    if "messages" in row:
+        messages = row["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise DataFormatError(f"{where}: `messages` must be a non-empty list")
+        for m in messages:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise DataFormatError(f"{where}: each message needs string `role` and `content`, got {m!r}")
+        if not any(m["role"] == "assistant" for m in messages):
+            raise DataFormatError(f"{where}: `messages` has no assistant turn to learn from")
+        return messages
+    if isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str):
+        messages = [{"role": "system", "content": row["system"]}] if row.get("system") else []
+        return messages + [
+            {"role": "user", "content": row["prompt"]},
+            {"role": "assistant", "content": row["completion"]},
+        ]
+    keys = sorted(k for k in row if k != "_where")
+    raise DataFormatError(f"{where}: row needs `messages` or string `prompt` and `completion`; it has keys {keys}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Formatting and tokenizing
+# ---------------------------------------------------------------------------------------------
+
+
+def render_with_spans(messages: list[dict[str, str]], tokenizer: Any) -> tuple[str, list[tuple[int, int]]]:
+    """Render a conversation to text and return the character spans of the assistant turns.
+
+    With a chat template, the span of assistant turn i runs from the end of the rendering of
+    ``messages[:i]`` with a generation prompt to the end of the rendering of ``messages[:i+1]``,
+    which includes the template's end-of-turn token (so the model learns to stop).
+    Without a template: ``role: content`` lines, and the eos token after each assistant turn.
+    """
+    if getattr(tokenizer, "chat_template", None):
+
+        def render(msgs: list[dict[str, str]], gen: bool) -> str:
+            return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+
+        text = render(messages, False)
+        spans = []
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            start, end = len(render(messages[:i], True)), len(render(messages[: i + 1], False))
+            if not text.startswith(render(messages[: i + 1], False)):
+                raise DataFormatError("the tokenizer's chat template does not render conversations prefix by prefix")
+            spans.append((start, end))
+        return text, spans
+    text, spans = "", []
+    eos = tokenizer.eos_token or ""
+    for m in messages:
+        if m["role"] == "assistant":
+            text += "assistant: "
+            start = len(text)
+            text += m["content"] + eos
+            spans.append((start, len(text)))
+            text += "\n"
+        else:
+            text += f"{m['role']}: {m['content']}\n"
+    return text, spans
+
+
+def render_prompt(messages: list[dict[str, str]], tokenizer: Any) -> str:
+    """The text a model continues to answer ``messages`` (the generation prompt, for rollouts and eval)."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+
+
+@dataclass
+class TokenizeStats:
+    """What truncation did to a dataset: logged so that a silent cut never surprises anyone."""
+
+    rows: int = 0
+    truncated: int = 0
+    dropped: int = 0
+    dropped_where: list[str] = field(default_factory=list)
+
+    def summary(self, name: str, max_length: int) -> str:
+        return (
+            f"{name}: {self.rows} rows, {self.truncated} truncated to max_length={max_length}, "
+            f"{self.dropped} dropped (no completion token left after truncation)"
+        )
+
+
+def tokenize_example(
+    messages: list[dict[str, str]], tokenizer: Any, max_length: int
+) -> tuple[dict[str, list[int]] | None, bool]:
+    """Token ids and labels (-100 outside assistant spans), truncated to ``max_length``.
+
+    Returns ``(example or None if nothing is left to learn, was_truncated)``.
+    """
+    if not getattr(tokenizer, "is_fast", False):
+        raise TypeError("a fast (Rust) tokenizer is required: loss masking uses its offset mapping")
+    text, spans = render_with_spans(messages, tokenizer)
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    # A chat template writes its own special tokens (bos included); plain text gets the tokenizer's.
+    enc = tokenizer(text, add_special_tokens=not has_template, return_offsets_mapping=True)
+    ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    labels = [
+        tok if any(s <= start < e for s, e in spans) and end > start else IGNORE_INDEX
+        for tok, (start, end) in zip(ids, offsets)
+    ]
+    truncated = len(ids) > max_length
+    ids, labels = ids[:max_length], labels[:max_length]
+    if all(label == IGNORE_INDEX for label in labels):
+        return None, truncated
+    return {"input_ids": ids, "labels": labels}, truncated
+
+
+def tokenize_rows(
+    rows: Sequence[dict[str, Any]], tokenizer: Any, max_length: int
+) -> tuple[list[dict[str, list[int]]], TokenizeStats]:
+    stats = TokenizeStats()
+    examples = []
+    for row in rows:
+        stats.rows += 1
+        example, truncated = tokenize_example(row_to_messages(row), tokenizer, max_length)
+        stats.truncated += truncated
+        if example is None:
+            stats.dropped += 1
+            stats.dropped_where.append(row.get("_where", "?"))
+            continue
+        examples.append(example)
+    return examples, stats
+
+
+class TokenizedDataset(Dataset):
+    """A list of tokenized examples; indexing with a list returns a list (for batch samplers)."""
+
+    def __init__(self, examples: list[dict[str, list[int]]]) -> None:
+        self.examples = examples
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, idx: int | list[int]) -> Any:
+        if isinstance(idx, list):
+            return [self.examples[i] for i in idx]
+        return self.examples[idx]
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(e["input_ids"]) for e in self.examples]
+
+
+def collate_right_padded(examples: list[dict[str, list[int]]], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Pad on the right: ``input_ids`` with pad, ``labels`` with -100, and an attention mask."""
+    longest = max(len(e["input_ids"]) for e in examples)
+    input_ids = torch.full((len(examples), longest), pad_token_id, dtype=torch.long)
+    labels = torch.full((len(examples), longest), IGNORE_INDEX, dtype=torch.long)
+    attention_mask = torch.zeros((len(examples), longest), dtype=torch.long)
+    for row, e in enumerate(examples):
+        n = len(e["input_ids"])
+        input_ids[row, :n] = torch.tensor(e["input_ids"])
+        labels[row, :n] = torch.tensor(e["labels"])
+        attention_mask[row, :n] = 1
+    return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+
+
+class _Collator:
+    # A class, not a lambda, so that DataLoader workers can pickle it.
+    def __init__(self, pad_token_id: int) -> None:
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, examples: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
+        return collate_right_padded(examples, self.pad_token_id)
+
+
+# ---------------------------------------------------------------------------------------------
+# The datamodule
+# ---------------------------------------------------------------------------------------------
+
+
+class SFTDataModule(LightningDataModule):
+    """Instruction-tuning data for a causal LM.
+
+    Args:
+        train_file: JSONL, JSON or Parquet with ``messages`` or ``prompt``/``completion`` rows.
+        val_file: optional, same format.
+        tokenizer: model folder or hub id to load the tokenizer from (the CLI links it to
+            ``model.name_or_path``).
+        max_length: tokens per sample; longer rows are truncated, and rows with no completion token
+            left are dropped (both counted and logged).
+        batch_size: samples per micro-batch, when ``max_tokens_per_batch`` is not set.
+        max_tokens_per_batch: pack micro-batches up to this many padded tokens instead.
+        seed: shuffling seed; each epoch reshuffles deterministically from it.
+    """
+
+    def __init__(
+        self,
+        train_file: str,
+        val_file: str | None = None,
+        tokenizer: str | None = None,
+        max_length: int = 1024,
+        batch_size: int | None = 8,
+        max_tokens_per_batch: int | None = None,
+        num_workers: int = 0,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        # Cheap checks first: a bad path or number fails before any model is loaded.
+        self.train_path = check_data_file(train_file, key="data.train_file")
+        self.val_path = check_data_file(val_file, key="data.val_file") if val_file else None
+        if max_length <= 0:
+            raise ValueError(f"`data.max_length` must be positive, got {max_length}")
+        if max_tokens_per_batch is not None:
+            if max_tokens_per_batch < max_length:
+                raise ValueError(
+                    f"`data.max_tokens_per_batch` ({max_tokens_per_batch}) is below `data.max_length` ({max_length}):"
+                    " the longest sample would not fit a batch"
+                )
+            batch_size = None
+        elif batch_size is None or batch_size <= 0:
+            raise ValueError("set `data.batch_size` (> 0) or `data.max_tokens_per_batch`")
+        if tokenizer is None:
+            raise ValueError("`data.tokenizer` is not set (the recipes link it to `model.name_or_path`)")
+        self.tokenizer_name = tokenizer
+        self.max_length = max_length
+        self.batch_size = batch_size
+        self.max_tokens_per_batch = max_tokens_per_batch
+        self.num_workers = num_workers
+        self.seed = seed
+        self.tokenizer: Any = None
+        self.train_set: TokenizedDataset | None = None
+        self.val_set: TokenizedDataset | None = None
+        self.stats: dict[str, TokenizeStats] = {}
+        self._resume_skip = 0
+        self._train_sampler: TokenBudgetSampler | None = None
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        from lightning_mem.models import load_tokenizer
+
+        self.tokenizer = load_tokenizer(self.tokenizer_name, key="data.tokenizer")
+        self.train_set = self._load("train", self.train_path)
+        if self.val_path is not None:
+            self.val_set = self._load("val", self.val_path)
+
+    def _load(self, name: str, path: Path) -> TokenizedDataset:
+        examples, stats = tokenize_rows(read_rows(path), self.tokenizer, self.max_length)
+        self.stats[name] = stats
+        log.warning(stats.summary(f"{name} ({path})", self.max_length)) if stats.dropped else log.info(
+            stats.summary(f"{name} ({path})", self.max_length)
+        )
+        if not examples:
+            raise DataFormatError(f"{path}: no usable rows after tokenization")
+        return TokenizedDataset(examples)
+
+    def _sampler(self, dataset: TokenizedDataset, shuffle: bool) -> TokenBudgetSampler:
+        trainer = self.trainer
+        return TokenBudgetSampler(
+            dataset.lengths,
+            max_tokens=self.max_tokens_per_batch,
+            batch_size=self.batch_size,
+            num_replicas=trainer.world_size if trainer else 1,
+            rank=trainer.global_rank if trainer else 0,
+            shuffle=shuffle,
+            seed=self.seed,
+        )
+
+    def _loader(self, dataset: TokenizedDataset, sampler: TokenBudgetSampler) -> DataLoader:
+        return DataLoader(
+            dataset,
+            sampler=sampler,
+            batch_size=None,  # the sampler yields whole batches
+            collate_fn=_Collator(self.tokenizer.pad_token_id),
+            num_workers=self.num_workers,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        assert self.train_set is not None, "call setup() first"
+        sampler = self._sampler(self.train_set, shuffle=True)
+        sampler.skip_batches, self._resume_skip = self._resume_skip, 0
+        self._train_sampler = sampler
+        return self._loader(self.train_set, sampler)
+
+    def val_dataloader(self) -> DataLoader | list:
+        if self.val_set is None:
+            return []
+        return self._loader(self.val_set, self._sampler(self.val_set, shuffle=False))
+
+    # Mid-epoch resume: Lightning restores the loop's batch counter but replays a plain DataLoader
+    # from its start; saving how many batches this epoch already ran lets the sampler skip them.
+    def state_dict(self) -> dict[str, Any]:
+        trainer = self.trainer
+        if trainer is None:
+            return {}
+        progress = trainer.fit_loop.epoch_loop.batch_progress.current
+        return {"batches_done_in_epoch": progress.processed}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._resume_skip = int(state_dict.get("batches_done_in_epoch", 0))
