@@ -1,0 +1,46 @@
+"""Shared test utilities: run a recipe's CLI in a subprocess and read back what it logged."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TINY_MODEL = REPO / "assets" / "tiny-llama"
+ARITH = REPO / "data" / "arithmetic"
+
+
+def run_recipe(recipe: str, *args: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``python -m recipes.<recipe> <args>`` from the repo root; returns the finished process."""
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", f"recipes.{recipe}", *args],
+        cwd=REPO,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def csv_logger_args(root: Path) -> list[str]:
+    """Log to <root>/logs/version_N/metrics.csv (a new version per run, so a resume keeps the first part)."""
+    return [
+        "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
+        f"--trainer.logger.save_dir={root}",
+        "--trainer.logger.name=logs",
+    ]
+
+
+def read_metric(root: Path, name: str) -> dict[int, float]:
+    """``{step: value}`` of one metric from the CSVLogger files under ``root``."""
+    values: dict[int, float] = {}
+    for path in sorted(root.glob("logs/*/metrics.csv")):
+        with path.open() as f:
+            for row in csv.DictReader(f):
+                if row.get(name):
+                    values[int(row["step"])] = float(row[name])
+    return values

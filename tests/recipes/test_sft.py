@@ -1,0 +1,125 @@
+"""The SFT recipe through its real CLI on the tiny config."""
+
+import json
+
+import pytest
+import torch
+
+import recipes.sft as sft
+from tests.helpers import ARITH, REPO, csv_logger_args, read_metric, run_recipe
+
+CONFIG = str(REPO / "configs" / "sft" / "tiny_cpu.yaml")
+
+
+def _fit(root, *extra):
+    return run_recipe(
+        "sft", "fit", "--config", CONFIG, f"--trainer.default_root_dir={root}", "--trainer.log_every_n_steps=1",
+        *csv_logger_args(root), *extra,
+    )
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One uninterrupted 60-step run, and the same run stopped at 30 and resumed with --ckpt_path last."""
+    full, part = tmp_path_factory.mktemp("full"), tmp_path_factory.mktemp("part")
+    common = ["--checkpoint.every_n_train_steps=30", "--trainer.val_check_interval=30"]
+    a = _fit(full, "--trainer.max_steps=60", *common)
+    assert a.returncode == 0, a.stderr[-3000:]
+    b = _fit(part, "--trainer.max_steps=30", *common)
+    assert b.returncode == 0, b.stderr[-3000:]
+    c = _fit(part, "--trainer.max_steps=60", "--ckpt_path=last", *common)
+    assert c.returncode == 0, c.stderr[-3000:]
+    return full, part
+
+
+def test_loss_falls(runs):
+    full, _ = runs
+    losses = [v for _, v in sorted(read_metric(full, "train_loss").items())]
+    assert len(losses) == 60
+    q = len(losses) // 4
+    assert sum(losses[-q:]) / q < 0.8 * sum(losses[:q]) / q
+
+
+def test_resume_equals_uninterrupted(runs):
+    full, part = runs
+    expected, resumed = read_metric(full, "train_loss"), read_metric(part, "train_loss")
+    assert sorted(resumed) == sorted(expected)  # the resumed run logged steps 30..59, the first run 0..29
+    for step in range(30, 60):
+        assert resumed[step] == pytest.approx(expected[step], abs=1e-5), step
+    assert (part / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_export_loads_and_generates(runs):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    export = runs[0] / "export"
+    model = AutoModelForCausalLM.from_pretrained(export)
+    tokenizer = AutoTokenizer.from_pretrained(export)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 3 + 4?"}], tokenize=False, add_generation_prompt=True
+    )
+    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+    out = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    assert out.shape[1] > ids.shape[1]
+    # The export is the trained model: its loss on a training row matches the last logged loss scale.
+    with torch.no_grad():
+        assert model(ids, labels=ids).loss.isfinite()
+
+
+# -- bad input: one clear error, before any model is loaded ---------------------------------
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the bad input was reported")
+
+    monkeypatch.setattr(sft, "load_causal_lm", refuse)
+
+
+def _cli(tmp_path, *extra):
+    return sft.main(["fit", "--config", CONFIG, f"--trainer.default_root_dir={tmp_path}", "--trainer.max_steps=1", *extra])
+
+
+def test_missing_data_file(tmp_path, no_model_load):
+    with pytest.raises(FileNotFoundError, match=r"`data.train_file`: data file '.*missing.jsonl' does not exist"):
+        _cli(tmp_path, f"--data.train_file={tmp_path}/missing.jsonl")
+
+
+def test_malformed_jsonl_line(tmp_path, no_model_load):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "1 + 1 =", "completion": "2"}) + "\n" + '{"prompt": "oops"\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2: not valid JSON"):
+        _cli(tmp_path, f"--data.train_file={bad}", "--data.val_file=null")
+
+
+def test_row_without_messages_or_prompt(tmp_path, no_model_load):
+    bad = tmp_path / "rows.jsonl"
+    bad.write_text(json.dumps({"question": "1 + 1", "answer": "2"}) + "\n")
+    with pytest.raises(ValueError, match=r"rows\.jsonl:1: row needs `messages` or string `prompt`"):
+        _cli(tmp_path, f"--data.train_file={bad}", "--data.val_file=null")
+
+
+def test_missing_model_path(tmp_path, no_model_load):
+    with pytest.raises(FileNotFoundError, match=r"`model.name_or_path`: model path './no-such-model' does not exist"):
+        _cli(tmp_path, "--model.name_or_path=./no-such-model")
+
+
+def test_unknown_config_key(tmp_path, no_model_load, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _cli(tmp_path, "--model.learning_rat=0.1")
+    assert exit_info.value.code != 0
+    assert "learning_rat" in capsys.readouterr().err
+
+
+def test_unknown_key_in_yaml_file_names_it(tmp_path, no_model_load, capsys):
+    cfg = tmp_path / "typo.yaml"
+    cfg.write_text((REPO / "configs/sft/tiny_cpu.yaml").read_text().replace("max_length: 64", "max_lenght: 64"))
+    with pytest.raises(SystemExit):
+        sft.main(["fit", "--config", str(cfg)])
+    assert "max_lenght" in capsys.readouterr().err
+
+
+def test_data_files_used_by_the_tiny_config_ship():
+    for name in ("train.jsonl", "val.jsonl", "prompts.jsonl"):
+        assert (ARITH / name).is_file()
