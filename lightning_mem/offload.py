@@ -116,6 +116,7 @@ class OptimizerStateResidency:
     """Where an optimizer's state lives, and what the last offload moved."""
 
     location: Location = "device"
+    # What the current offload moved (kept after the state comes back, for inspection).
     moved: list[MovedTensor] = field(default_factory=list)
 
     @property
@@ -187,6 +188,8 @@ def optimizer_state_to_host(
     if train_device is None:
         ledger.location = "host"
         return ledger
+    if ledger.location == "device":
+        ledger.moved = []  # a new offload; while on the host, later calls add what is new
     already_host = {id(t.host) for t in ledger.moved if t.host is not None}
     groups: dict[int, list[tuple[dict, Any, str]]] = {}
     tensors: dict[int, torch.Tensor] = {}
