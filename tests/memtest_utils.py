@@ -69,8 +69,10 @@ class TinyLM(LightningModule):
         manual: bool = False,
         passes: int = 1,
         steps_per_batch: int = 1,
+        batches_per_epoch: int = 8,
     ) -> None:
         super().__init__()
+        self.batches_per_epoch = batches_per_epoch
         self.model = tiny_llama()
         if checkpointing:
             checkpoint_blocks(self.model)
@@ -97,10 +99,17 @@ class TinyLM(LightningModule):
         return self.optimizer_factory(self.model.parameters())
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(token_batches(8), batch_size=None)
+        return DataLoader(token_batches(self.batches_per_epoch), batch_size=None)
 
 
-def fit(module: LightningModule, tmp_path: Any, steps: int = 3, callbacks: Optional[list] = None, **kwargs: Any) -> Trainer:
+def fit(
+    module: LightningModule,
+    tmp_path: Any,
+    steps: int = 3,
+    callbacks: Optional[list] = None,
+    ckpt_path: Optional[str] = None,
+    **kwargs: Any,
+) -> Trainer:
     options = dict(
         accelerator="cpu",
         devices=1,
@@ -114,7 +123,7 @@ def fit(module: LightningModule, tmp_path: Any, steps: int = 3, callbacks: Optio
     )
     options.update(kwargs)
     trainer = Trainer(callbacks=callbacks or [], **options)
-    trainer.fit(module)
+    trainer.fit(module, ckpt_path=ckpt_path)
     return trainer
 
 
