@@ -426,6 +426,14 @@ class FSDP2Strategy(ModelParallelStrategy):
         HF models inside the unit use their own init (which also recomputes rotary
         buffers); other modules their ``reset_parameters``. Override to load weights here.
         """
+        adapters = [name for name, sub in unit.named_modules() if hasattr(sub, "reset_lora_parameters")]
+        if adapters:
+            # HF's init would treat LoRA's A/B as plain Linears (B no longer zero), and
+            # peft's own init schemes (pissa, olora, ...) need the real base weights.
+            raise ValueError(
+                f"FSDP2Strategy cannot initialize peft adapters created on the meta device ({adapters[0]}, ...):"
+                " create the base model with real weights, then add the adapters."
+            )
         hf_models = [model for _, model in shard_plan.find_hf_models(unit)]
         for model in hf_models:
             model.initialize_weights()

@@ -366,6 +366,11 @@ def test_model_without_no_split_modules_needs_shard_modules():
         FSDP2Strategy()._blocks_to_shard(model)
 
 
+def test_lora_adapters_on_the_meta_device_are_a_clear_error():
+    with pytest.raises(ValueError, match="peft adapters created on the meta device.*real weights"):
+        FSDP2Strategy()._initialize_weights(sc.lora_policy().base_model.model)
+
+
 def test_reshard_int_must_divide_the_data_parallel_size():
     from lightning.pytorch import Trainer
 
