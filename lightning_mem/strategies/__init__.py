@@ -6,7 +6,8 @@ Importing this package registers the short strategy names ``fsdp2`` and
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_mem.strategies.fsdp2 import FSDP2Strategy, full_state_dict, parse_dtype
+from lightning_mem.strategies.consolidate import full_state_dict
+from lightning_mem.strategies.fsdp2 import FSDP2Strategy, parse_dtype
 
 FSDP2Strategy.register_strategies(StrategyRegistry)
 

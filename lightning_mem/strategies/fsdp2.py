@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_mem.strategies import shard_plan
+from lightning_mem.strategies.consolidate import full_state_dict
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -71,36 +72,6 @@ def parse_dtype(value: Union[str, torch.dtype, None], argument: str) -> Optional
         f"`{argument}={value!r}` is not a floating-point dtype. Use one of {sorted(_DTYPES)}, a `torch.dtype`,"
         " or null to keep the parameters' own dtype."
     )
-
-
-def full_state_dict(module: nn.Module, *, trainable_only: bool = False) -> dict[str, Tensor]:
-    """The whole, unsharded state dict of ``module``, gathered to rank 0 on the host.
-
-    A collective: every rank must call it. Rank 0 gets plain CPU tensors under the
-    module's own keys (so ``module.save_pretrained(path, state_dict=sd)`` writes a normal
-    HF checkpoint); the other ranks get ``{}``. Only one tensor is gathered at a time, so
-    rank 0 needs host memory for the result, not device memory for the model.
-
-    Args:
-        module: a sharded (or plain) module, e.g. the HF model or the peft model.
-        trainable_only: gather only parameters with ``requires_grad`` (plus nothing
-            frozen): for LoRA, the adapters, without moving the base model at all.
-    """
-    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
-        return {
-            name: tensor.detach().cpu()
-            for name, tensor in module.state_dict().items()
-            if not trainable_only or _requires_grad(module, name)
-        }
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
-    return get_model_state_dict(module, options=options)
-
-
-def _requires_grad(module: nn.Module, name: str) -> bool:
-    param = dict(module.named_parameters()).get(name)
-    return param is not None and param.requires_grad
 
 
 def _zero_embedding_padding_rows(module: nn.Module) -> None:
@@ -455,6 +426,14 @@ class FSDP2Strategy(ModelParallelStrategy):
         HF models inside the unit use their own init (which also recomputes rotary
         buffers); other modules their ``reset_parameters``. Override to load weights here.
         """
+        adapters = [name for name, sub in unit.named_modules() if hasattr(sub, "reset_lora_parameters")]
+        if adapters:
+            # HF's init would treat LoRA's A/B as plain Linears (B no longer zero), and
+            # peft's own init schemes (pissa, olora, ...) need the real base weights.
+            raise ValueError(
+                f"FSDP2Strategy cannot initialize peft adapters created on the meta device ({adapters[0]}, ...):"
+                " create the base model with real weights, then add the adapters."
+            )
         hf_models = [model for _, model in shard_plan.find_hf_models(unit)]
         for model in hf_models:
             model.initialize_weights()

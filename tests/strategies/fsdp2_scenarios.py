@@ -89,12 +89,13 @@ class PolicyRefValue(_RecordsLosses):
     """PPO-shaped: a trainable policy, a frozen reference and a value head (no HF model).
 
     The optimizer gets ``self.parameters()``, frozen ones included, as a naive user would:
-    the frozen reference must still end up with no optimizer state.
+    the frozen reference must still end up with no optimizer state. The policy ties its
+    input and output embeddings (as Qwen2.5-0.5B does), which sharding and export must keep.
     """
 
     def __init__(self) -> None:
         super().__init__()
-        self.policy = tiny_llama(seed=0)
+        self.policy = tiny_llama(seed=0, tie_word_embeddings=True)
         self.ref = tiny_llama(seed=1).requires_grad_(False)
         torch.manual_seed(2)
         # Two outputs keep dim 0 even, so a 2-rank shard is exactly half (as in the HF models).
