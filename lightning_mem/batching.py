@@ -8,7 +8,7 @@ memory about the same. The same packer serves the data loaders here and the PPO 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch.utils.data import DistributedSampler
@@ -74,8 +74,12 @@ class TokenBudgetSampler(DistributedSampler):
     similar length grouped within windows of ``sort_window``). The packing is fixed once, so every
     epoch has the same number of steps; each epoch reshuffles the batch order (``set_epoch``, which
     Lightning calls). Batches go round-robin to ranks, so ranks get the same step count and similar
-    token loads. ``skip_batches`` drops the first batches of the next epoch this rank runs: how a
-    mid-epoch checkpoint resumes exactly where it stopped.
+    token loads.
+
+    ``position_fn``, when set, returns how many batches this rank has already consumed in the whole
+    run; each new iterator then starts from there (epoch = position // len, skipping the rest).
+    That is what makes a resumed run see exactly the batches an uninterrupted one would, from a
+    checkpoint taken mid-epoch or at an epoch's end, whatever epoch number the trainer resumes with.
 
     It subclasses ``DistributedSampler`` so that Lightning uses it as is instead of injecting its own.
     Use it as ``DataLoader(dataset, sampler=sampler, batch_size=None)`` with a dataset whose
@@ -104,7 +108,7 @@ class TokenBudgetSampler(DistributedSampler):
         self.max_tokens = max_tokens
         self.batch_size = batch_size
         self.sort_window = sort_window
-        self.skip_batches = 0
+        self.position_fn: Callable[[], int] | None = None
         self.batches = self._plan()
 
     def _plan(self) -> list[list[int]]:
@@ -121,18 +125,19 @@ class TokenBudgetSampler(DistributedSampler):
                 batches += pack_by_token_budget(window, self.lengths, self.max_tokens)
         return split_batches_to_multiple(batches, self.num_replicas)
 
-    def _epoch_batches(self) -> list[list[int]]:
+    def _epoch_batches(self, epoch: int) -> list[list[int]]:
         order = range(len(self.batches))
         if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed + 1 + self.epoch)
+            g = torch.Generator().manual_seed(self.seed + 1 + epoch)
             order = torch.randperm(len(self.batches), generator=g).tolist()
         ordered = [self.batches[i] for i in order]
         return ordered[self.rank :: self.num_replicas]
 
     def __iter__(self) -> Iterator[list[int]]:  # type: ignore[override]
-        batches = self._epoch_batches()
-        skip, self.skip_batches = self.skip_batches, 0
-        return iter(batches[skip:])
+        epoch, skip = self.epoch, 0
+        if self.position_fn is not None:
+            epoch, skip = divmod(self.position_fn(), len(self))
+        return iter(self._epoch_batches(epoch)[skip:])
 
     def __len__(self) -> int:
         return math.ceil(len(self.batches) / self.num_replicas)

@@ -304,8 +304,6 @@ class SFTDataModule(LightningDataModule):
         self.train_set: TokenizedDataset | None = None
         self.val_set: TokenizedDataset | None = None
         self.stats: dict[str, TokenizeStats] = {}
-        self._resume_skip = 0
-        self._train_sampler: TokenBudgetSampler | None = None
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
@@ -351,23 +349,15 @@ class SFTDataModule(LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         assert self.train_set is not None, "call setup() first"
         sampler = self._sampler(self.train_set, shuffle=True)
-        sampler.skip_batches, self._resume_skip = self._resume_skip, 0
-        self._train_sampler = sampler
+        if self.trainer is not None:
+            # Lightning restores its batch counters from a checkpoint but replays a plain DataLoader
+            # from the start (and may resume with another epoch number); positioning the sampler
+            # by the batches already run makes a resumed run see exactly the uninterrupted batches.
+            progress = self.trainer.fit_loop.epoch_loop.batch_progress
+            sampler.position_fn = lambda: progress.total.processed
         return self._loader(self.train_set, sampler)
 
     def val_dataloader(self) -> DataLoader | list:
         if self.val_set is None:
             return []
         return self._loader(self.val_set, self._sampler(self.val_set, shuffle=False))
-
-    # Mid-epoch resume: Lightning restores the loop's batch counter but replays a plain DataLoader
-    # from its start; saving how many batches this epoch already ran lets the sampler skip them.
-    def state_dict(self) -> dict[str, Any]:
-        trainer = self.trainer
-        if trainer is None:
-            return {}
-        progress = trainer.fit_loop.epoch_loop.batch_progress.current
-        return {"batches_done_in_epoch": progress.processed}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._resume_skip = int(state_dict.get("batches_done_in_epoch", 0))

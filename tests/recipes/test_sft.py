@@ -49,6 +49,22 @@ def test_resume_equals_uninterrupted(runs):
     assert (part / "checkpoints" / "last.ckpt").is_file()
 
 
+def test_resume_from_an_epoch_end_checkpoint_equals_uninterrupted(tmp_path):
+    # The 200-row val file packs into 4 batches: the step-4 checkpoint is taken on an epoch's last
+    # batch, where Lightning resumes with a different epoch number; the data order must not change.
+    common = [f"--data.train_file={ARITH / 'val.jsonl'}", "--checkpoint.every_n_train_steps=4",
+              "--trainer.val_check_interval=4"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    for root, extra in ((full, ["--trainer.max_steps=8"]), (part, ["--trainer.max_steps=4"]),
+                        (part, ["--trainer.max_steps=8", "--ckpt_path=last"])):
+        result = _fit(root, *common, *extra)
+        assert result.returncode == 0, result.stderr[-3000:]
+    expected, resumed = read_metric(full, "train_loss"), read_metric(part, "train_loss")
+    assert sorted(expected) == sorted(resumed) == list(range(8))
+    for step in range(4, 8):
+        assert resumed[step] == pytest.approx(expected[step], abs=1e-5), step
+
+
 def test_export_loads_and_generates(runs):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
