@@ -195,6 +195,31 @@ class ZeroStrategy(DeepSpeedStrategy):
             optimizer = to_deepspeed_cpu_adam(optimizer)
         return optimizer, scheduler
 
+    def full_state_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The module's full state dict on CPU on rank 0 (``{}`` elsewhere); every rank must call it.
+
+        Under ZeRO-3 each rank holds a slice of every parameter, so the export gathers them one
+        submodule at a time: the device never holds more than one layer's full weights, which
+        matters on the offload tiers where the whole model would not fit.
+        """
+        if not self.zero_stage_3:
+            return {k: v.detach().cpu() for k, v in module.state_dict().items()} if self.is_global_zero else {}
+        import deepspeed
+
+        state: dict[str, torch.Tensor] = {}
+        for prefix, sub in module.named_modules():
+            params = list(sub.named_parameters(recurse=False))
+            with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):
+                if self.is_global_zero:
+                    for name, param in params:
+                        state[f"{prefix}.{name}" if prefix else name] = param.detach().cpu().clone()
+        if self.is_global_zero:
+            for name, buffer in module.named_buffers():
+                state.setdefault(name, buffer.detach().cpu().clone())
+            # Keep the module's own key order (and drop non-persistent buffers) as state_dict() would.
+            state = {k: state[k] for k in module.state_dict(keep_vars=True) if k in state}
+        return state
+
     def phase_offload(
         self,
         include: Sequence[str] = TRAINING_STATES,
