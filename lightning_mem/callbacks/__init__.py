@@ -6,12 +6,14 @@ Each is a thin wrapper over a primitive a recipe can also call directly:
 ``lightning_mem.optim.StepInBackward``.
 """
 
+from lightning_mem.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_mem.callbacks.activation_offload import ActivationOffload, ActivationOffloader, ActivationOffloadStats
 from lightning_mem.callbacks.memory_monitor import MemoryMonitor, memory_phase
 from lightning_mem.callbacks.optimizer_in_backward import OptimizerInBackward
 from lightning_mem.callbacks.optimizer_state_offload import OptimizerStateOffload
 
 __all__ = [
+    "ActivationCheckpointing",
     "ActivationOffload",
     "ActivationOffloadStats",
     "ActivationOffloader",

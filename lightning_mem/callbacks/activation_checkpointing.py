@@ -1,0 +1,67 @@
+"""Activation checkpointing as a callback, for runs without the FSDP2 strategy.
+
+FSDP2Strategy checkpoints blocks itself (its ``activation_checkpointing`` argument), because under
+FSDP2 the checkpoint must be applied before sharding. A single-device or DDP run has no such
+step, so this callback applies the same non-reentrant, hook-based checkpoint to the decoder
+blocks of every Hugging Face model in the LightningModule when fit starts.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
+
+from lightning_mem.strategies.shard_plan import checkpointed_indices, default_block_classes, find_blocks, find_hf_models
+
+
+class ActivationCheckpointing(Callback):
+    """Recompute each checkpointed block's activations in backward instead of keeping them.
+
+    Args:
+        every: checkpoint blocks 0, every, 2*every, ... (1 = every block).
+        block_classes: class names of the blocks; default: each model's ``_no_split_modules``.
+        frozen_models: also checkpoint models with no trainable parameter (they run no backward,
+            so by default they are left alone).
+    """
+
+    def __init__(self, every: int = 1, block_classes: Optional[list[str]] = None, frozen_models: bool = False) -> None:
+        if every < 1:
+            raise ValueError(f"ActivationCheckpointing: `every` must be >= 1, got {every}")
+        self.every = every
+        self.block_classes = block_classes
+        self.frozen_models = frozen_models
+        self.checkpointed: dict[str, int] = {}  # model name -> number of checkpointed blocks
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from torch.distributed._composable import checkpoint
+
+        from lightning_mem.strategies.fsdp2 import FSDP2Strategy
+
+        if isinstance(trainer.strategy, FSDP2Strategy):
+            # Under FSDP2 the checkpoint must wrap blocks before they are sharded, in the strategy.
+            raise ValueError(
+                "ActivationCheckpointing: under FSDP2Strategy set"
+                " `trainer.strategy.init_args.activation_checkpointing` instead of this callback"
+            )
+        models = find_hf_models(pl_module)
+        if not models:
+            raise ValueError("ActivationCheckpointing: the LightningModule holds no Hugging Face model")
+        for name, model in models:
+            if not self.frozen_models and not any(p.requires_grad for p in model.parameters()):
+                continue
+            classes = self.block_classes or default_block_classes(model)
+            blocks = find_blocks(model, classes)
+            if not blocks:
+                raise ValueError(f"ActivationCheckpointing: `{name}` has no module of class {sorted(classes)}")
+            chosen = checkpointed_indices(len(blocks), self.every)
+            for i in chosen:
+                if not getattr(blocks[i], "_lightning_mem_checkpointed", False):
+                    checkpoint(blocks[i])
+                    blocks[i]._lightning_mem_checkpointed = True
+            self.checkpointed[name] = len(chosen)
+            rank_zero_info(f"ActivationCheckpointing: {len(chosen)} of {len(blocks)} blocks of `{name}` checkpointed")
