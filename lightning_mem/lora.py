@@ -64,7 +64,9 @@ class LoraSettings:
             try:
                 re.compile(self.target_modules)
             except re.error as err:
-                raise ValueError(f"`{_KEY}.target_modules`: {self.target_modules!r} is not a valid regex ({err})") from None
+                raise ValueError(
+                    f"`{_KEY}.target_modules`: {self.target_modules!r} is not a valid regex ({err})"
+                ) from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -315,7 +317,8 @@ def merge_adapter(
                 f"`--adapter`: {adapter_dir} has no {BASE_SIDECAR}, so how its base was quantized is unknown; "
                 "use --base_weights original"
             )
-        model = load_quantized_causal_lm(base_path, QuantizationSettings(**sidecar["quantization"]), trust_remote_code=trust)
+        settings = QuantizationSettings(**sidecar["quantization"])
+        model = load_quantized_causal_lm(base_path, settings, trust_remote_code=trust)
         # transformers replaces each quantized linear by a dense one (and drops the quantization
         # config, so the saved model is a plain checkpoint); the other modules follow to dtype.
         model = model.dequantize(dtype=torch_dtype).to(torch_dtype)
@@ -327,12 +330,20 @@ def merge_adapter(
     merged = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
     out = Path(out_dir)
     merged.save_pretrained(out, safe_serialization=True)
-    tokenizer_source = adapter_dir if (Path(adapter_dir) / "tokenizer_config.json").is_file() else base_path
-    load_tokenizer(str(tokenizer_source), trust_remote_code=trust, key="--adapter").save_pretrained(out)
+    # The tokenizer exported with the adapter is the one training used; else the base's.
+    if (Path(adapter_dir) / "tokenizer_config.json").is_file():
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(adapter_dir), trust_remote_code=trust)
+    else:
+        tokenizer = load_tokenizer(base_path, trust_remote_code=trust, key="--base")
+    tokenizer.save_pretrained(out)
     return out
 
 
-def base_record(settings: QuantizationSettings, *, attn_implementation: str | None, trust_remote_code: bool) -> dict[str, Any]:
+def base_record(
+    settings: QuantizationSettings, *, attn_implementation: str | None, trust_remote_code: bool
+) -> dict[str, Any]:
     """What :data:`BASE_SIDECAR` holds: enough to load the base exactly as training did."""
     return {
         "quantization": asdict(settings),

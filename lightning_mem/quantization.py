@@ -11,7 +11,6 @@ very same ``from_pretrained(..., quantization_config=...)`` call a real checkpoi
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 from dataclasses import dataclass

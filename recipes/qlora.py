@@ -109,7 +109,12 @@ class QLoRAModule(SFTModule):
         )
         # Replace the SFT hyperparameters (which would list its unused `dtype`) with this recipe's.
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
-        # Kept as objects: under LightningCLI, hparams hold the config's plain dicts instead.
+        # Kept as objects: under LightningCLI, hparams hold the config's plain dicts instead (and
+        # `load_from_checkpoint` passes those dicts back in).
+        if isinstance(quantization, dict):
+            quantization = QuantizationSettings(**quantization)
+        if isinstance(lora, dict):
+            lora = LoraSettings(**lora)
         self.quantization, self.lora = quantization, lora
         check_placement(device_map, max_memory, offload_folder)
         # Target names are checked on a meta-device twin of the model: a typo fails here, in a

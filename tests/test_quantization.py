@@ -162,3 +162,71 @@ def test_evaluation_does_not_break_the_gradient_through_4bit_layers():
     x = torch.randn(2, 64, requires_grad=True)
     model.train()(x).sum().backward()
     torch.testing.assert_close(x.grad, dense.sum(0).expand(2, -1))
+
+
+# -- FSDP2: the 4-bit base sharded by torch's fully_shard over 2 CPU ranks (gloo) -------------
+
+
+def _qlora_model(base: str):
+    from peft import prepare_model_for_kbit_training
+
+    from lightning_mem.lora import LoraSettings, apply_lora
+
+    # quant_storage = the parameters' dtype: the packed weights are then ordinary fp32 tensors
+    # to FSDP (the setting FSDP1 requires and FSDP2 recipes use).
+    model = load_quantized_causal_lm(base, QuantizationSettings(compute_dtype="float32", quant_storage="float32"))
+    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    torch.manual_seed(1)  # the same adapter initialisation on every rank and in the reference
+    return apply_lora(model, LoraSettings(r=4, dropout=0.0))
+
+
+def _packed_bytes(model) -> int:
+    return sum(
+        (p.to_local() if hasattr(p, "to_local") else p).untyped_storage().nbytes()
+        for n, p in model.named_parameters()
+        if n.endswith("base_layer.weight")
+    )
+
+
+def _fsdp2_rank(rank: int, base: str, port: int, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        model = _qlora_model(base)
+        for block in model.base_model.model.model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        ids = torch.arange(2, 34).view(2, 16)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.requires_grad}
+        torch.save({"loss": loss.detach(), "grads": grads, "packed": _packed_bytes(model)}, f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_shards_the_4bit_base_and_changes_no_result(base, tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    reference = _qlora_model(base)
+    ids = torch.arange(2, 34).view(2, 16)
+    loss = reference(input_ids=ids, labels=ids).loss
+    loss.backward()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_fsdp2_rank, args=(base, port, str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert torch.equal(got["loss"], loss.detach())
+        for name, p in reference.named_parameters():
+            if p.requires_grad:
+                torch.testing.assert_close(got["grads"][name], p.grad, rtol=1e-5, atol=1e-7)
+        assert got["packed"] * 2 == _packed_bytes(reference)  # each rank holds half the 4-bit weights
