@@ -1,0 +1,352 @@
+"""LoRA adapters with peft: settings, target-module resolution, adapter export, reload and merge.
+
+A LoRA adapter adds ``B @ A`` (rank ``r``) next to a frozen linear layer and trains only ``A`` and
+``B``: ``r * (in + out)`` parameters per targeted layer instead of ``in * out``. The exported
+adapter is peft's own format (``adapter_config.json`` + ``adapter_model.safetensors``), so any peft
+user can load it; a small side file records how the base was quantized, so that the exact model
+that was trained can be rebuilt (:func:`load_adapter_model`) or merged (:func:`merge_adapter`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from lightning_mem.export import gather_full_state_dict
+from lightning_mem.models import check_model_source, load_causal_lm, load_tokenizer, resolve_dtype
+from lightning_mem.quantization import QuantizationSettings, is_quantized_linear, load_quantized_causal_lm
+
+_KEY = "model.lora"
+ALL_LINEAR = "all-linear"
+#: Written next to the adapter: how its base was loaded for training.
+BASE_SIDECAR = "lightning_mem_base.json"
+
+
+@dataclass
+class LoraSettings:
+    """The ``model.lora`` section of a config.
+
+    Args:
+        r: rank of each adapter.
+        alpha: scale; the adapter's output is multiplied by ``alpha / r``.
+        dropout: dropout on the adapter's input during training.
+        target_modules: "all-linear" (every linear layer but the output head, as in the QLoRA
+            paper), a list of module names (``q_proj`` matches every ``...q_proj``), or a regex
+            matched against full module names.
+        modules_to_save: modules trained in full and saved with the adapter (e.g. ``lm_head``
+            after adding tokens).
+        bias: which biases train: "none", "all" or "lora_only".
+    """
+
+    r: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.05
+    target_modules: str | list[str] = ALL_LINEAR
+    modules_to_save: list[str] | None = None
+    bias: Literal["none", "all", "lora_only"] = "none"
+
+    def __post_init__(self) -> None:
+        if self.r <= 0:
+            raise ValueError(f"`{_KEY}.r` must be positive, got {self.r}")
+        if self.alpha <= 0:
+            raise ValueError(f"`{_KEY}.alpha` must be positive, got {self.alpha}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"`{_KEY}.dropout` must be in [0, 1), got {self.dropout}")
+        if isinstance(self.target_modules, list) and not self.target_modules:
+            raise ValueError(f"`{_KEY}.target_modules` is empty; use '{ALL_LINEAR}' or name some modules")
+        if isinstance(self.target_modules, str) and self.target_modules != ALL_LINEAR:
+            try:
+                re.compile(self.target_modules)
+            except re.error as err:
+                raise ValueError(
+                    f"`{_KEY}.target_modules`: {self.target_modules!r} is not a valid regex ({err})"
+                ) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Which modules get adapters
+# ---------------------------------------------------------------------------------------------
+
+
+def meta_model(name_or_path: str, *, trust_remote_code: bool = False) -> nn.Module:
+    """The model's module tree on the meta device: names and shapes, no memory, no weights read.
+
+    Lets target names be checked before the real (slow, large) load.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    check_model_source(name_or_path)
+    config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+
+
+def _is_linear(module: nn.Module) -> bool:
+    # bitsandbytes' Linear4bit and Linear8bitLt subclass nn.Linear, so a quantized model and its
+    # full-precision (or meta) twin have the same linear modules.
+    return isinstance(module, nn.Linear)
+
+
+def linear_module_names(model: nn.Module) -> list[str]:
+    """Full names of the model's linear layers, in module order."""
+    return [name for name, module in model.named_modules() if name and _is_linear(module)]
+
+
+def _short_names(names: list[str]) -> list[str]:
+    return sorted({name.rsplit(".", 1)[-1] for name in names})
+
+
+def _matches(key: str, name: str) -> bool:
+    # peft's rule for a list entry: the full name, or a dotted suffix of it.
+    return name == key or name.endswith(f".{key}")
+
+
+def _output_layer_name(model: nn.Module) -> str | None:
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    return next((name for name, module in model.named_modules() if module is head), None) if head is not None else None
+
+
+def resolve_target_modules(model: nn.Module, target_modules: str | list[str]) -> list[str] | str:
+    """Turn ``target_modules`` into what peft gets, or raise naming the model's linear modules.
+
+    "all-linear" becomes the short names of every linear layer except the output head (the
+    same set as peft's shorthand, but explicit in ``adapter_config.json`` and checkable here).
+    A list entry, or a regex, that matches no linear layer is an error: a typo would otherwise
+    train fewer adapters than meant, silently (peft only fails when *nothing* matches).
+    """
+    linears = linear_module_names(model)
+    head = _output_layer_name(model)
+
+    def fail(what: str) -> ValueError:
+        return ValueError(
+            f"`{_KEY}.target_modules`: {what} of {type(model).__name__}; its linear modules are "
+            f"{_short_names(linears)} (full names like {linears[0]!r})"
+            if linears
+            else f"`{_KEY}.target_modules`: {type(model).__name__} has no linear modules"
+        )
+
+    if target_modules == ALL_LINEAR:
+        names = _short_names([n for n in linears if n != head])
+        if not names:
+            raise fail("no linear layer besides the output head")
+        return names
+    if isinstance(target_modules, str):
+        if not any(re.fullmatch(target_modules, n) for n in linears):
+            raise fail(f"regex {target_modules!r} matches no linear module")
+        return target_modules
+    unmatched = [key for key in target_modules if not any(_matches(key, n) for n in linears)]
+    if unmatched:
+        raise fail(f"{unmatched} match{'es' if len(unmatched) == 1 else ''} no linear module")
+    return list(target_modules)
+
+
+def check_modules_to_save(model: nn.Module, modules_to_save: list[str] | None) -> None:
+    if not modules_to_save:
+        return
+    names = [name for name, _ in model.named_modules() if name]
+    unmatched = [key for key in modules_to_save if not any(_matches(key, n) for n in names)]
+    if unmatched:
+        top = sorted({n.rsplit(".", 1)[-1] for n in names if "." not in n or n.count(".") <= 1})
+        raise ValueError(f"`{_KEY}.modules_to_save`: {unmatched} name no module of {type(model).__name__} (e.g. {top})")
+
+
+def check_lora_targets(model: nn.Module, settings: LoraSettings) -> list[str] | str:
+    """Validate ``settings`` against ``model`` (a meta twin will do); returns the resolved targets."""
+    targets = resolve_target_modules(model, settings.target_modules)
+    check_modules_to_save(model, settings.modules_to_save)
+    return targets
+
+
+def build_lora_config(settings: LoraSettings, target_modules: list[str] | str) -> Any:
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=settings.r,
+        lora_alpha=settings.alpha,
+        lora_dropout=settings.dropout,
+        target_modules=target_modules,
+        modules_to_save=list(settings.modules_to_save) if settings.modules_to_save else None,
+        bias=settings.bias,
+        task_type="CAUSAL_LM",
+    )
+
+
+def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
+    """Wrap ``model`` in a peft model with fresh adapters; only adapter parameters train."""
+    from peft import get_peft_model
+
+    peft_model = get_peft_model(model, build_lora_config(settings, check_lora_targets(model, settings)))
+    on_meta = [n for n, p in peft_model.named_parameters() if p.requires_grad and p.device.type == "meta"]
+    if on_meta:
+        # A layer that device_map sent to disk lives on the meta device between forwards; its
+        # adapter would be created there too and could never take an optimizer step.
+        raise ValueError(
+            f"`model.device_map`: {len(on_meta)} trainable adapter parameters sit on layers offloaded to disk "
+            f"(e.g. {on_meta[0]}); keep those layers on a device or leave them out of `{_KEY}.target_modules`"
+        )
+    return peft_model
+
+
+# ---------------------------------------------------------------------------------------------
+# Export, reload, merge
+# ---------------------------------------------------------------------------------------------
+
+
+def trainable_state_dict(trainer: Any, model: nn.Module) -> dict[str, torch.Tensor] | None:
+    """The trainable tensors (adapters, modules_to_save) on CPU, full names, on rank 0; else None.
+
+    Copies only what trains: the frozen base can be tens of GB and is not part of the adapter.
+    A strategy that shards parameters gathers through its ``full_state_dict`` (a collective).
+    """
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    if hasattr(trainer.strategy, "full_state_dict"):
+        state = gather_full_state_dict(trainer, model)
+    else:
+        state = model.state_dict() if trainer.is_global_zero else None  # references: nothing copied yet
+    if state is None:
+        return None
+    return {k: v.detach().cpu() for k, v in state.items() if k in trainable}
+
+
+def export_adapter(
+    trainer: Any,
+    model: nn.Module,
+    tokenizer: Any,
+    out_dir: str | Path,
+    *,
+    base: dict[str, Any],
+) -> None:
+    """Write the adapter in peft format, the tokenizer, and :data:`BASE_SIDECAR` to ``out_dir``.
+
+    ``base`` records how the base was loaded (``quantization`` settings as a dict,
+    ``attn_implementation``, ``trust_remote_code``); peft's ``adapter_config.json`` already names
+    the base model itself.
+    """
+    state = trainable_state_dict(trainer, model)
+    if state is not None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        # save_embedding_layers=False: the vocabulary is never resized here, and "auto" would ask
+        # the hub about the base's config.
+        model.save_pretrained(out, state_dict=state, safe_serialization=True, save_embedding_layers=False)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out)
+        (out / BASE_SIDECAR).write_text(json.dumps(base, indent=2, sort_keys=True) + "\n")
+    trainer.strategy.barrier("export_adapter")
+
+
+def _read_adapter(adapter_dir: str | Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    folder = Path(adapter_dir)
+    config_file = folder / "adapter_config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"`--adapter`: {str(adapter_dir)!r} has no adapter_config.json")
+    sidecar = folder / BASE_SIDECAR
+    return json.loads(config_file.read_text()), (json.loads(sidecar.read_text()) if sidecar.is_file() else None)
+
+
+def _base_of(adapter_config: dict[str, Any], base: str | None) -> str:
+    base = base or adapter_config.get("base_model_name_or_path")
+    if not base:
+        raise ValueError("`--base`: the adapter does not name its base model; pass --base")
+    check_model_source(base, key="--base")
+    return base
+
+
+def load_adapter_model(adapter_dir: str | Path, *, base: str | None = None, **placement: Any) -> nn.Module:
+    """Rebuild the trained model: the base quantized as in training, prepared the same way, plus the adapter.
+
+    Gives the trained model's outputs exactly (same quantized codes, same fp32 upcasts, same adapter
+    weights). ``placement``: ``device_map``/``max_memory``/``offload_folder`` for ``from_pretrained``.
+    """
+    from peft import PeftModel, prepare_model_for_kbit_training
+
+    adapter_config, sidecar = _read_adapter(adapter_dir)
+    if sidecar is None:
+        raise FileNotFoundError(f"{adapter_dir}: no {BASE_SIDECAR}, so how the base was quantized is unknown")
+    model = load_quantized_causal_lm(
+        _base_of(adapter_config, base),
+        QuantizationSettings(**sidecar["quantization"]),
+        attn_implementation=sidecar.get("attn_implementation"),
+        trust_remote_code=sidecar.get("trust_remote_code", False),
+        **placement,
+    )
+    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    return PeftModel.from_pretrained(model, str(adapter_dir)).eval()
+
+
+BaseWeights = Literal["dequantized", "original"]
+
+
+def merge_adapter(
+    adapter_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    base: str | None = None,
+    base_weights: BaseWeights = "dequantized",
+    dtype: str = "bfloat16",
+) -> Path:
+    """Fold the adapter into a ``dtype`` copy of its base and save a plain Hugging Face model.
+
+    ``base_weights``:
+      - "dequantized": the base as training saw it, quantized exactly as recorded in
+        :data:`BASE_SIDECAR` and dequantized to ``dtype``. The merged model then computes what the
+        trained model computed (up to ``dtype`` rounding): the adapter learned to correct *those*
+        weights. Needs the base to fit in ``dtype`` on the device it loads to (run on CPU with
+        ``CUDA_VISIBLE_DEVICES=`` for models larger than the card).
+      - "original": the base checkpoint as it is on disk, in ``dtype`` (peft's usual merge). The
+        adapter's correction then lands on slightly different weights than it was trained on.
+    """
+    from peft import PeftModel
+
+    torch_dtype = resolve_dtype(dtype, key="--dtype")
+    if torch_dtype is None:
+        raise ValueError(f"`--dtype` must name a dtype, not {dtype!r}")
+    adapter_config, sidecar = _read_adapter(adapter_dir)
+    base_path = _base_of(adapter_config, base)
+    trust = bool(sidecar and sidecar.get("trust_remote_code"))
+    if base_weights == "dequantized":
+        if sidecar is None:
+            raise FileNotFoundError(
+                f"`--adapter`: {adapter_dir} has no {BASE_SIDECAR}, so how its base was quantized is unknown; "
+                "use --base_weights original"
+            )
+        settings = QuantizationSettings(**sidecar["quantization"])
+        model = load_quantized_causal_lm(base_path, settings, trust_remote_code=trust)
+        # transformers replaces each quantized linear by a dense one (and drops the quantization
+        # config, so the saved model is a plain checkpoint); the other modules follow to dtype.
+        model = model.dequantize(dtype=torch_dtype).to(torch_dtype)
+    elif base_weights == "original":
+        model = load_causal_lm(base_path, dtype=torch_dtype, from_config=False, trust_remote_code=trust)
+    else:
+        raise ValueError(f"`--base_weights` must be 'dequantized' or 'original', got {base_weights!r}")
+    assert not any(is_quantized_linear(m) for m in model.modules())
+    merged = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
+    out = Path(out_dir)
+    merged.save_pretrained(out, safe_serialization=True)
+    # The tokenizer exported with the adapter is the one training used; else the base's.
+    if (Path(adapter_dir) / "tokenizer_config.json").is_file():
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(adapter_dir), trust_remote_code=trust)
+    else:
+        tokenizer = load_tokenizer(base_path, trust_remote_code=trust, key="--base")
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def base_record(
+    settings: QuantizationSettings, *, attn_implementation: str | None, trust_remote_code: bool
+) -> dict[str, Any]:
+    """What :data:`BASE_SIDECAR` holds: enough to load the base exactly as training did."""
+    return {
+        "quantization": asdict(settings),
+        "attn_implementation": attn_implementation,
+        "trust_remote_code": trust_remote_code,
+    }

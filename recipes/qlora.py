@@ -1,0 +1,244 @@
+"""QLoRA: LoRA adapters trained on a frozen 4-bit (NF4, double-quantized) base, paged 8-bit AdamW.
+
+    python -m recipes.qlora fit --config configs/qlora/tiny_cpu.yaml
+    python -m recipes.qlora fit --config configs/qlora/tiny_cpu.yaml --ckpt_path last      # resume
+    python -m recipes.qlora merge --adapter runs/qlora/tiny_cpu/export --out runs/qlora/tiny_cpu/merged
+
+The training objective is the SFT recipe's, unchanged (this module subclasses it); what QLoRA
+changes is the model: how the base is loaded and which parameters train. Step by step:
+
+1. load the base through ``from_pretrained`` with a bitsandbytes config: each linear layer is
+   quantized to 4 bits as it is read (a config-only folder first gets seeded random weights);
+2. ``prepare_model_for_kbit_training``: freeze everything, upcast the few unquantized tensors
+   (norms, embeddings, head) to fp32 for stable training;
+3. activation checkpointing per decoder block (non-reentrant);
+4. peft LoRA adapters on every linear layer (or the configured ones): the only trainable tensors;
+5. train with the SFT loss; the optimizer (default ``PagedAdamW8bit``) sees the adapters only;
+6. at the end, export the adapter in peft format with the tokenizer; ``merge`` folds it into a
+   bf16 copy of the base and writes a plain Hugging Face model.
+
+Checkpoints hold the trainable tensors only (the base is re-read from its source on resume).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.utilities import rank_zero_info
+
+from lightning_mem.cli import RecipeCLI
+from lightning_mem.data import SFTDataModule
+from lightning_mem.lora import (
+    LoraSettings,
+    apply_lora,
+    base_record,
+    check_lora_targets,
+    export_adapter,
+    merge_adapter,
+    meta_model,
+)
+from lightning_mem.models import count_parameters, has_weights, load_tokenizer
+from lightning_mem.placement import DeviceMapStrategy
+from lightning_mem.quantization import (
+    QuantizationSettings,
+    check_placement,
+    load_quantized_causal_lm,
+    materialize_random_weights,
+    quantized_weight_bytes,
+)
+from recipes.sft import SFTModule
+
+
+def _paged_adamw8bit(params: Any) -> torch.optim.Optimizer:
+    import bitsandbytes as bnb
+
+    # lr 2e-4: the QLoRA paper's for 7B-33B models (1e-4 for 65B+).
+    return bnb.optim.PagedAdamW8bit(params, lr=2e-4)
+
+
+class QLoRAModule(SFTModule):
+    """The SFT objective on a quantized, frozen base with trainable LoRA adapters.
+
+    Args:
+        name_or_path: base model: local folder or hub id. A folder with only config.json (like
+            ``assets/tiny-llama``) gets seeded random weights, saved under ``random_init_dir``,
+            and is then loaded (and quantized) like any checkpoint.
+        quantization: how the base is stored (:class:`~lightning_mem.quantization.QuantizationSettings`).
+        lora: the adapters (:class:`~lightning_mem.lora.LoraSettings`).
+        activation_checkpointing: recompute each decoder block's activations in backward.
+        device_map / max_memory / offload_folder: base placement for ``from_pretrained`` when it
+            does not fit one device (layers on "cpu" stay unquantized in fp32, layers on "disk"
+            are read from ``offload_folder`` at each forward and cannot hold adapters). None lets
+            transformers put the whole base on the current device.
+        random_init_dir: where a config-only base gets its random weights, relative to
+            ``trainer.default_root_dir`` (absolute paths are kept).
+        init_seed: seed of those random weights.
+        optimizer: default ``bitsandbytes.optim.PagedAdamW8bit`` (lr 2e-4); sees adapters only.
+        export_dir: where the adapter and tokenizer go at the end of fit, relative to
+            ``trainer.default_root_dir``; None skips the export.
+    """
+
+    def __init__(
+        self,
+        name_or_path: str = "assets/tiny-llama",
+        quantization: QuantizationSettings = QuantizationSettings(),
+        lora: LoraSettings = LoraSettings(),
+        activation_checkpointing: bool = True,
+        device_map: str | dict[str, int | str] | None = None,
+        max_memory: dict[int | str, str] | None = None,
+        offload_folder: str | None = None,
+        random_init_dir: str = "random_base",
+        init_seed: int = 0,
+        attn_implementation: str | None = None,
+        trust_remote_code: bool = False,
+        optimizer: OptimizerCallable = _paged_adamw8bit,
+        lr_scheduler: LRSchedulerCallable | None = None,
+        export_dir: str | None = "export",
+    ) -> None:
+        super().__init__(
+            name_or_path=name_or_path,
+            attn_implementation=attn_implementation,
+            trust_remote_code=trust_remote_code,
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            export_dir=export_dir,
+        )
+        # Replace the SFT hyperparameters (which would list its unused `dtype`) with this recipe's.
+        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
+        # Kept as objects: under LightningCLI, hparams hold the config's plain dicts instead (and
+        # `load_from_checkpoint` passes those dicts back in).
+        if isinstance(quantization, dict):
+            quantization = QuantizationSettings(**quantization)
+        if isinstance(lora, dict):
+            lora = LoraSettings(**lora)
+        self.quantization, self.lora = quantization, lora
+        check_placement(device_map, max_memory, offload_folder)
+        # Target names are checked on a meta-device twin of the model: a typo fails here, in a
+        # second, instead of after the base has been read and quantized.
+        check_lora_targets(meta_model(name_or_path, trust_remote_code=trust_remote_code), lora)
+        # Checkpoints carry the trainable tensors only, so loading one leaves the base's keys missing.
+        self.strict_loading = False
+
+    def setup(self, stage: str) -> None:
+        # Before the base is loaded: a device_map spreads it over devices (and host, and disk),
+        # which Lightning's usual strategies would undo by moving the whole module to one device.
+        if self.hparams.device_map is not None and not isinstance(self.trainer.strategy, DeviceMapStrategy):
+            raise ValueError(
+                "`model.device_map` is set, so the base must stay where from_pretrained places it: set "
+                "`trainer.strategy` to `lightning_mem.placement.DeviceMapStrategy` "
+                f"(it is {type(self.trainer.strategy).__name__})"
+            )
+
+    # -- 1-4: the model -------------------------------------------------------------------------
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        hp = self.hparams
+        base_path = hp.name_or_path
+        if Path(base_path).is_dir() and not has_weights(base_path):
+            # One process draws and writes the random weights; the others wait, then read them.
+            cache = Path(self.trainer.default_root_dir) / hp.random_init_dir
+            if self.trainer.is_global_zero:
+                materialize_random_weights(base_path, cache, seed=hp.init_seed)
+            self.trainer.strategy.barrier("materialize_random_weights")
+            base_path = str(materialize_random_weights(base_path, cache, seed=hp.init_seed))
+        base = load_quantized_causal_lm(
+            base_path,
+            self.quantization,
+            device_map=hp.device_map,
+            max_memory=hp.max_memory,
+            offload_folder=hp.offload_folder,
+            attn_implementation=hp.attn_implementation,
+            trust_remote_code=hp.trust_remote_code,
+        )
+        base.config.use_cache = False  # training never reuses the KV cache
+        from peft import prepare_model_for_kbit_training
+
+        # Checkpointing is switched on below, not here: peft would call transformers' deprecated
+        # gradient_checkpointing_enable.
+        base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
+        if hp.activation_checkpointing:
+            # Non-reentrant: it recomputes correctly even though no input of a block needs a grad
+            # (the embeddings are frozen), so no hook has to force requires_grad on the inputs.
+            base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        # from_pretrained returns a model in eval mode; Lightning keeps modules in the mode they
+        # are in, so without this the adapters' dropout would never be active.
+        self.model = apply_lora(base, self.lora).train()
+        held, dense = quantized_weight_bytes(self.model)
+        rank_zero_info(
+            f"QLoRA: {count_parameters(self.model, trainable_only=True):,} trainable of "
+            f"{count_parameters(self.model):,} parameters; quantized linear weights hold {held / 2**20:.1f} MiB "
+            f"({held / dense:.3f} x their bf16 size)" if dense else "QLoRA: no quantized linear layers"
+        )
+
+    # -- checkpoints: the trainable tensors only --------------------------------------------------
+    def _trainable_keys(self) -> set[str]:
+        return {name for name, p in self.named_parameters() if p.requires_grad}
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # The frozen base is re-read from name_or_path on resume; saving it would make every
+        # checkpoint as large as the quantized model (tens of GB at 70B) for nothing.
+        keep = self._trainable_keys()
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in keep}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # strict_loading is off for the base's sake; the adapters must still all be there.
+        missing = sorted(self._trainable_keys() - set(checkpoint["state_dict"]))
+        if missing:
+            raise KeyError(f"the checkpoint lacks {len(missing)} trainable tensors, e.g. {missing[:3]}")
+
+    # -- 6: export --------------------------------------------------------------------------------
+    def on_fit_end(self) -> None:
+        if self.hparams.export_dir is None:
+            return
+        out = Path(self.trainer.default_root_dir) / self.hparams.export_dir
+        record = base_record(
+            self.quantization,
+            attn_implementation=self.hparams.attn_implementation,
+            trust_remote_code=self.hparams.trust_remote_code,
+        )
+        tokenizer = load_tokenizer(self.hparams.name_or_path, trust_remote_code=self.hparams.trust_remote_code)
+        export_adapter(self.trainer, self.model, tokenizer, out, base=record)
+        rank_zero_info(f"exported the adapter and tokenizer to {out}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line: LightningCLI for fit/validate/..., its own parser for merge
+# ---------------------------------------------------------------------------------------------
+
+
+def merge_main(args: list[str]) -> Path:
+    """``python -m recipes.qlora merge --adapter DIR --out DIR [--base ...] [--base_weights ...] [--dtype ...]``."""
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(prog="python -m recipes.qlora merge", description=merge_adapter.__doc__.split("\n")[0])
+    parser.add_argument("--adapter", required=True, help="folder with adapter_config.json (a run's export/)")
+    parser.add_argument("--out", required=True, help="folder for the merged Hugging Face model")
+    parser.add_argument("--base", default=None, help="base model; default: the one adapter_config.json names")
+    parser.add_argument(
+        "--base_weights",
+        default="dequantized",
+        choices=["dequantized", "original"],
+        help="dequantized: the 4-bit base training saw (reproduces the trained model); original: the checkpoint",
+    )
+    parser.add_argument("--dtype", default="bfloat16", help="dtype of the merged model")
+    cfg = parser.parse_args(args)
+    out = merge_adapter(cfg.adapter, cfg.out, base=cfg.base, base_weights=cfg.base_weights, dtype=cfg.dtype)
+    print(f"merged {cfg.adapter} into its base ({cfg.base_weights} weights, {cfg.dtype}): {out}")
+    return out
+
+
+def main(args: list[str] | None = None) -> RecipeCLI | Path:
+    argv = sys.argv[1:] if args is None else list(args)
+    # `merge` is not a Trainer subcommand, so it is dispatched before LightningCLI sees argv.
+    if argv[:1] == ["merge"]:
+        return merge_main(argv[1:])
+    return RecipeCLI(QLoRAModule, SFTDataModule, args=args, save_config_kwargs={"overwrite": True})
+
+
+if __name__ == "__main__":
+    main()
