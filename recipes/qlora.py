@@ -42,7 +42,7 @@ from lightning_mem.lora import (
     meta_model,
 )
 from lightning_mem.models import count_parameters, has_weights, load_tokenizer
-from lightning_mem.placement import DeviceMapStrategy
+from lightning_mem.strategies.device_map import DeviceMapStrategy
 from lightning_mem.quantization import (
     QuantizationSettings,
     check_placement,
@@ -129,7 +129,7 @@ class QLoRAModule(SFTModule):
         if self.hparams.device_map is not None and not isinstance(self.trainer.strategy, DeviceMapStrategy):
             raise ValueError(
                 "`model.device_map` is set, so the base must stay where from_pretrained places it: set "
-                "`trainer.strategy` to `lightning_mem.placement.DeviceMapStrategy` "
+                "`trainer.strategy` to `lightning_mem.strategies.DeviceMapStrategy` "
                 f"(it is {type(self.trainer.strategy).__name__})"
             )
 

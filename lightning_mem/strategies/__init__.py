@@ -15,6 +15,7 @@ from lightning_mem.strategies.deepspeed import (
     deepspeed_phase_offload,
     to_deepspeed_cpu_adam,
 )
+from lightning_mem.strategies.device_map import DeviceMapStrategy
 from lightning_mem.strategies.fsdp2 import FSDP2Strategy, parse_dtype
 from lightning_mem.strategies.zero_config import ZERO_PRESETS, ZeroTier, deepspeed_config, zero_tier
 from lightning_mem.strategies.zero_memory import ZeroMemoryEstimate, zero_memory_estimate
@@ -23,6 +24,7 @@ FSDP2Strategy.register_strategies(StrategyRegistry)
 
 __all__ = [
     "ALL_STATES",
+    "DeviceMapStrategy",
     "FSDP2Strategy",
     "TRAINING_STATES",
     "ZERO_PRESETS",

@@ -215,12 +215,12 @@ def _placed_fit(tmp_path, *extra):
 
 
 def test_device_map_needs_the_placement_strategy(tmp_path, no_model_load):
-    with pytest.raises(ValueError, match=r"`model.device_map` is set.*lightning_mem.placement.DeviceMapStrategy"):
+    with pytest.raises(ValueError, match=r"`model.device_map` is set.*lightning_mem.strategies.DeviceMapStrategy"):
         _placed_fit(tmp_path)
 
 
 def test_a_base_with_a_layer_on_disk_trains_adapters_on_the_others(tmp_path):
-    strategy = '--trainer.strategy={"class_path": "lightning_mem.placement.DeviceMapStrategy"}'
+    strategy = '--trainer.strategy={"class_path": "lightning_mem.strategies.DeviceMapStrategy"}'
     cli = _placed_fit(tmp_path, strategy, r"--model.lora.target_modules=model\.layers\.[0-2]\..*_proj")
     model = cli.model.model
     # The disk layer stayed offloaded through setup, training and teardown...

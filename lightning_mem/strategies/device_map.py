@@ -37,7 +37,7 @@ class DeviceMapStrategy(SingleDeviceStrategy):
 
         trainer:
           strategy:
-            class_path: lightning_mem.placement.DeviceMapStrategy
+            class_path: lightning_mem.strategies.DeviceMapStrategy
             init_args: {device: cuda:0}
     """
 
