@@ -15,7 +15,9 @@ ARITH = REPO / "data" / "arithmetic"
 
 def run_recipe(recipe: str, *args: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     """``python -m recipes.<recipe> <args>`` from the repo root; returns the finished process."""
-    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    # A fresh rendezvous for every run: Lightning picks a free port when MASTER_PORT is unset.
+    inherited = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")}
+    full_env = {**inherited, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", f"recipes.{recipe}", *args],
         cwd=REPO,
