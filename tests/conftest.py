@@ -23,24 +23,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
 
 
-# Variables Lightning and torch.distributed set in the process that launches or joins a group.
-_DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE",
-             "GROUP_RANK", "TORCHELASTIC_RUN_ID")
-
-
 @pytest.fixture(autouse=True)
-def _no_distributed_leftovers():
-    """A test that builds a distributed strategy in-process (a DDP trainer failing at setup, say)
-    leaves a process group listening on MASTER_PORT and the variable in os.environ; every later
-    2-rank subprocess would inherit the port and fail with EADDRINUSE. Undo both after each test."""
-    before = {k: os.environ.get(k) for k in _DIST_ENV}
+def _isolated_process_state():
+    """Undo what in-process runs leave behind for later tests.
+
+    A LightningCLI run sets PL_GLOBAL_SEED (which seeds the DistributedSampler of every later
+    2-rank subprocess), and a distributed strategy built in-process (a DDP trainer failing at
+    setup, say) sets MASTER_PORT and leaves a process group listening on it (later subprocesses
+    would inherit the port and fail with EADDRINUSE). Restore the environment and destroy the group.
+    """
+    before = dict(os.environ)
     yield
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-    for key, value in before.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    if os.environ != before:
+        os.environ.clear()
+        os.environ.update(before)

@@ -16,7 +16,7 @@ ARITH = REPO / "data" / "arithmetic"
 def run_recipe(recipe: str, *args: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     """``python -m recipes.<recipe> <args>`` from the repo root; returns the finished process."""
     # A fresh rendezvous for every run: Lightning picks a free port when MASTER_PORT is unset.
-    inherited = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")}
+    inherited = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "PL_GLOBAL_SEED")}
     full_env = {**inherited, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", f"recipes.{recipe}", *args],

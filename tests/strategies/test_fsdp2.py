@@ -38,7 +38,7 @@ def run_worker(out: Path, spec: dict, devices: int = 2, timeout: int = 300) -> l
     spec = {**spec, "out": str(out), "devices": devices}
     spec_path = out / "spec.json"
     spec_path.write_text(json.dumps(spec))
-    inherited = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")}
+    inherited = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "PL_GLOBAL_SEED")}
     env = {**inherited, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(
         [sys.executable, str(HERE / "fsdp2_worker.py"), str(spec_path)],
