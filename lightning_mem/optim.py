@@ -1,23 +1,35 @@
-"""Optimizer plumbing shared by the recipes: parameter groups and learning-rate schedules."""
+"""Optimizer helpers: parameter groups, state accounting, paged-optimizer checks, step-in-backward.
+
+Recipes take ``optimizer: OptimizerCallable``, so ``torch.optim.AdamW``,
+``bitsandbytes.optim.AdamW8bit``, ``bitsandbytes.optim.PagedAdamW8bit`` and
+``bitsandbytes.optim.PagedAdamW32bit`` are a YAML swap; the helpers here are what a recipe calls
+around that callable.
+"""
 
 from __future__ import annotations
 
-import math
+import inspect
+from typing import Any, Optional
 
 import torch
+from lightning.pytorch.utilities.rank_zero import WarningCache
 from torch import nn
+
+from lightning_mem.offload import _is_dtensor, _local, _state_slots
+
+_warning_cache = WarningCache()
 
 # Parameters whose name ends with one of these, or that are 1-D (norm weights, biases), get no
 # weight decay: decaying a norm's gain or a bias towards zero only hurts.
 _NO_DECAY_SUFFIXES = ("bias",)
 
 
-def param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
+def param_groups(module: nn.Module, weight_decay: Optional[float]) -> list[dict]:
     """Two groups of trainable parameters: decayed (matrices) and not decayed (norms, biases).
 
-    Frozen parameters are left out, so an optimizer never allocates state for them. The decayed
-    group carries ``weight_decay`` only when it is given (not None): otherwise the optimizer's own
-    default applies, so ``weight_decay`` set in the optimizer's YAML ``init_args`` still works.
+    Frozen parameters are left out, so the optimizer allocates no state for them. With
+    ``weight_decay=None`` the decayed group carries no ``weight_decay`` key and the optimizer's
+    own setting (from its YAML ``init_args``) applies; the other group always gets 0.
     """
     decay, no_decay = [], []
     for name, param in module.named_parameters():
@@ -28,7 +40,7 @@ def param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
         else:
             decay.append(param)
     if not decay and not no_decay:
-        raise ValueError("the model has no trainable parameters")
+        raise ValueError("param_groups: the model has no trainable parameters")
     groups = []
     if decay:
         groups.append({"params": decay} if weight_decay is None else {"params": decay, "weight_decay": weight_decay})
@@ -37,26 +49,119 @@ def param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
     return groups
 
 
-class WarmupCosineLR(torch.optim.lr_scheduler.LambdaLR):
-    """Linear warmup over ``warmup_steps``, then cosine decay to ``min_lr_ratio`` x the peak at ``total_steps``."""
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the optimizer's state tensors, each storage counted once (this rank's shards).
 
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        warmup_steps: int,
-        total_steps: int,
-        min_lr_ratio: float = 0.1,
-        last_epoch: int = -1,
-    ) -> None:
-        if total_steps <= 0 or warmup_steps < 0 or warmup_steps > total_steps:
+    Shared tensors (bitsandbytes' quantization maps) count once; for FSDP2 ``DTensor`` state
+    only the local shard counts. Python numbers (bitsandbytes' ``step``) are not tensors.
+    """
+    seen: dict[int, int] = {}
+    for container, key, _, _ in _state_slots(optimizer):
+        storage = _local(container[key]).untyped_storage()
+        seen[storage.data_ptr() or id(storage)] = storage.nbytes()
+    return sum(seen.values())
+
+
+def warn_if_paged_on_cpu(optimizer: torch.optim.Optimizer) -> bool:
+    """Warn (once per optimizer class) that a paged optimizer pages nothing without CUDA.
+
+    bitsandbytes falls back to ordinary host tensors for CPU parameters. Returns whether the
+    optimizer is paged and runs without CUDA.
+    """
+    if not getattr(optimizer, "is_paged", False):
+        return False
+    devices = {_local(p).device.type for g in optimizer.param_groups for p in g["params"]}
+    if torch.cuda.is_available() and "cuda" in devices:
+        return False
+    _warning_cache.warn(
+        f"{type(optimizer).__name__} is a paged optimizer, but paging needs CUDA: on "
+        f"{'/'.join(sorted(devices)) or 'this machine'} its state is ordinary memory and paging does nothing."
+    )
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# Optimizer step in backward
+# ---------------------------------------------------------------------------------------------
+def _group_hyperparameters(group: dict) -> dict:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+class StepInBackward:
+    """Step each parameter as soon as its gradient is complete, then free that gradient.
+
+    One optimizer of the same class per parameter is built from ``optimizer`` (its constructor
+    defaults and the hyperparameters of the parameter's group) and stepped from the parameter's
+    post-accumulate-grad hook. At most one parameter's gradient is alive at a time, instead of
+    all of them between backward and ``optimizer.step()``. ``optimizer`` itself keeps no state:
+    its parameters never have a gradient when it steps, so stepping it does nothing. Learning
+    rate changes on ``optimizer`` (schedulers) are copied to the per-parameter optimizers before
+    every step.
+
+    Limits, by construction: no gradient accumulation (each backward steps), no clipping by the
+    global gradient norm (no moment where all gradients exist), a single device (no reduction of
+    gradients across ranks before the step).
+
+    Args:
+        module: the model whose parameters ``optimizer`` holds (names key the state dict).
+        optimizer: the optimizer as configured; its class must take every constructor argument
+            from ``optimizer.defaults`` (torch.optim optimizers do).
+    """
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        cls = type(optimizer)
+        signature = inspect.signature(cls)
+        missing = [
+            n for n, p in signature.parameters.items()
+            if n != "params" and p.kind is not p.VAR_KEYWORD and n not in optimizer.defaults
+        ]
+        if missing:
             raise ValueError(
-                f"WarmupCosineLR needs 0 <= warmup_steps <= total_steps, total_steps > 0; got {warmup_steps}, {total_steps}"
+                f"StepInBackward rebuilds {cls.__name__} per parameter from `optimizer.defaults`, which lacks "
+                f"{missing}: those settings would be lost. Use a torch.optim optimizer (e.g. torch.optim.AdamW)."
             )
-        self.warmup_steps, self.total_steps, self.min_lr_ratio = warmup_steps, total_steps, min_lr_ratio
-        super().__init__(optimizer, self._factor, last_epoch=last_epoch)
+        kwargs = {k: v for k, v in optimizer.defaults.items() if k in signature.parameters}
+        names = {id(p): n for n, p in module.named_parameters()}
+        self._template = optimizer
+        self.optimizers: dict[str, torch.optim.Optimizer] = {}
+        self._handles: list[Any] = []
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if not param.requires_grad:
+                    continue
+                if _is_dtensor(param):
+                    raise ValueError(
+                        "StepInBackward runs on a single device: sharded (DTensor) parameters need their "
+                        "gradients reduced across ranks before a step"
+                    )
+                if id(param) not in names:
+                    raise ValueError("StepInBackward: the optimizer holds a parameter that is not in the module")
+                per_param = cls([{"params": [param], **_group_hyperparameters(group)}], **kwargs)
+                self.optimizers[names[id(param)]] = per_param
+                self._handles.append(param.register_post_accumulate_grad_hook(self._hook(per_param, group)))
 
-    def _factor(self, step: int) -> float:
-        if step < self.warmup_steps:
-            return (step + 1) / (self.warmup_steps + 1)
-        progress = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
-        return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    @staticmethod
+    def _hook(per_param: torch.optim.Optimizer, group: dict) -> Any:
+        def step(param: torch.Tensor) -> None:
+            per_param.param_groups[0].update(_group_hyperparameters(group))  # follow LR schedules
+            per_param.step()
+            per_param.zero_grad(set_to_none=True)  # the point: this gradient is freed right now
+
+        return step
+
+    def remove(self) -> None:
+        """Remove the hooks; gradients accumulate normally again."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: opt.state_dict() for name, opt in self.optimizers.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        unknown = sorted(set(state) - set(self.optimizers))
+        if unknown:
+            raise KeyError(f"StepInBackward.load_state_dict: no parameter named {unknown[:3]}")
+        for name, opt_state in state.items():
+            self.optimizers[name].load_state_dict(opt_state)
+

@@ -21,7 +21,7 @@ from lightning_mem.cli import RecipeCLI
 from lightning_mem.data import SFTDataModule
 from lightning_mem.export import export_hf
 from lightning_mem.models import check_model_source, load_causal_lm, load_tokenizer, resolve_dtype
-from lightning_mem.optim import param_groups
+from lightning_mem.optim import param_groups, warn_if_paged_on_cpu
 
 
 def _adamw(params: Any) -> torch.optim.Optimizer:
@@ -100,6 +100,7 @@ class SFTModule(LightningModule):
     def configure_optimizers(self) -> Any:
         # weight_decay=None: the decayed group keeps the optimizer's own (YAML) setting.
         optimizer = self.optimizer_factory(param_groups(self.model, weight_decay=None))
+        warn_if_paged_on_cpu(optimizer)
         if self.lr_scheduler_factory is None:
             return optimizer
         scheduler = self.lr_scheduler_factory(optimizer)

@@ -123,3 +123,23 @@ def test_unknown_key_in_yaml_file_names_it(tmp_path, no_model_load, capsys):
 def test_data_files_used_by_the_tiny_config_ship():
     for name in ("train.jsonl", "val.jsonl", "prompts.jsonl"):
         assert (ARITH / name).is_file()
+
+
+def test_memory_monitor_writes_timeline(runs):
+    full, _ = runs
+    assert list(full.glob("logs/*/memory.csv")) and list(full.glob("logs/*/memory.png"))
+
+
+def test_fsdp2_config_trains_on_two_ranks_and_exports(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    result = run_recipe(
+        "sft", "fit", "--config", str(REPO / "configs/sft/tiny_cpu_fsdp2.yaml"),
+        f"--trainer.default_root_dir={tmp_path}", "--trainer.max_steps=6", "--trainer.log_every_n_steps=1",
+        *csv_logger_args(tmp_path),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(read_metric(tmp_path, "train_loss")) == 6
+    assert (tmp_path / "checkpoints" / "last.ckpt").exists()  # a sharded checkpoint folder
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
+    assert sum(p.numel() for p in model.parameters()) == 3_059_456  # full, unsharded weights

@@ -1,0 +1,22 @@
+"""Lightning callbacks that apply the memory techniques of :mod:`lightning_mem`.
+
+Each is a thin wrapper over a primitive a recipe can also call directly:
+``ActivationOffload`` over ``ActivationOffloader``, ``OptimizerStateOffload`` over
+``lightning_mem.offload.optimizer_state_to_host``/``_to_device``, ``OptimizerInBackward`` over
+``lightning_mem.optim.StepInBackward``.
+"""
+
+from lightning_mem.callbacks.activation_offload import ActivationOffload, ActivationOffloader, ActivationOffloadStats
+from lightning_mem.callbacks.memory_monitor import MemoryMonitor, memory_phase
+from lightning_mem.callbacks.optimizer_in_backward import OptimizerInBackward
+from lightning_mem.callbacks.optimizer_state_offload import OptimizerStateOffload
+
+__all__ = [
+    "ActivationOffload",
+    "ActivationOffloadStats",
+    "ActivationOffloader",
+    "MemoryMonitor",
+    "OptimizerInBackward",
+    "OptimizerStateOffload",
+    "memory_phase",
+]

@@ -1,0 +1,488 @@
+"""FSDP2 for every Hugging Face model in a LightningModule, with CPU offload.
+
+``FSDP2Strategy`` is Lightning's ``ModelParallelStrategy`` with the parallelization
+written for the user: the LightningModule needs no ``configure_model`` and no
+``fully_shard``. In ``setup`` the strategy
+
+1. finds the HF models the module holds (``_models_to_shard``),
+2. per model, applies activation checkpointing to its blocks
+   (``_apply_activation_checkpointing``) and shards each block, then the model's root
+   (``_shard_module``, with ``_mixed_precision_policy`` and ``_offload_policy``),
+3. shards any other module holding parameters (a value head) as a unit of its own,
+4. materializes what was created on the meta device: params on the host when offloading,
+   on the device otherwise (``_materialize``, ``_initialize_weights``),
+5. moves what FSDP does not own (buffers) to the device and builds the optimizers.
+
+Each step is a small method a subclass may override; see docs/fsdp2.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+from typing_extensions import override
+
+from lightning_mem.strategies import shard_plan
+from lightning_mem.strategies.consolidate import full_state_dict
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+
+# Spellings accepted for `param_dtype` / `reduce_dtype` (YAML gives strings).
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def parse_dtype(value: Union[str, torch.dtype, None], argument: str) -> Optional[torch.dtype]:
+    """A floating dtype from a ``torch.dtype`` or a name such as ``"bfloat16"`` or ``"torch.bf16"``.
+
+    Raises:
+        ValueError: naming ``argument`` when the value is no floating dtype.
+    """
+    if value is None:
+        return None
+    if isinstance(value, torch.dtype) and value.is_floating_point:
+        return value
+    if isinstance(value, str):
+        key = value.strip().lower().removeprefix("torch.")
+        if key in _DTYPES:
+            return _DTYPES[key]
+    raise ValueError(
+        f"`{argument}={value!r}` is not a floating-point dtype. Use one of {sorted(_DTYPES)}, a `torch.dtype`,"
+        " or null to keep the parameters' own dtype."
+    )
+
+
+def _zero_embedding_padding_rows(module: nn.Module) -> None:
+    """Zero each sharded embedding's ``padding_idx`` row in whichever rank holds it.
+
+    HF's init zeroes that row with ``init.zeros_(weight[padding_idx])``; indexing a
+    dim-0-sharded DTensor returns a gathered copy, so on a sharded model the write is lost.
+    """
+    for sub in module.modules():
+        weight = getattr(sub, "weight", None)
+        if not isinstance(sub, nn.Embedding) or sub.padding_idx is None or not isinstance(weight, DTensor):
+            continue
+        if len(weight.placements) != 1 or not weight.placements[0].is_shard(0):
+            continue
+        mesh = weight.device_mesh
+        # Shard(0) splits rows like `torch.chunk`: ceil(rows / ranks) rows per rank.
+        rows_per_rank = -(-weight.shape[0] // mesh.size())
+        row = sub.padding_idx - mesh.get_local_rank() * rows_per_rank
+        local = weight.to_local()
+        if 0 <= row < local.shape[0]:
+            with torch.no_grad():
+                local[row].zero_()
+
+
+def _is_meta(tensor: Tensor) -> bool:
+    return tensor.device.type == "meta"
+
+
+class FSDP2Strategy(ModelParallelStrategy):
+    """FSDP2 (``fully_shard``) per decoder block for every HF model in the LightningModule.
+
+    Arguments:
+        cpu_offload: keep sharded parameters and gradients on the host and run the optimizer
+            step there (FSDP2 ``CPUOffloadPolicy``). Host memory is pinned only when the
+            strategy runs on an accelerator.
+        reshard_after_forward: ``True`` frees gathered parameters after each unit's forward
+            (all-gather again in backward); ``False`` keeps them until backward; an int ``k``
+            keeps a ``k``-way shard (a divisor of the data-parallel size, not 1 nor all of it).
+        param_dtype: dtype parameters are all-gathered and computed in (``"bfloat16"``, ...);
+            ``None`` keeps their own. The sharded master copy keeps its dtype.
+        reduce_dtype: dtype gradients are reduce-scattered in; ``None`` follows ``param_dtype``.
+        activation_checkpointing: ``True`` recomputes every block's activations in backward
+            (non-reentrant); an int ``k`` checkpoints every ``k``-th block (blocks 0, k, 2k, ...).
+        shard_modules: class names of the blocks to shard (e.g. ``["LlamaDecoderLayer"]``);
+            ``None`` takes each HF model's ``_no_split_modules``.
+        data_parallel_size: ranks parameters are sharded across; ``"auto"`` is world size
+            divided by ``tensor_parallel_size``.
+        tensor_parallel_size: tensor-parallel degree, applied by your own ``configure_model``;
+            1 (the default) means pure FSDP.
+        save_distributed_checkpoint: ``True`` saves one shard per rank (a folder);
+            ``False`` gathers full weights and optimizer state into one file on rank 0.
+        process_group_backend, timeout: as for ``ModelParallelStrategy``.
+    """
+
+    strategy_name = "fsdp2"
+
+    def __init__(
+        self,
+        cpu_offload: bool = False,
+        reshard_after_forward: Union[bool, int] = True,
+        param_dtype: Union[str, torch.dtype, None] = None,
+        reduce_dtype: Union[str, torch.dtype, None] = None,
+        activation_checkpointing: Union[bool, int] = False,
+        shard_modules: Optional[Sequence[str]] = None,
+        data_parallel_size: Union[Literal["auto"], int] = "auto",
+        tensor_parallel_size: int = 1,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+    ) -> None:
+        if not isinstance(cpu_offload, bool):
+            raise TypeError(f"`cpu_offload` must be a bool, got {cpu_offload!r}.")
+        self._check_sizes(data_parallel_size, tensor_parallel_size)
+        if cpu_offload and tensor_parallel_size != 1:
+            raise ValueError(
+                f"`cpu_offload=True` cannot be combined with `tensor_parallel_size={tensor_parallel_size}`:"
+                " FSDP2's CPU offload needs plain data-parallel shards, while tensor-parallel"
+                " parameters must stay on the device. Use `tensor_parallel_size=1` or `cpu_offload=False`."
+            )
+        if not isinstance(reshard_after_forward, int) or (
+            not isinstance(reshard_after_forward, bool) and reshard_after_forward < 2
+        ):
+            raise ValueError(
+                f"`reshard_after_forward` must be a bool or an int >= 2 (a shard size), got {reshard_after_forward!r}."
+            )
+        if not isinstance(activation_checkpointing, int) or activation_checkpointing < 0:
+            raise ValueError(
+                "`activation_checkpointing` must be a bool or an int k >= 0 (checkpoint every k-th block),"
+                f" got {activation_checkpointing!r}."
+            )
+        if shard_modules is not None:
+            if isinstance(shard_modules, str):
+                shard_modules = [shard_modules]
+            if not shard_modules or not all(isinstance(name, str) and name for name in shard_modules):
+                raise ValueError(
+                    f"`shard_modules` must be a non-empty list of class names, got {shard_modules!r}."
+                )
+        super().__init__(
+            data_parallel_size=data_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self._cpu_offload = cpu_offload
+        self._reshard_after_forward = reshard_after_forward
+        self._param_dtype = parse_dtype(param_dtype, "param_dtype")
+        self._reduce_dtype = parse_dtype(reduce_dtype, "reduce_dtype")
+        # `True` means every block; an int counts blocks; bool is an int, so normalize.
+        self._checkpoint_every = int(activation_checkpointing)
+        self._shard_modules = list(shard_modules) if shard_modules is not None else None
+
+    @staticmethod
+    def _check_sizes(data_parallel_size: Any, tensor_parallel_size: Any) -> None:
+        if data_parallel_size != "auto" and (
+            isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int) or data_parallel_size < 1
+        ):
+            raise ValueError(f"`data_parallel_size` must be 'auto' or an int >= 1, got {data_parallel_size!r}.")
+        if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+            raise ValueError(
+                f"`tensor_parallel_size` must be an int >= 1, got {tensor_parallel_size!r}. (Lightning's 'auto'"
+                " makes it the devices per node, which leaves nothing for FSDP to shard on one node.)"
+            )
+
+    @property
+    def cpu_offload(self) -> bool:
+        return self._cpu_offload
+
+    # ------------------------------------------------------------------ registry
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        """Register the short names ``fsdp2`` and ``fsdp2_cpu_offload`` (``Trainer(strategy="fsdp2")``)."""
+        entries = {
+            "fsdp2": ("FSDP2 per decoder block for every HF model in the module", {}),
+            "fsdp2_cpu_offload": (
+                "FSDP2 with parameters, gradients and optimizer step on the host",
+                {"cpu_offload": True},
+            ),
+        }
+        for name, (description, init_params) in entries.items():
+            if name not in strategy_registry:
+                strategy_registry.register(name, cls, description=description, **init_params)
+
+    # ------------------------------------------------------------------ environment
+
+    @override
+    def setup_environment(self) -> None:
+        # Resolve the mesh before the parent builds it: Lightning's "auto" would make the
+        # tensor-parallel size the devices per node, which leaves FSDP nothing to shard.
+        world_size = self.num_nodes * self.num_processes
+        tp = self._tensor_parallel_size
+        if self._data_parallel_size == "auto":
+            if world_size % tp:
+                raise ValueError(f"`tensor_parallel_size={tp}` does not divide the world size ({world_size}).")
+            self._data_parallel_size = world_size // tp
+        dp = self._data_parallel_size
+        k = self._reshard_after_forward
+        if not isinstance(k, bool) and (k >= dp or dp % k):
+            raise ValueError(
+                f"`reshard_after_forward={k}` must divide the data-parallel size ({dp}) and be smaller than it;"
+                " use True or False otherwise."
+            )
+        super().setup_environment()
+
+    @property
+    def data_parallel_mesh(self) -> "DeviceMesh":
+        """The 1-D mesh parameters are sharded across."""
+        return self.device_mesh["data_parallel"]
+
+    # ------------------------------------------------------------------ setup
+
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        # Replaces ModelParallelStrategy.setup, which demands a user `configure_model`, then
+        # materializes everything on the device and moves the whole model there; with CPU
+        # offload the sharded parameters must be materialized on, and stay on, the host.
+        assert self.model is not None
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        self._reject_fsdp1(self.model)
+
+        self.parallelize(self.model)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.barrier()
+
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING and not self._cpu_offload:
+            # With offload the optimizer state must stay beside the (host) shards.
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def parallelize(self, module: nn.Module) -> None:
+        """Shard, checkpoint and materialize ``module`` in place (idempotent).
+
+        Models the user already sharded in ``configure_model`` are left as they are.
+        """
+        from torch.distributed.fsdp import FSDPModule
+
+        models = self._models_to_shard(module)
+        self._check_shard_modules([model for _, model in models])
+        for name, model in models:
+            if not isinstance(model, FSDPModule):
+                self._parallelize_model(name, model)
+        for name, leftover in shard_plan.unsharded_modules(module):
+            self._shard_module(leftover, reshard_after_forward=self._reshard_for(leftover))
+        # Every unit root, including any the user sharded in `configure_model`.
+        for name, unit in shard_plan.outermost(module, lambda sub: isinstance(sub, FSDPModule)):
+            self._materialize(name, unit)
+        self._check_no_meta(module)
+
+    def _parallelize_model(self, name: str, model: nn.Module) -> None:
+        """Checkpoint and shard each block of one model, then its root (torchtitan's order)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        class_name = type(model).__name__
+        reshard = self._reshard_for(model)
+        blocks = self._blocks_to_shard(model)
+        checkpointed = set(shard_plan.checkpointed_indices(len(blocks), self._checkpoint_every))
+        for index, block in enumerate(blocks):
+            if isinstance(block, FSDPModule):  # sharded by the user's configure_model
+                continue
+            if index in checkpointed:
+                self._apply_activation_checkpointing(block)
+            self._shard_module(block, reshard_after_forward=reshard)
+        self._shard_module(model, reshard_after_forward=reshard)
+        rank_zero_info(
+            f"FSDP2Strategy: sharded `{name}` ({class_name}) as {len(blocks)} blocks + root,"
+            f" {len(checkpointed)} blocks checkpointed, reshard_after_forward={reshard}."
+        )
+
+    def _reshard_for(self, model: nn.Module) -> Union[bool, int]:
+        # A model with nothing to train (a PPO reference or reward model) never runs a
+        # backward, and FSDP2 reshards units kept gathered by `reshard_after_forward=False`
+        # only in backward: the whole model would stay unsharded after its first forward.
+        if not any(p.requires_grad for p in model.parameters()):
+            return True
+        return self._reshard_after_forward
+
+    def _reject_fsdp1(self, module: nn.Module) -> None:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        if any(isinstance(sub, FullyShardedDataParallel) for sub in module.modules()):
+            raise TypeError(
+                f"{type(self).__name__} shards with FSDP2 (`fully_shard`); found modules wrapped in FSDP1's"
+                " `FullyShardedDataParallel`. Remove that wrapping from `configure_model`."
+            )
+
+    # ------------------------------------------------------------------ overridable steps
+
+    def _models_to_shard(self, module: nn.Module) -> list[tuple[str, nn.Module]]:
+        """Step 1: the models to shard block by block, with their attribute paths.
+
+        Default: every outermost ``transformers.PreTrainedModel`` (peft models are walked
+        through to the HF model inside). Override to add models of your own classes.
+        """
+        return shard_plan.find_hf_models(module)
+
+    def _blocks_to_shard(self, model: nn.Module) -> list[nn.Module]:
+        """Step 2: the blocks of ``model`` that become FSDP units, in forward order.
+
+        Default: modules whose class is named in ``shard_modules``, else in the model's
+        ``_no_split_modules`` (e.g. ``LlamaDecoderLayer``).
+        """
+        if self._shard_modules is not None:
+            names = self._shard_modules
+        else:
+            names = shard_plan.default_block_classes(model)
+            if not names:
+                raise ValueError(
+                    f"`{type(model).__name__}` declares no `_no_split_modules`, so FSDP2Strategy cannot tell"
+                    " its blocks. Name the block classes in `shard_modules` (e.g. ['MyDecoderLayer'])."
+                )
+        blocks = shard_plan.find_blocks(model, names)
+        if not blocks:
+            rank_zero_warn(
+                f"FSDP2Strategy: `{type(model).__name__}` has no module of class {names}; it is sharded as one"
+                " unit, so its whole weight is gathered at once."
+            )
+        return blocks
+
+    def _apply_activation_checkpointing(self, block: nn.Module) -> None:
+        """Step 3: make ``block`` recompute its activations in backward.
+
+        Default: PyTorch's composable, non-reentrant ``checkpoint``: it works through
+        forward hooks, so module names (and state-dict keys, and HF export) are unchanged,
+        and FSDP2 is built to compose with it.
+        """
+        from torch.distributed._composable import checkpoint
+
+        checkpoint(block)
+
+    def _offload_policy(self) -> "OffloadPolicy":
+        """Step 4a: where sharded parameters, gradients and the optimizer step live."""
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+        if not self._cpu_offload:
+            return OffloadPolicy()
+        # NOTE: pinned memory needs an accelerator: pinning raises on a CPU-only build, and
+        # on a CPU mesh there is no host-to-device copy for it to speed up.
+        return CPUOffloadPolicy(pin_memory=self.root_device.type != "cpu")
+
+    def _mixed_precision_policy(self) -> "MixedPrecisionPolicy":
+        """Step 4b: the dtypes parameters are gathered in and gradients reduced in."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return MixedPrecisionPolicy(param_dtype=self._param_dtype, reduce_dtype=self._reduce_dtype)
+
+    def _shard_module(self, module: nn.Module, *, reshard_after_forward: Union[bool, int, None] = None) -> None:
+        """Step 4: make ``module`` one FSDP unit over the data-parallel mesh.
+
+        ``reshard_after_forward=None`` takes the strategy's setting; frozen models get
+        ``True`` (see ``_reshard_for``).
+        """
+        from torch.distributed.fsdp import fully_shard
+
+        if reshard_after_forward is None:
+            reshard_after_forward = self._reshard_after_forward
+        fully_shard(
+            module,
+            mesh=self.data_parallel_mesh,
+            reshard_after_forward=reshard_after_forward,
+            mp_policy=self._mixed_precision_policy(),
+            offload_policy=self._offload_policy(),
+        )
+
+    def _materialize(self, name: str, unit: nn.Module) -> None:
+        """Step 5: give meta-device tensors of a sharded ``unit`` real memory and values.
+
+        Models loaded with real weights (``from_pretrained``) have no meta tensors and are
+        left untouched: ``fully_shard`` already kept their values. A unit created on the
+        meta device gets its (sharded) storage on the host when offloading, else on the
+        device; buffers follow the device in ``model_to_device``.
+        """
+        tensors = list(unit.parameters()) + list(unit.buffers())
+        meta = [t for t in tensors if _is_meta(t)]
+        if not meta:
+            return
+        if len(meta) != len(tensors):
+            raise ValueError(
+                f"`{name}` ({type(unit).__name__}) has both meta-device and materialized tensors; FSDP2Strategy"
+                " would have to overwrite the real ones. Create the whole model on one device."
+            )
+        unit.to_empty(device=torch.device("cpu") if self._cpu_offload else self.root_device)
+        self._initialize_weights(unit)
+
+    def _initialize_weights(self, unit: nn.Module) -> None:
+        """Step 5b: initial values for a freshly materialized unit.
+
+        HF models inside the unit use their own init (which also recomputes rotary
+        buffers); other modules their ``reset_parameters``. Override to load weights here.
+        """
+        adapters = [name for name, sub in unit.named_modules() if hasattr(sub, "reset_lora_parameters")]
+        if adapters:
+            # HF's init would treat LoRA's A/B as plain Linears (B no longer zero), and
+            # peft's own init schemes (pissa, olora, ...) need the real base weights.
+            raise ValueError(
+                f"FSDP2Strategy cannot initialize peft adapters created on the meta device ({adapters[0]}, ...):"
+                " create the base model with real weights, then add the adapters."
+            )
+        hf_models = [model for _, model in shard_plan.find_hf_models(unit)]
+        for model in hf_models:
+            model.initialize_weights()
+            _zero_embedding_padding_rows(model)
+        inside_hf = {id(sub) for model in hf_models for sub in model.modules()}
+        for sub in unit.modules():
+            reset = getattr(sub, "reset_parameters", None)
+            if id(sub) not in inside_hf and callable(reset):
+                reset()
+
+    def _check_no_meta(self, module: nn.Module) -> None:
+        left = [name for name, t in list(module.named_parameters()) + list(module.named_buffers()) if _is_meta(t)]
+        if left:
+            raise ValueError(
+                f"FSDP2Strategy could not materialize meta-device tensors {left[:5]}: they belong to no model"
+                " or submodule it shards. Create them on a real device."
+            )
+
+    def _check_shard_modules(self, models: list[nn.Module]) -> None:
+        if self._shard_modules is None:
+            return
+        present = shard_plan.class_names_in(models)
+        missing = [name for name in self._shard_modules if name not in present]
+        if missing:
+            hints = sorted({n for model in models for n in shard_plan.default_block_classes(model)})
+            raise ValueError(
+                f"`shard_modules` names {missing}, which no model here contains"
+                f" ({', '.join(type(m).__name__ for m in models) or 'no HF model found'})."
+                f" Block classes these models declare: {hints}."
+            )
+
+    # ------------------------------------------------------------------ placement
+
+    @override
+    def model_to_device(self) -> None:
+        if not self._cpu_offload:
+            super().model_to_device()
+            return
+        # FSDP-managed parameters are DTensor shards that CPU offload keeps on the host;
+        # everything else (buffers such as rotary frequencies) belongs on the device.
+        assert self.model is not None
+        device = self.root_device
+        self.model._apply(lambda t: t if isinstance(t, DTensor) else t.to(device))
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def full_state_dict(self, module: nn.Module, *, trainable_only: bool = False) -> dict[str, Tensor]:
+        """The full state dict of ``module`` on rank 0 (``{}`` elsewhere); call on every rank.
+
+        See :func:`lightning_mem.strategies.full_state_dict`.
+        """
+        return full_state_dict(module, trainable_only=trainable_only)

@@ -1,0 +1,59 @@
+"""OptimizerInBackward: same weights as plain AdamW, gradients freed in backward, clear limits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from memtest_utils import TinyLM, assert_same_parameters, fit
+
+from lightning_mem.callbacks import OptimizerInBackward
+
+
+class _GradsAfterBackward(Callback):
+    def __init__(self) -> None:
+        self.alive: list[int] = []
+
+    def on_after_backward(self, trainer, pl_module):
+        self.alive.append(sum(p.grad is not None for p in pl_module.parameters()))
+
+
+def test_same_weights_as_adamw_and_no_gradient_survives_backward(tmp_path) -> None:
+    baseline = TinyLM()
+    fit(baseline, tmp_path / "baseline")
+
+    module, probe = TinyLM(), _GradsAfterBackward()
+    fit(module, tmp_path / "in_backward", callbacks=[OptimizerInBackward(), probe])
+    assert_same_parameters(module, baseline)
+    assert probe.alive == [0, 0, 0]
+
+
+def test_checkpoint_carries_the_per_parameter_state(tmp_path) -> None:
+    first = OptimizerInBackward()
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    fit(TinyLM(), tmp_path / "first", steps=2, callbacks=[first, checkpoint], enable_checkpointing=True)
+
+    # Resume with max_steps already reached: Lightning restores, builds, and stops.
+    resumed = OptimizerInBackward()
+    fit(TinyLM(), tmp_path / "resumed", steps=2, callbacks=[resumed], ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    saved, restored = first.stepper.state_dict(), resumed.stepper.state_dict()
+    assert saved.keys() == restored.keys() and len(saved) == len(list(TinyLM().parameters()))
+    for name, state in saved.items():
+        assert restored[name]["state"][0]["step"] == state["state"][0]["step"] == 2
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(restored[name]["state"][0][key], state["state"][0][key]), (name, key)
+
+
+@pytest.mark.parametrize(
+    ("trainer_kwargs", "message"),
+    [
+        (dict(accumulate_grad_batches=2), "accumulate_grad_batches=2"),
+        (dict(gradient_clip_val=1.0), "gradient_clip_val=1.0"),
+        (dict(strategy="ddp"), "DDPStrategy on 1 process"),
+    ],
+    ids=["accumulation", "clipping", "ddp"],
+)
+def test_limits_fail_early_with_the_key_to_change(tmp_path, trainer_kwargs: dict, message: str) -> None:
+    module = TinyLM()
+    with pytest.raises(ValueError, match=message):
+        fit(module, tmp_path, callbacks=[OptimizerInBackward()], **trainer_kwargs)
