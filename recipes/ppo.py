@@ -35,7 +35,7 @@ from lightning_mem.cli import RecipeCLI
 from lightning_mem.data import PromptDataModule, row_to_prompt_messages
 from lightning_mem.export import export_hf
 from lightning_mem.models import check_model_source, load_causal_lm, load_tokenizer, resolve_dtype
-from lightning_mem.optim import param_groups
+from lightning_mem.optim import param_groups, warn_if_paged_on_cpu
 from lightning_mem.rl.algorithms import (
     AdaptiveKLController,
     FixedKLController,
@@ -227,6 +227,8 @@ class PPOModule(LightningModule):
         optimizers = [self.optimizer_factory(actor_params)]
         if self.critic is not None:
             optimizers.append(self.critic_optimizer_factory(param_groups(self.critic, weight_decay=None)))
+        for optimizer in optimizers:
+            warn_if_paged_on_cpu(optimizer)
         if self.lr_scheduler_factory is None:
             return optimizers
         return optimizers, [{"scheduler": self.lr_scheduler_factory(o), "interval": "step"} for o in optimizers]

@@ -234,20 +234,28 @@ def test_missing_policy_checkpoint(tmp_path, no_model_load):
 
 
 @pytest.fixture(scope="module")
-def ppo_run(tmp_path_factory):
-    """A short SFT (the policy must know the answer format) then 48 PPO steps of the tiny config."""
-    sft_root, ppo_root = tmp_path_factory.mktemp("sft"), tmp_path_factory.mktemp("ppo")
+def sft_export(tmp_path_factory):
+    """A short SFT of the tiny model: the policy must know the answer format before PPO."""
+    root = tmp_path_factory.mktemp("sft")
     sft = run_recipe(
-        "sft", "fit", "--config", SFT_CONFIG, f"--trainer.default_root_dir={sft_root}", "--trainer.max_steps=120",
+        "sft", "fit", "--config", SFT_CONFIG, f"--trainer.default_root_dir={root}", "--trainer.max_steps=120",
         "--trainer.val_check_interval=120", "--model.lr_scheduler.init_args.total_steps=120", "--trainer.logger=false",
+        "--trainer.callbacks=[]",
     )
     assert sft.returncode == 0, sft.stderr[-3000:]
+    return root / "export"
+
+
+@pytest.fixture(scope="module")
+def ppo_run(tmp_path_factory, sft_export):
+    """48 PPO steps of the tiny config from the short SFT."""
+    root = tmp_path_factory.mktemp("ppo")
     run = run_recipe(
-        "ppo", "fit", "--config", CONFIG, f"--trainer.default_root_dir={ppo_root}",
-        f"--model.name_or_path={sft_root / 'export'}", "--trainer.max_epochs=3", *csv_logger_args(ppo_root),
+        "ppo", "fit", "--config", CONFIG, f"--trainer.default_root_dir={root}", f"--model.name_or_path={sft_export}",
+        "--trainer.max_epochs=3", *csv_logger_args(root),
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    return ppo_root
+    return root
 
 
 def test_reward_improves(ppo_run):
@@ -266,3 +274,38 @@ def test_every_metric_is_logged(ppo_run):
     ):
         assert len(read_metric(ppo_run, name)) == 48, name
     assert (ppo_run / "export" / "model.safetensors").is_file()
+
+
+# -- FSDP2 on 2 CPU ranks: the same update as one process on the same global batch ---------------
+
+
+def test_two_fsdp2_ranks_make_the_single_process_update(tmp_path, sft_export):
+    """16 prompts, greedy rollouts (so both runs see the same responses), one PPO step with plain
+    SGD: the 2-rank run (8 prompts each, sharded actor/critic/reference, activation checkpointing
+    and offload, global whitening and token normalisation) must write the single-process weights."""
+    from safetensors.torch import load_file
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join((ARITH / "prompts.jsonl").read_text().splitlines(keepends=True)[:16]))
+    same = [
+        f"--model.name_or_path={sft_export}", f"--data.train_file={prompts}", "--trainer.max_epochs=1",
+        "--model.generation.do_sample=false", "--model.ppo.ppo_epochs=1", "--model.ppo.num_mini_batches=1",
+        "--model.ppo.max_grad_norm=null", "--model.optimizer.class_path=torch.optim.SGD",
+        "--model.optimizer.init_args.lr=1.0", "--model.critic_optimizer.class_path=torch.optim.SGD",
+        "--model.critic_optimizer.init_args.lr=1.0", "--trainer.logger=false",
+    ]
+    runs = {
+        "single": ["--config", CONFIG, "--data.batch_size=16"],
+        "fsdp2": ["--config", str(REPO / "configs" / "ppo" / "tiny_cpu_fsdp2.yaml"), "--data.batch_size=8"],
+    }
+    weights = {}
+    for name, args in runs.items():
+        root = tmp_path / name
+        run = run_recipe("ppo", "fit", *args, *same, f"--trainer.default_root_dir={root}")
+        assert run.returncode == 0, run.stderr[-3000:]
+        weights[name] = load_file(root / "export" / "model.safetensors")
+    start = load_file(sft_export / "model.safetensors")
+    assert weights["single"].keys() == weights["fsdp2"].keys()
+    for key, value in weights["single"].items():
+        torch.testing.assert_close(weights["fsdp2"][key], value, atol=1e-5, rtol=1e-4, msg=key)
+    assert sum(not torch.equal(weights["single"][k], start[k]) for k in start) > len(start) // 2
