@@ -461,6 +461,8 @@ class PromptDataModule(LightningDataModule):
         tokenizer: model folder or hub id (the PPO recipe links it to ``model.name_or_path``).
         max_prompt_length: prompts with more tokens are dropped (counted and logged): cutting a
             prompt would change the question the reward judges.
+        system_prompt: a system message for rows that bring none (e.g. "Answer with the number
+            only."); None adds nothing.
         batch_size: prompts per rank per PPO step (GRPO samples ``group_size`` responses each).
         seed: shuffling seed; each epoch reshuffles deterministically from it.
     """
@@ -471,11 +473,13 @@ class PromptDataModule(LightningDataModule):
         tokenizer: str | None = None,
         max_prompt_length: int = 512,
         batch_size: int = 8,
+        system_prompt: str | None = None,
         num_workers: int = 0,
         seed: int = 0,
     ) -> None:
         super().__init__()
         self.train_path = check_data_file(train_file, key="data.train_file")
+        self.system_prompt = system_prompt
         if max_prompt_length <= 0:
             raise ValueError(f"`data.max_prompt_length` must be positive, got {max_prompt_length}")
         if batch_size <= 0:
@@ -502,6 +506,7 @@ class PromptDataModule(LightningDataModule):
         has_template = bool(getattr(self.tokenizer, "chat_template", None))
         prompt_ids, kept = [], []
         for row in rows:
+            row = self._with_system_prompt(row)
             text = render_prompt(row_to_prompt_messages(row), self.tokenizer)
             ids = self.tokenizer(text, add_special_tokens=not has_template)["input_ids"]
             if len(ids) > self.max_prompt_length:
@@ -518,6 +523,18 @@ class PromptDataModule(LightningDataModule):
                 f" (`data.batch_size`={self.batch_size} x {world} ranks)"
             )
         self.train_set = PromptDataset(prompt_ids, kept)
+
+    def _with_system_prompt(self, row: dict[str, Any]) -> dict[str, Any]:
+        # Written into the row, so that whatever rebuilds the conversation from it later (a reward
+        # model) sees the same system message as the policy.
+        if not self.system_prompt:
+            return row
+        if isinstance(row.get("prompt"), str):
+            return row if row.get("system") else {**row, "system": self.system_prompt}
+        messages = row.get("messages")
+        if isinstance(messages, list) and messages and isinstance(messages[0], dict) and messages[0].get("role") != "system":
+            return {**row, "messages": [{"role": "system", "content": self.system_prompt}, *messages]}
+        return row
 
     def train_dataloader(self) -> DataLoader:
         assert self.train_set is not None, "call setup() first"

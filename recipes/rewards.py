@@ -13,6 +13,7 @@ from typing import Any
 from lightning_mem.rl.reward import RewardFunction
 
 _INTEGER = re.compile(r"^\s*(-?\d+)\s*$")
+_ANY_INTEGER = re.compile(r"-?\d+")
 
 
 class ExactAnswerReward(RewardFunction):
@@ -38,6 +39,9 @@ class ArithmeticReward(ExactAnswerReward):
       text in the response: partial credit that grows as the guess gets closer;
     - 0 for anything that is not a bare integer (words, two numbers, an empty response).
 
+    ``extract="last_integer"`` judges the last integer in the response instead (a chat model's
+    "11 + 5 = 16." counts as 16), for instruction-tuned policies that explain before answering.
+
     Why graded: a few-million-parameter policy after a short SFT answers about 7% of sampled
     prompts exactly, so an exact-match reward is 0 for most samples and the policy gradient
     has little to go on. Closeness is dense and points the same way; with ``partial`` at most 0.5
@@ -45,22 +49,34 @@ class ArithmeticReward(ExactAnswerReward):
     :class:`ExactAnswerReward`.
     """
 
-    def __init__(self, answer_key: str = "answer", partial: float = 0.5, tolerance: float = 10.0) -> None:
+    def __init__(
+        self, answer_key: str = "answer", partial: float = 0.5, tolerance: float = 10.0, extract: str = "whole"
+    ) -> None:
         super().__init__(answer_key)
+        if extract not in ("whole", "last_integer"):
+            raise ValueError(f"`model.reward.init_args.extract` must be 'whole' or 'last_integer', got {extract!r}")
+        self.extract = extract
         if not 0 <= partial < 1:
             raise ValueError(f"`model.reward.init_args.partial` must be in [0, 1), got {partial}")
         if tolerance <= 0:
             raise ValueError(f"`model.reward.init_args.tolerance` must be positive, got {tolerance}")
         self.partial, self.tolerance = partial, tolerance
 
-    def _one(self, response: str, answer: str) -> float:
+    def _guess(self, response: str) -> str | None:
+        if self.extract == "last_integer":
+            found = _ANY_INTEGER.findall(response)
+            return found[-1] if found else None
         match = _INTEGER.match(response)
-        if match is None:
+        return None if match is None else match.group(1)
+
+    def _one(self, response: str, answer: str) -> float:
+        guess = self._guess(response)
+        if guess is None:
             return 0.0
-        if match.group(1) == answer:
+        if guess == answer:
             return 1.0
         try:
-            distance = abs(int(match.group(1)) - int(answer))
+            distance = abs(int(guess) - int(answer))
         except ValueError:  # a non-integer answer: only an exact match counts
             return 0.0
         return self.partial * max(0.0, 1.0 - distance / self.tolerance)

@@ -58,3 +58,16 @@ def test_bad_settings_name_their_key(tmp_path):
         PromptDataModule(str(tmp_path / "none.jsonl"), tokenizer=str(TINY_MODEL))
     with pytest.raises(ValueError, match="`data.batch_size` must be positive"):
         PromptDataModule(str(ARITH / "prompts.jsonl"), tokenizer=str(TINY_MODEL), batch_size=0)
+
+
+def test_system_prompt_is_added_to_rows_that_have_none(tmp_path):
+    path = tmp_path / "p.jsonl"
+    rows = [{"prompt": "What is 1 + 1?", "answer": "2"}, {"prompt": "2 + 2 =", "system": "Own.", "answer": "4"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    dm = PromptDataModule(str(path), tokenizer=str(TINY_MODEL), batch_size=1, system_prompt="Number only.")
+    dm.setup("fit")
+    texts = [dm.tokenizer.decode(ids) for ids in dm.train_set.prompt_ids]
+    assert texts[0].startswith("<|system|>\nNumber only.\n<|user|>\nWhat is 1 + 1?")
+    assert texts[1].startswith("<|system|>\nOwn.\n")
+    # The row carries it too, so a reward model rebuilding the conversation sees the same one.
+    assert row_to_prompt_messages(dm.train_set.rows[0])[0] == {"role": "system", "content": "Number only."}
