@@ -361,3 +361,197 @@ class SFTDataModule(LightningDataModule):
         if self.val_set is None:
             return []
         return self._loader(self.val_set, self._sampler(self.val_set, shuffle=False))
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompt sets for RL: prompts only, kept with their rows (a reward rule reads e.g. `answer`)
+# ---------------------------------------------------------------------------------------------
+
+
+def row_to_prompt_messages(row: dict[str, Any]) -> list[dict[str, str]]:
+    """The conversation a policy continues: ``{"prompt": str}`` (optionally ``"system"``), or
+    ``{"messages": [...]}`` ending in a turn that is not the assistant's."""
+    where = row.get("_where", "row")
+    if isinstance(row.get("prompt"), str):
+        messages = [{"role": "system", "content": row["system"]}] if row.get("system") else []
+        return messages + [{"role": "user", "content": row["prompt"]}]
+    if "messages" in row:
+        messages = row["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise DataFormatError(f"{where}: `messages` must be a non-empty list")
+        for m in messages:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise DataFormatError(f"{where}: each message needs string `role` and `content`, got {m!r}")
+        if messages[-1]["role"] == "assistant":
+            raise DataFormatError(f"{where}: a prompt's `messages` must end before the assistant's answer")
+        return messages
+    keys = sorted(k for k in row if k != "_where")
+    raise DataFormatError(f"{where}: a prompt row needs a string `prompt` or `messages`; it has keys {keys}")
+
+
+class PromptDataset(Dataset):
+    """Tokenized prompts and their rows; indexing with a list returns a list (for batch samplers)."""
+
+    def __init__(self, prompt_ids: list[list[int]], rows: list[dict[str, Any]]) -> None:
+        self.prompt_ids, self.rows = prompt_ids, rows
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+    def __getitem__(self, idx: int | list[int]) -> Any:
+        if isinstance(idx, list):
+            return [self[i] for i in idx]
+        return {"prompt_ids": self.prompt_ids[idx], "row": self.rows[idx]}
+
+
+def collate_left_padded(items: list[dict[str, Any]], pad_token_id: int) -> dict[str, Any]:
+    """Prompts padded on the left, so that generation continues every row from the same column."""
+    longest = max(len(item["prompt_ids"]) for item in items)
+    input_ids = torch.full((len(items), longest), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(items), longest), dtype=torch.long)
+    for i, item in enumerate(items):
+        n = len(item["prompt_ids"])
+        input_ids[i, longest - n :] = torch.tensor(item["prompt_ids"])
+        attention_mask[i, longest - n :] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "rows": [item["row"] for item in items]}
+
+
+class _PromptCollator:
+    def __init__(self, pad_token_id: int) -> None:
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, items: list[dict[str, Any]]) -> dict[str, Any]:
+        return collate_left_padded(items, self.pad_token_id)
+
+
+class FullBatchSampler(TokenBudgetSampler):
+    """Batches of exactly ``batch_size`` prompts on every rank; an incomplete remainder is dropped.
+
+    An RL step must see the same number of samples on every rank: the number of mini- and
+    micro-batches, and so the number of collective calls, follows from it.
+    """
+
+    def _plan(self) -> list[list[int]]:
+        order = list(range(len(self.lengths)))
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed)
+            order = torch.randperm(len(order), generator=g).tolist()
+        full = len(order) // self.batch_size * self.batch_size
+        batches = [order[i : i + self.batch_size] for i in range(0, full, self.batch_size)]
+        return batches[: len(batches) - len(batches) % self.num_replicas]
+
+
+class PromptDataModule(LightningDataModule):
+    """Prompts for PPO/GRPO rollouts.
+
+    Args:
+        train_file: JSONL, JSON or Parquet; rows with a string ``prompt`` (optionally ``system``)
+            or ``messages`` ending before the assistant's turn. Other keys (``answer``...) ride
+            along to the reward function.
+        tokenizer: model folder or hub id (the PPO recipe links it to ``model.name_or_path``).
+        max_prompt_length: prompts with more tokens are dropped (counted and logged): cutting a
+            prompt would change the question the reward judges.
+        system_prompt: a system message for rows that bring none (e.g. "Answer with the number
+            only."); None adds nothing.
+        batch_size: prompts per rank per PPO step (GRPO samples ``group_size`` responses each).
+        seed: shuffling seed; each epoch reshuffles deterministically from it.
+    """
+
+    def __init__(
+        self,
+        train_file: str,
+        tokenizer: str | None = None,
+        max_prompt_length: int = 512,
+        batch_size: int = 8,
+        system_prompt: str | None = None,
+        num_workers: int = 0,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.train_path = check_data_file(train_file, key="data.train_file")
+        self.system_prompt = system_prompt
+        if max_prompt_length <= 0:
+            raise ValueError(f"`data.max_prompt_length` must be positive, got {max_prompt_length}")
+        if batch_size <= 0:
+            raise ValueError(f"`data.batch_size` must be positive, got {batch_size}")
+        if tokenizer is None:
+            raise ValueError("`data.tokenizer` is not set (the recipes link it to `model.name_or_path`)")
+        self.tokenizer_name = tokenizer
+        self.max_prompt_length = max_prompt_length
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.seed = seed
+        self.tokenizer: Any = None
+        self.train_set: PromptDataset | None = None
+        self.dropped: list[str] = []
+        self._resume_skip = 0
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        from lightning_mem.models import load_tokenizer
+
+        self.tokenizer = load_tokenizer(self.tokenizer_name, key="data.tokenizer")
+        rows = read_rows(self.train_path)
+        has_template = bool(getattr(self.tokenizer, "chat_template", None))
+        prompt_ids, kept = [], []
+        for row in rows:
+            row = self._with_system_prompt(row)
+            text = render_prompt(row_to_prompt_messages(row), self.tokenizer)
+            ids = self.tokenizer(text, add_special_tokens=not has_template)["input_ids"]
+            if len(ids) > self.max_prompt_length:
+                self.dropped.append(row.get("_where", "?"))
+                continue
+            prompt_ids.append(ids)
+            kept.append(row)
+        summary = f"prompts ({self.train_path}): {len(rows)} rows, {len(self.dropped)} dropped as longer than max_prompt_length={self.max_prompt_length}"
+        log.warning(summary) if self.dropped else log.info(summary)
+        world = self.trainer.world_size if self.trainer else 1
+        if len(kept) < self.batch_size * world:
+            raise DataFormatError(
+                f"{self.train_path}: {len(kept)} usable prompts, fewer than one step needs"
+                f" (`data.batch_size`={self.batch_size} x {world} ranks)"
+            )
+        self.train_set = PromptDataset(prompt_ids, kept)
+
+    def _with_system_prompt(self, row: dict[str, Any]) -> dict[str, Any]:
+        # Written into the row, so that whatever rebuilds the conversation from it later (a reward
+        # model) sees the same system message as the policy.
+        if not self.system_prompt:
+            return row
+        if isinstance(row.get("prompt"), str):
+            return row if row.get("system") else {**row, "system": self.system_prompt}
+        messages = row.get("messages")
+        if isinstance(messages, list) and messages and isinstance(messages[0], dict) and messages[0].get("role") != "system":
+            return {**row, "messages": [{"role": "system", "content": self.system_prompt}, *messages]}
+        return row
+
+    def train_dataloader(self) -> DataLoader:
+        assert self.train_set is not None, "call setup() first"
+        trainer = self.trainer
+        sampler = FullBatchSampler(
+            [len(p) for p in self.train_set.prompt_ids],
+            batch_size=self.batch_size,
+            num_replicas=trainer.world_size if trainer else 1,
+            rank=trainer.global_rank if trainer else 0,
+            shuffle=True,
+            seed=self.seed,
+        )
+        sampler.skip_batches, self._resume_skip = self._resume_skip, 0
+        return DataLoader(
+            self.train_set,
+            sampler=sampler,
+            batch_size=None,
+            collate_fn=_PromptCollator(self.tokenizer.pad_token_id),
+            num_workers=self.num_workers,
+        )
+
+    # Mid-epoch resume, as in SFTDataModule: skip the prompt batches this epoch already used.
+    def state_dict(self) -> dict[str, Any]:
+        trainer = self.trainer
+        if trainer is None:
+            return {}
+        return {"batches_done_in_epoch": trainer.fit_loop.epoch_loop.batch_progress.current.processed}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._resume_skip = int(state_dict.get("batches_done_in_epoch", 0))

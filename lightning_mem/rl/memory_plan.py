@@ -1,0 +1,233 @@
+"""A PPO step's memory plan: where each model and optimizer state lives in each phase.
+
+A PPO step has three phases that need different things on the accelerator:
+
+- **rollout**: the actor generates; its KV cache grows with batch x length. Nothing else is used.
+- **score**: the reward (rule or model), the reference's and the actor's logprobs, the critic's
+  values; all without gradients.
+- **train**: epochs of updates of the actor (and critic): parameters, gradients, optimizer state,
+  activations.
+
+The actor's Adam state (8 bytes per trained parameter in fp32, twice the bf16 weights) is dead
+weight outside the train phase, and the reference and reward models are dead weight outside the
+score phase. NeMo-Aligner moves the Adam state to the host around generation; verl and NeMo RL
+also park the frozen models on the host between their uses. :class:`PhaseMemoryPlan` declares
+such a plan in YAML; :class:`PhaseMemory` carries it out with the primitives of
+:mod:`lightning_mem.offload` and reports each phase to the ``MemoryMonitor``.
+
+Example (YAML, ``model.memory_plan``)::
+
+    rollout: {actor_optimizer: host, critic_optimizer: host, critic: host, reference: host, reward_model: host}
+    score:   {actor_optimizer: host, critic_optimizer: host, reference: device, reward_model: device}
+    train:   {reference: host, reward_model: host}
+    free_kv_cache: true
+    empty_cache_between_phases: true
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+Placement = Literal["device", "host"]
+PHASES = ("rollout", "score", "train")
+_PLACEMENTS = ("device", "host")
+
+#: What each phase computes with: those must be on the device during it.
+USED_IN_PHASE: dict[str, tuple[str, ...]] = {
+    "rollout": (),
+    "score": ("critic", "reference", "reward_model"),
+    "train": ("actor_optimizer", "critic_optimizer", "critic"),
+}
+_OPTIMIZERS = ("actor_optimizer", "critic_optimizer")
+_MODULES = ("critic", "reference", "reward_model")
+
+
+@dataclass
+class PhasePlacement:
+    """Where each component lives during one phase: ``"device"`` or ``"host"``.
+
+    The actor's own parameters are not listed: every phase computes with them.
+    """
+
+    actor_optimizer: Placement = "device"
+    critic_optimizer: Placement = "device"
+    critic: Placement = "device"
+    reference: Placement = "device"
+    reward_model: Placement = "device"
+
+
+@dataclass
+class PhaseMemoryPlan:
+    """The per-phase placement of the actor's and critic's optimizer state and of the critic,
+    reference and reward models, plus two allocator knobs.
+
+    Args:
+        rollout, score, train: a :class:`PhasePlacement` per phase. Components a phase computes
+            with must be on the device in it (checked by :meth:`validate`).
+        free_kv_cache: drop the rollout's preallocated (static) KV cache when the rollout ends, so
+            its memory serves the next phases; ``False`` keeps it for the next rollout (no
+            re-allocation, no fragmentation, but held through training).
+        empty_cache_between_phases: return the caching allocator's free blocks to the device after
+            each phase (``torch.cuda.empty_cache``): what one phase freed then fits the next
+            phase's differently shaped tensors. Costs some re-allocation time; a no-op on CPU.
+        pin_memory: pin the host copies (faster, asynchronous transfers); None pins when the
+            device is CUDA.
+    """
+
+    rollout: PhasePlacement = field(default_factory=PhasePlacement)
+    score: PhasePlacement = field(default_factory=PhasePlacement)
+    train: PhasePlacement = field(default_factory=PhasePlacement)
+    free_kv_cache: bool = True
+    empty_cache_between_phases: bool = False
+    pin_memory: bool | None = None
+
+    def placement(self, phase: str) -> PhasePlacement:
+        if phase not in PHASES:
+            raise ValueError(f"unknown phase {phase!r}; the phases are {PHASES}")
+        return getattr(self, phase)
+
+    def validate(self, key: str = "model.memory_plan") -> None:
+        """Reject a plan that would compute with a component parked on the host."""
+        for phase in PHASES:
+            placement = self.placement(phase)
+            for f in fields(placement):
+                value = getattr(placement, f.name)
+                if value not in _PLACEMENTS:
+                    raise ValueError(f"`{key}.{phase}.{f.name}` must be 'device' or 'host', got {value!r}")
+            for component in USED_IN_PHASE[phase]:
+                if getattr(placement, component) != "device":
+                    raise ValueError(
+                        f"`{key}.{phase}.{component}` is 'host', but the {phase} phase computes with the"
+                        f" {component.replace('_', ' ')}: it must be 'device' there"
+                    )
+
+    def offloads_modules(self) -> list[str]:
+        """``"<phase>.<component>"`` for every module (critic, reference, reward model) sent to the host."""
+        return [
+            f"{phase}.{name}" for phase in PHASES for name in _MODULES if getattr(self.placement(phase), name) == "host"
+        ]
+
+
+def release_cached_memory() -> None:
+    """Give the allocator's unused cached blocks back to the device (and collect garbage first,
+    so that tensors only kept alive by reference cycles are released too)."""
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+class PhaseMemory:
+    """Carries out a :class:`PhaseMemoryPlan` for one PPO module.
+
+    Components that are ``None`` (no critic under GRPO, a rule instead of a reward model, no
+    reference when the KL penalty is off) are skipped. ``phase(name)`` moves components to the
+    phase's placement (offloads first, so that the peak never holds both the outgoing and the
+    incoming), measures the phase (``seconds[name]``, and the ``MemoryMonitor`` if the trainer
+    has one), and applies the KV-cache and allocator knobs when it ends.
+
+    The resting placement between steps is the train phase's: checkpoints are written then, with
+    every optimizer state where Lightning expects it.
+    """
+
+    def __init__(
+        self,
+        plan: PhaseMemoryPlan,
+        *,
+        trainer: Any = None,
+        actor_optimizer: torch.optim.Optimizer | None = None,
+        critic_optimizer: torch.optim.Optimizer | None = None,
+        critic: nn.Module | None = None,
+        reference: nn.Module | None = None,
+        reward_model: nn.Module | None = None,
+        rollout_engine: Any = None,
+    ) -> None:
+        plan.validate()
+        self.plan = plan
+        self.trainer = trainer
+        self.rollout_engine = rollout_engine
+        given = {
+            "actor_optimizer": actor_optimizer,
+            "critic_optimizer": critic_optimizer,
+            "critic": critic,
+            "reference": reference,
+            "reward_model": reward_model,
+        }
+        self.components = {name: obj for name, obj in given.items() if obj is not None}
+        self.locations: dict[str, Placement] = {name: "device" for name in self.components}
+        self._optimizer_offloads: dict[str, contextlib.ExitStack] = {}
+        self.seconds: dict[str, float] = {}
+        self.current: str | None = None
+
+    # -- moving things ----------------------------------------------------------------------
+    def _to_host(self, name: str) -> None:
+        obj = self.components[name]
+        if name in _OPTIMIZERS:
+            from lightning_mem.offload import offload_optimizer_state
+
+            # The context manager is the primitive's bookkeeping (its ledger says "host" inside);
+            # it stays open across phases until the plan wants the state back.
+            stack = contextlib.ExitStack()
+            stack.enter_context(offload_optimizer_state(obj, pin_memory=self.plan.pin_memory))
+            self._optimizer_offloads[name] = stack
+        else:
+            from lightning_mem.offload import offload_module
+
+            offload_module(obj, pin_memory=self.plan.pin_memory)
+        self.locations[name] = "host"
+
+    def _to_device(self, name: str) -> None:
+        if name in _OPTIMIZERS:
+            self._optimizer_offloads.pop(name).close()
+        else:
+            from lightning_mem.offload import reload_module
+
+            reload_module(self.components[name])
+        self.locations[name] = "device"
+
+    def place(self, phase: str) -> None:
+        """Move every component to where ``phase`` wants it: first out to the host, then in."""
+        placement = self.plan.placement(phase)
+        wanted = {name: getattr(placement, name) for name in self.components}
+        for name, where in wanted.items():
+            if where == "host" and self.locations[name] == "device":
+                self._to_host(name)
+        for name, where in wanted.items():
+            if where == "device" and self.locations[name] == "host":
+                self._to_device(name)
+
+    def restore(self) -> None:
+        """Everything back on the device (end of fit, or an exception mid-step)."""
+        for name in self.components:
+            if self.locations[name] == "host":
+                self._to_device(name)
+
+    # -- phases -------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        self.place(name)
+        self.current = name
+        start = time.perf_counter()
+        try:
+            with _monitor_phase(self.trainer, name):
+                yield
+        finally:
+            self.seconds[name] = time.perf_counter() - start
+            self.current = None
+        if name == "rollout" and self.plan.free_kv_cache and self.rollout_engine is not None:
+            self.rollout_engine.free_kv_cache()
+        if self.plan.empty_cache_between_phases:
+            release_cached_memory()
+
+
+def _monitor_phase(trainer: Any, name: str) -> contextlib.AbstractContextManager:
+    from lightning_mem.callbacks import memory_phase
+
+    return memory_phase(trainer, name)

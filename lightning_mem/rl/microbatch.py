@@ -1,0 +1,57 @@
+"""Token-budget micro-batches for RL passes, with the same count on every rank.
+
+Rollout lengths vary a lot from step to step (a response may stop after one token or run to
+``max_new_tokens``), so a fixed micro-batch size either wastes memory on short batches or runs
+out of it on long ones. Packing to a padded-token budget keeps each forward/backward about the
+same size. Two more rules for the training phase:
+
+- **Same count on every rank.** With sharded models each forward and backward is a collective:
+  a rank with fewer micro-batches would leave the others waiting forever. Every rank packs its
+  own samples, the ranks agree on the largest count, and ranks with fewer split their biggest
+  micro-batches until they match (verl balances its dynamic micro-batches the same way).
+- **Split-invariant loss.** Each micro-batch's loss is a *sum* over tokens scaled by
+  ``world_size / tokens in the whole mini-batch on all ranks``: the accumulated gradient is then
+  the mini-batch's token mean, whatever the budget, the split, or the number of ranks (the data-
+  parallel all-reduce averages over ranks, which the ``world_size`` factor undoes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from lightning_mem.batching import pack_by_token_budget, padded_tokens
+
+
+def split_to_count(batches: list[list[int]], count: int, lengths: Sequence[int]) -> list[list[int]]:
+    """Split the most expensive (padded tokens) batches in two until there are ``count`` of them."""
+    batches = [list(b) for b in batches]
+    if count < len(batches):
+        raise ValueError(f"cannot reach {count} micro-batches from {len(batches)} by splitting")
+    while len(batches) < count:
+        splittable = [i for i, b in enumerate(batches) if len(b) > 1]
+        if not splittable:
+            raise ValueError(f"{sum(map(len, batches))} samples cannot make {count} micro-batches")
+        i = max(splittable, key=lambda j: (padded_tokens([lengths[k] for k in batches[j]]), len(batches[j])))
+        half = len(batches[i]) // 2
+        batches[i : i + 1] = [batches[i][:half], batches[i][half:]]
+    return batches
+
+
+def micro_batches(
+    lengths: Sequence[int],
+    max_tokens: int | None,
+    *,
+    agree_on_count: Callable[[int], int] | None = None,
+) -> list[list[int]]:
+    """Group sample indices ``0..len(lengths)-1`` into micro-batches of at most ``max_tokens``
+    padded tokens (``None``: one micro-batch of everything).
+
+    Samples are sorted longest first before packing, so that similar lengths share a batch and
+    little goes to padding. ``agree_on_count(local_count) -> count`` returns the count all ranks
+    use (the maximum over ranks); ``None`` in a single process.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches = [order] if max_tokens is None else pack_by_token_budget(order, lengths, max_tokens)
+    if agree_on_count is not None:
+        batches = split_to_count(batches, agree_on_count(len(batches)), lengths)
+    return batches

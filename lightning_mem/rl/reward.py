@@ -1,0 +1,118 @@
+"""What a response is worth: a rule (a :class:`RewardFunction`) or a learned reward model.
+
+A rule sees the decoded prompt and response and the prompt's data row (``answer``, test cases,
+...). A reward model (:class:`RewardModel`) is a Hugging Face sequence-classification model with
+one output, reading the conversation rendered with *its own* tokenizer, so the policy and the
+reward model need not share a vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_mem.rl.microbatch import micro_batches
+
+
+class RewardFunction:
+    """Base class of rule-based rewards, selected in YAML by ``class_path``.
+
+    Subclasses implement :meth:`score`; the recipe calls it once per rollout batch, on every
+    rank, with that rank's samples.
+    """
+
+    def score(self, prompts: list[str], responses: list[str], rows: list[dict[str, Any]]) -> Sequence[float]:
+        """One score per response. ``responses`` are decoded without special tokens; ``rows`` are
+        the prompts' data rows (every key of the JSONL line)."""
+        raise NotImplementedError
+
+    def __call__(self, prompts: list[str], responses: list[str], rows: list[dict[str, Any]]) -> Tensor:
+        scores = torch.as_tensor(list(self.score(prompts, responses, rows)), dtype=torch.float32)
+        if scores.shape != (len(responses),):
+            raise ValueError(f"{type(self).__name__}.score returned {tuple(scores.shape)} scores for {len(responses)} responses")
+        return scores
+
+
+class RewardModel(nn.Module):
+    """A sequence classifier with one logit as the reward, with the tokenizer it was trained with.
+
+    ``model`` is a ``PreTrainedModel`` attribute, so a sharding strategy treats it like the other
+    frozen models.
+    """
+
+    def __init__(self, model: nn.Module, tokenizer: Any, max_length: int = 2048) -> None:
+        super().__init__()
+        self.model = model.requires_grad_(False).eval()
+        self.tokenizer = tokenizer
+        self.max_length = max_length
+        # The classifier reads the last non-pad token of each row; it must know the pad id.
+        if getattr(self.model.config, "pad_token_id", None) is None:
+            self.model.config.pad_token_id = tokenizer.pad_token_id
+
+    def _encode(self, prompt_messages: list[dict[str, str]], response: str) -> list[int]:
+        from lightning_mem.data import render_with_spans
+
+        text, _ = render_with_spans([*prompt_messages, {"role": "assistant", "content": response}], self.tokenizer)
+        has_template = bool(getattr(self.tokenizer, "chat_template", None))
+        return self.tokenizer(text, add_special_tokens=not has_template)["input_ids"][-self.max_length :]
+
+    @torch.no_grad()
+    def forward(
+        self,
+        prompt_messages: list[list[dict[str, str]]],
+        responses: list[str],
+        *,
+        max_tokens: int | None = None,
+        agree_on_count: Callable[[int], int] | None = None,
+    ) -> Tensor:
+        """Scores of each (conversation, response), micro-batched by ``max_tokens`` padded tokens
+        (``agree_on_count``: see :func:`lightning_mem.rl.microbatch.micro_batches`)."""
+        encoded = [self._encode(m, r) for m, r in zip(prompt_messages, responses)]
+        device = next(self.model.parameters()).device
+        scores = torch.zeros(len(encoded), dtype=torch.float32, device=device)
+        pad = self.tokenizer.pad_token_id
+        for idx in micro_batches([len(e) for e in encoded], max_tokens, agree_on_count=agree_on_count):
+            longest = max(len(encoded[i]) for i in idx)
+            ids = torch.full((len(idx), longest), pad, dtype=torch.long, device=device)
+            mask = torch.zeros_like(ids)
+            for row, i in enumerate(idx):
+                ids[row, : len(encoded[i])] = torch.tensor(encoded[i], device=device)
+                mask[row, : len(encoded[i])] = 1
+            logits = self.model(input_ids=ids, attention_mask=mask).logits
+            scores[torch.tensor(idx, device=device)] = logits[:, 0].float()
+        return scores
+
+
+def load_reward_model(
+    name_or_path: str,
+    *,
+    dtype: str | torch.dtype | None = None,
+    trust_remote_code: bool = False,
+    max_length: int = 2048,
+    key: str = "model.reward_model.name_or_path",
+) -> RewardModel:
+    """Load ``AutoModelForSequenceClassification`` (one label) and its tokenizer as a :class:`RewardModel`.
+
+    A folder with only a config (the tiny test model) initialises the head and backbone at random.
+    """
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from lightning_mem.models import check_model_source, has_weights, load_tokenizer, resolve_dtype
+
+    source = check_model_source(name_or_path, key=key)
+    tokenizer = load_tokenizer(name_or_path, trust_remote_code=trust_remote_code, key=key)
+    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code, "num_labels": 1}
+    torch_dtype = resolve_dtype(dtype, key=key.rsplit(".", 1)[0] + ".dtype")
+    if torch_dtype is not None:
+        kwargs["dtype"] = torch_dtype
+    if source == "local" and not has_weights(name_or_path):
+        config = AutoConfig.from_pretrained(name_or_path, num_labels=1, trust_remote_code=trust_remote_code)
+        model = AutoModelForSequenceClassification.from_config(
+            config, **{k: v for k, v in kwargs.items() if k != "num_labels"}
+        )
+    else:
+        model = AutoModelForSequenceClassification.from_pretrained(name_or_path, **kwargs)
+    return RewardModel(model, tokenizer, max_length=max_length)

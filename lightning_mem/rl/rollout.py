@@ -1,0 +1,307 @@
+"""Rollouts: sample responses with the actor, and hold the experience PPO learns from.
+
+Generation runs on left-padded prompts (so that every prompt ends in the same column and the
+model continues all of them in lockstep, with the KV cache on). The experience is then stored
+*right-padded*, prompt and response back to back with no padding in between: the training and
+logprob passes pack those sequences by token budget and need no position-id bookkeeping, and
+per-token quantities (logprobs, values, advantages) are kept *response-aligned*, ``[N, R]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from lightning_mem.rl.algorithms import entropy_from_logits, token_logprobs
+
+
+@dataclass
+class GenerationConfig:
+    """How the actor samples responses (YAML: ``model.generation``).
+
+    Args:
+        max_new_tokens: response length cap; a response that reaches it without an end-of-sequence
+            token is kept (truncated) and scored as it is.
+        temperature: sampling temperature; the PPO logprobs are taken at the same temperature, so
+            the ratio pi/pi_old compares the distributions that were actually sampled from.
+        top_p: nucleus sampling; 1.0 samples the full distribution (logprobs ignore the cut).
+        top_k: 0 disables.
+        do_sample: False is greedy decoding (evaluation only: PPO needs samples).
+        kv_cache: ``"dynamic"`` grows a cache per call (freed when generation returns);
+            ``"static"`` preallocates one for the longest prompt + ``max_new_tokens`` and reuses it
+            between rollouts unless the memory plan frees it (``free_kv_cache``).
+    """
+
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    do_sample: bool = True
+    kv_cache: Literal["dynamic", "static"] = "dynamic"
+
+    def validate(self, key: str = "model.generation") -> None:
+        if self.max_new_tokens <= 0:
+            raise ValueError(f"`{key}.max_new_tokens` must be positive, got {self.max_new_tokens}")
+        if self.temperature <= 0:
+            raise ValueError(f"`{key}.temperature` must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"`{key}.top_p` must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"`{key}.top_k` must be >= 0, got {self.top_k}")
+        if self.kv_cache not in ("dynamic", "static"):
+            raise ValueError(f"`{key}.kv_cache` must be 'dynamic' or 'static', got {self.kv_cache!r}")
+
+
+@dataclass
+class Experience:
+    """One rollout batch: ``N`` samples (prompt + response), then everything PPO computes on them.
+
+    Sequence tensors (``input_ids``, ``attention_mask``) are ``[N, T]``, right-padded. Response
+    tensors (``response_ids``, ``response_mask`` and every per-token quantity) are ``[N, R]``,
+    response-aligned: column j is the j-th response token.
+    """
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    prompt_lengths: Tensor  # [N]
+    response_ids: Tensor
+    response_mask: Tensor
+    group_ids: Tensor  # [N]: index of the prompt in this batch (GRPO groups by it)
+    rows: list[dict[str, Any]] = field(default_factory=list)  # the prompt's data row, per sample
+    prompts: list[str] = field(default_factory=list)
+    responses: list[str] = field(default_factory=list)
+    # Filled by the scoring phase.
+    scores: Tensor | None = None  # [N]
+    old_logprobs: Tensor | None = None  # [N, R]
+    ref_logprobs: Tensor | None = None
+    old_values: Tensor | None = None
+    # Filled by the advantage phase.
+    advantages: Tensor | None = None
+    returns: Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def sequence_lengths(self) -> list[int]:
+        return self.attention_mask.sum(dim=1).tolist()
+
+    @property
+    def response_lengths(self) -> Tensor:
+        return self.response_mask.sum(dim=1)
+
+    def select(self, indices: list[int] | Tensor) -> Experience:
+        """The samples at ``indices``, with columns trimmed to the longest selected sequence and response
+        (a micro-batch of short samples then costs only its own length)."""
+        idx = torch.as_tensor(indices, dtype=torch.long, device=self.input_ids.device)
+        seq_len = int(self.attention_mask[idx].sum(dim=1).max())
+        resp_len = max(int(self.response_mask[idx].sum(dim=1).max()), 1)
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, Tensor):
+                value = value[idx]
+                if value.dim() == 2:
+                    value = value[:, : seq_len if f.name in ("input_ids", "attention_mask") else resp_len]
+            elif isinstance(value, list) and value:
+                value = [value[i] for i in idx.tolist()]
+            out[f.name] = value
+        return replace(self, **out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Building experience from generated tokens
+# ---------------------------------------------------------------------------------------------
+
+
+def response_mask_until_eos(responses: Tensor, eos_token_ids: list[int]) -> Tensor:
+    """1 on each response token up to and including the first end-of-sequence token, 0 after.
+
+    The end token itself is a choice the policy made (to stop), so it is trained and scored like
+    any other token; what comes after it is padding that ``generate`` filled in.
+    """
+    is_end = torch.zeros_like(responses, dtype=torch.bool)
+    for eos in eos_token_ids:
+        is_end |= responses == eos
+    # Tokens strictly after the first end token: the running count of ends before them is > 0.
+    ends_before = torch.cumsum(is_end.long(), dim=1) - is_end.long()
+    return (ends_before == 0).long()
+
+
+def experience_from_generation(
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    sequences: Tensor,
+    *,
+    eos_token_ids: list[int],
+    pad_token_id: int,
+) -> Experience:
+    """Re-lay ``generate``'s output (left-padded prompt + response) as right-padded experience."""
+    width = prompt_ids.shape[1]
+    responses = sequences[:, width:]
+    response_mask = response_mask_until_eos(responses, eos_token_ids)
+    responses = responses.masked_fill(response_mask == 0, pad_token_id)
+    prompt_lengths = prompt_mask.sum(dim=1)
+    response_lengths = response_mask.sum(dim=1)
+    n, total = sequences.shape[0], int((prompt_lengths + response_lengths).max())
+    input_ids = torch.full((n, total), pad_token_id, dtype=sequences.dtype, device=sequences.device)
+    attention_mask = torch.zeros((n, total), dtype=torch.long, device=sequences.device)
+    for i in range(n):
+        p, r = int(prompt_lengths[i]), int(response_lengths[i])
+        input_ids[i, :p] = prompt_ids[i, width - p :]
+        input_ids[i, p : p + r] = responses[i, :r]
+        attention_mask[i, : p + r] = 1
+    return Experience(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        prompt_lengths=prompt_lengths,
+        response_ids=responses,
+        response_mask=response_mask,
+        group_ids=torch.arange(n, device=sequences.device),
+    )
+
+
+def response_positions(prompt_lengths: Tensor, response_length: int) -> Tensor:
+    """``[N, R]`` positions whose outputs predict each response token: prompt_length - 1 + j.
+
+    A causal LM's output at position t predicts token t + 1, so the logits (and the critic's value)
+    for response token j of a sample with prompt length P sit at position P - 1 + j.
+    """
+    offsets = torch.arange(response_length, device=prompt_lengths.device)
+    return prompt_lengths.unsqueeze(1) - 1 + offsets.unsqueeze(0)
+
+
+def gather_response(per_position: Tensor, prompt_lengths: Tensor, response_length: int, *, offset: int = 0) -> Tensor:
+    """Pick each response token's row out of ``per_position`` (``[N, L, ...]``, position ``offset``
+    at index 0); positions past the end (padding) are clamped and must be masked by the caller."""
+    index = (response_positions(prompt_lengths, response_length) - offset).clamp(0, per_position.shape[1] - 1)
+    if per_position.dim() == 3:
+        index = index.unsqueeze(-1).expand(-1, -1, per_position.shape[-1])
+    return per_position.gather(1, index)
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward passes on experience: logprobs (actor, reference) and values (critic)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PolicyOutput:
+    logprobs: Tensor  # [n, R]
+    entropy: Tensor | None  # [n, R], when asked for
+    hidden: Tensor | None  # [n, R, H] final hidden states at response positions (shared critic)
+
+
+def policy_forward(
+    model: torch.nn.Module,
+    batch: Experience,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
+    with_hidden: bool = False,
+) -> PolicyOutput:
+    """Logprobs of ``batch``'s response tokens under ``model`` (and optionally their entropy;
+    ``entropy_grad=False`` computes it outside the autograd graph, as a metric only).
+
+    Only the logits from the shortest prompt's last token onwards are computed
+    (``logits_to_keep``): a vocabulary-sized row per prompt token would cost more memory than
+    the rest of the pass on long prompts.
+    """
+    first = int(batch.prompt_lengths.min()) - 1
+    keep = batch.input_ids.shape[1] - first
+    out = model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        logits_to_keep=keep,
+        output_hidden_states=with_hidden,
+        use_cache=False,
+    )
+    resp_len = batch.response_ids.shape[1]
+    logits = gather_response(out.logits, batch.prompt_lengths, resp_len, offset=first) / temperature
+    logprobs = token_logprobs(logits, batch.response_ids)
+    entropy = None
+    if with_entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
+    hidden = gather_response(out.hidden_states[-1], batch.prompt_lengths, resp_len) if with_hidden else None
+    return PolicyOutput(logprobs, entropy, hidden)
+
+
+# ---------------------------------------------------------------------------------------------
+# Generation
+# ---------------------------------------------------------------------------------------------
+
+
+class RolloutEngine:
+    """Sample responses from a causal LM with ``generate`` and turn them into :class:`Experience`.
+
+    Owns the KV cache when it is ``static`` (preallocated once, reused by every rollout) so the
+    memory plan can free it after the rollout phase (:meth:`free_kv_cache`).
+    """
+
+    def __init__(self, config: GenerationConfig, *, eos_token_ids: list[int], pad_token_id: int) -> None:
+        config.validate()
+        self.config = config
+        self.eos_token_ids = list(eos_token_ids)
+        self.pad_token_id = pad_token_id
+        self.kv_cache: Any = None
+        self._kv_shape = (0, 0)  # (batch size, length) the static cache was made for
+
+    def _static_cache(self, model: torch.nn.Module, batch_size: int, max_len: int) -> Any:
+        from transformers import StaticCache
+
+        cache = self.kv_cache
+        if cache is not None and (self._kv_shape[0] != batch_size or self._kv_shape[1] < max_len):
+            cache = None  # a different shape: drop it rather than grow it in place
+        if cache is None:
+            cache = StaticCache(config=model.config, max_cache_len=max_len)
+            self._kv_shape = (batch_size, max_len)
+        else:
+            cache.reset()
+        self.kv_cache = cache
+        return cache
+
+    def free_kv_cache(self) -> bool:
+        """Drop the preallocated cache (True if there was one); the next rollout allocates anew."""
+        had = self.kv_cache is not None
+        self.kv_cache = None
+        return had
+
+    @torch.no_grad()
+    def generate(self, model: torch.nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, *, synced: bool = False) -> Experience:
+        """Sample one response per row of the left-padded ``prompt_ids``.
+
+        ``synced=True`` keeps every rank running forward passes until all ranks are done: with a
+        sharded model each forward is a collective, and a rank that stopped early would hang the
+        others.
+        """
+        cfg = self.config
+        kwargs: dict[str, Any] = dict(
+            max_new_tokens=cfg.max_new_tokens,
+            do_sample=cfg.do_sample,
+            eos_token_id=self.eos_token_ids,
+            pad_token_id=self.pad_token_id,
+            use_cache=True,
+        )
+        if cfg.do_sample:
+            kwargs.update(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
+        else:
+            # Greedy: no sampling knobs, or generate warns that they are ignored.
+            kwargs.update(temperature=None, top_p=None, top_k=None)
+        if cfg.kv_cache == "static":
+            kwargs["past_key_values"] = self._static_cache(model, prompt_ids.shape[0], prompt_ids.shape[1] + cfg.max_new_tokens)
+        was_training = model.training
+        model.eval()  # no dropout while sampling: the logprob pass must see the same distribution
+        try:
+            sequences = model.generate(
+                input_ids=prompt_ids, attention_mask=prompt_mask, synced_gpus=synced, **kwargs
+            )
+        finally:
+            model.train(was_training)
+        return experience_from_generation(
+            prompt_ids, prompt_mask, sequences, eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id
+        )

@@ -1,0 +1,503 @@
+"""PPO and GRPO for a causal LM, with a per-phase memory plan.
+
+    python -m recipes.ppo fit --config configs/ppo/tiny_cpu.yaml
+
+One training step is one PPO iteration on a batch of prompts:
+
+1. rollout:    the actor samples responses (KV cache on);
+2. score:      a reward rule or reward model judges each response;
+3.             old logprobs (actor), reference logprobs, values (critic), all without gradients;
+4. advantages: per-token rewards with a KL penalty and GAE, whitened; or GRPO's group-relative
+               scores (no critic at all);
+5. update:     ``ppo_epochs`` over shuffled mini-batches of token-budget micro-batches: clipped
+               policy loss, clipped value loss, entropy bonus, gradient clipping;
+6. metrics.
+
+Where each model and optimizer state lives in each phase is the YAML's ``model.memory_plan``
+(:mod:`lightning_mem.rl.memory_plan`); strategy, precision, checkpointing and offload callbacks
+are the trainer's. This file is only the algorithm. Lightning's ``global_step`` counts optimizer
+steps (``ppo_epochs x num_mini_batches`` per iteration); the loggers' step is the iteration.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor, nn
+
+from lightning_mem.cli import RecipeCLI
+from lightning_mem.data import PromptDataModule, row_to_prompt_messages
+from lightning_mem.export import export_hf
+from lightning_mem.models import check_model_source, load_causal_lm, load_tokenizer, resolve_dtype
+from lightning_mem.optim import param_groups, warn_if_paged_on_cpu
+from lightning_mem.rl.algorithms import (
+    AdaptiveKLController,
+    FixedKLController,
+    clipped_policy_loss,
+    clipped_value_loss,
+    gae_advantages,
+    grpo_advantages,
+    kl_estimate,
+    masked_mean_var,
+    masked_sum,
+    rewards_with_kl_penalty,
+    whiten,
+)
+from lightning_mem.rl.config import CriticConfig, GRPOConfig, KLConfig, PPOConfig, RewardModelConfig
+from lightning_mem.rl.critic import ValueHead, ValueModel, critic_values, load_value_model
+from lightning_mem.rl.memory_plan import PhaseMemory, PhaseMemoryPlan
+from lightning_mem.rl.microbatch import micro_batches
+from lightning_mem.rl.reward import RewardFunction, RewardModel, load_reward_model
+from lightning_mem.rl.rollout import Experience, GenerationConfig, RolloutEngine, policy_forward
+
+
+def _adamw(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-6)
+
+
+class PPOModule(LightningModule):
+    """Actor, critic, reference and reward for PPO (``advantage_estimator: gae``) or GRPO.
+
+    Args:
+        name_or_path: the policy to start from (usually an SFT checkpoint); folder or hub id.
+        dtype, attn_implementation, trust_remote_code: as in the SFT recipe.
+        lora: ``peft.LoraConfig`` arguments (``r``, ``lora_alpha``, ``target_modules``...) to train
+            adapters instead of the whole actor; the reference is then the same model with its
+            adapters disabled, so no second copy is loaded.
+        optimizer, lr_scheduler: the actor's (and the shared value head's); the scheduler is
+            stepped every optimizer step and also drives the critic's optimizer.
+        critic_optimizer: the separate critic's optimizer.
+        advantage_estimator: ``gae`` (PPO with a critic) or ``grpo`` (group-relative, no critic).
+        reward: a rule, ``class_path`` of a :class:`~lightning_mem.rl.reward.RewardFunction`.
+        reward_model: a learned reward instead (:class:`~lightning_mem.rl.config.RewardModelConfig`).
+        reference: ``auto`` (adapters off with LoRA, else a frozen copy), ``copy`` or
+            ``adapters_off``. Not built when the KL penalty is off.
+        generation, ppo, kl, grpo, critic: the knob groups of :mod:`lightning_mem.rl.config`.
+        memory_plan: where things live per phase (:class:`~lightning_mem.rl.memory_plan.PhaseMemoryPlan`).
+        export_dir: where the trained actor and tokenizer are written (HF format) at the end of
+            fit, relative to ``trainer.default_root_dir``; None skips it.
+    """
+
+    def __init__(
+        self,
+        name_or_path: str,
+        dtype: str | None = None,
+        attn_implementation: str | None = None,
+        trust_remote_code: bool = False,
+        lora: dict[str, Any] | None = None,
+        optimizer: OptimizerCallable = _adamw,
+        lr_scheduler: LRSchedulerCallable | None = None,
+        critic_optimizer: OptimizerCallable = _adamw,
+        advantage_estimator: Literal["gae", "grpo"] = "gae",
+        reward: RewardFunction | None = None,
+        reward_model: RewardModelConfig | None = None,
+        reference: Literal["auto", "copy", "adapters_off"] = "auto",
+        generation: GenerationConfig = GenerationConfig(),
+        ppo: PPOConfig = PPOConfig(),
+        kl: KLConfig = KLConfig(),
+        grpo: GRPOConfig = GRPOConfig(),
+        critic: CriticConfig = CriticConfig(),
+        memory_plan: PhaseMemoryPlan = PhaseMemoryPlan(),
+        export_dir: str | None = "export",
+    ) -> None:
+        super().__init__()
+        # Every check that needs no model runs here, so a bad config fails in a second.
+        self._validate(name_or_path, dtype, lora, advantage_estimator, reward, reward_model, reference,
+                       generation, ppo, kl, grpo, critic, memory_plan)
+        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "critic_optimizer", "reward"])
+        self.automatic_optimization = False  # several optimizer steps per rollout
+        self.strict_loading = False  # checkpoints leave out the frozen models (on_save_checkpoint)
+        self.optimizer_factory, self.critic_optimizer_factory = optimizer, critic_optimizer
+        self.lr_scheduler_factory = lr_scheduler
+        self.reward_fn = reward
+        self.generation, self.ppo, self.kl, self.grpo = generation, ppo, kl, grpo
+        self.critic_config, self.memory_plan = critic, memory_plan
+        self.use_critic = advantage_estimator == "gae"
+        self.shared_critic = self.use_critic and critic.layout == "shared"
+        self.reference_mode = (
+            None if not kl.enabled else ("adapters_off" if reference == "auto" and lora else
+                                         "copy" if reference == "auto" else reference)
+        )
+        self.kl_controller = (
+            AdaptiveKLController(kl.coef, kl.target, kl.horizon) if kl.target is not None else FixedKLController(kl.coef)
+        )
+        # Built in configure_model (after the data are checked, and where a strategy can wrap them).
+        self.actor: nn.Module | None = None
+        self.value_head: ValueHead | None = None  # shared layout
+        self.critic: ValueModel | None = None  # separate layout
+        self.reference: nn.Module | None = None  # a frozen copy (None with adapters_off)
+        self.reward_model: RewardModel | None = None
+        self.tokenizer: Any = None
+        self.rollout_engine: RolloutEngine | None = None
+        self.memory: PhaseMemory | None = None
+
+    @staticmethod
+    def _validate(name_or_path, dtype, lora, advantage_estimator, reward, reward_model, reference,
+                  generation, ppo, kl, grpo, critic, memory_plan) -> None:
+        check_model_source(name_or_path)
+        resolve_dtype(dtype, key="model.dtype")
+        if advantage_estimator not in ("gae", "grpo"):
+            raise ValueError(f"`model.advantage_estimator` must be 'gae' or 'grpo', got {advantage_estimator!r}")
+        if (reward is None) == (reward_model is None):
+            raise ValueError("set exactly one of `model.reward` (a rule's class_path) and `model.reward_model`")
+        if reward is not None and not callable(reward):
+            raise TypeError(f"`model.reward` must be a RewardFunction, got {type(reward).__name__}")
+        if reward_model is not None:
+            check_model_source(reward_model.name_or_path, key="model.reward_model.name_or_path")
+            resolve_dtype(reward_model.dtype, key="model.reward_model.dtype")
+        if reference == "adapters_off" and not lora:
+            raise ValueError("`model.reference: adapters_off` needs `model.lora`: without adapters there is nothing to disable")
+        if lora is not None:
+            from peft import LoraConfig
+
+            try:
+                LoraConfig(task_type="CAUSAL_LM", **lora)
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"`model.lora`: {err}") from None
+        if advantage_estimator == "gae" and critic.name_or_path is not None:
+            check_model_source(critic.name_or_path, key="model.critic.name_or_path")
+        resolve_dtype(critic.dtype, key="model.critic.dtype")
+        generation.validate()
+        ppo.validate()
+        kl.validate()
+        critic.validate()
+        memory_plan.validate()
+        if advantage_estimator == "grpo":
+            grpo.validate()
+            if not generation.do_sample:
+                raise ValueError("`model.generation.do_sample: false` with GRPO: a group of greedy answers is all alike")
+
+    # -- models ------------------------------------------------------------------------------
+    def setup(self, stage: str) -> None:
+        # Before configure_model: a plan that parks a module on the host cannot work when the
+        # strategy shards it (FSDP2 owns the shards' storage; offload them with its cpu_offload).
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        offloaded = self.memory_plan.offloads_modules()
+        if offloaded and isinstance(self.trainer.strategy, ModelParallelStrategy):
+            raise ValueError(
+                f"`model.memory_plan`: {offloaded} put a model on the host, but {type(self.trainer.strategy).__name__}"
+                " shards every model and owns where its shards live. Keep them 'device' in the plan and use the"
+                " strategy's `cpu_offload` instead."
+            )
+
+    def configure_model(self) -> None:
+        if self.actor is not None:
+            return
+        hp = self.hparams
+        load = dict(dtype=hp.dtype, attn_implementation=hp.attn_implementation, trust_remote_code=hp.trust_remote_code)
+        self.tokenizer = load_tokenizer(hp.name_or_path, trust_remote_code=hp.trust_remote_code)
+        self.actor = load_causal_lm(hp.name_or_path, **load)
+        _disable_dropout(self.actor)  # the ratio pi/pi_old must not see two dropout masks
+        if hp.lora:
+            from peft import LoraConfig, get_peft_model
+
+            self.actor = get_peft_model(self.actor, LoraConfig(task_type="CAUSAL_LM", **hp.lora))
+        if self.reference_mode == "copy":
+            self.reference = _frozen(load_causal_lm(hp.name_or_path, **load))
+        if self.shared_critic:
+            self.value_head = ValueHead(self.actor.config.hidden_size)
+        elif self.use_critic:
+            self.critic = load_value_model(
+                self.critic_config.name_or_path or hp.name_or_path,
+                dtype=self.critic_config.dtype or hp.dtype,
+                attn_implementation=hp.attn_implementation,
+                trust_remote_code=hp.trust_remote_code,
+            )
+            _disable_dropout(self.critic)
+        if hp.reward_model is not None:
+            rm = hp.reward_model
+            self.reward_model = load_reward_model(
+                rm.name_or_path, dtype=rm.dtype or hp.dtype, trust_remote_code=hp.trust_remote_code, max_length=rm.max_length
+            )
+        self.rollout_engine = RolloutEngine(
+            self.generation, eos_token_ids=_eos_ids(self.actor, self.tokenizer), pad_token_id=self.tokenizer.pad_token_id
+        )
+
+    def configure_optimizers(self) -> Any:
+        actor_params = param_groups(self.actor, weight_decay=None)
+        if self.value_head is not None:
+            actor_params.append({"params": list(self.value_head.parameters()), "weight_decay": 0.0})
+        optimizers = [self.optimizer_factory(actor_params)]
+        if self.critic is not None:
+            optimizers.append(self.critic_optimizer_factory(param_groups(self.critic, weight_decay=None)))
+        for optimizer in optimizers:
+            warn_if_paged_on_cpu(optimizer)
+        if self.lr_scheduler_factory is None:
+            return optimizers
+        return optimizers, [{"scheduler": self.lr_scheduler_factory(o), "interval": "step"} for o in optimizers]
+
+    def on_fit_start(self) -> None:
+        optimizers = self._optimizers()
+        self.memory = PhaseMemory(
+            self.memory_plan,
+            trainer=self.trainer,
+            actor_optimizer=optimizers[0],
+            critic_optimizer=optimizers[1] if len(optimizers) > 1 else None,
+            critic=self.critic,
+            reference=self.reference,
+            reward_model=self.reward_model,
+            rollout_engine=self.rollout_engine,
+        )
+        self.memory.place("train")  # the resting placement between steps
+
+    def on_train_epoch_start(self) -> None:
+        # Lightning puts the whole module in train mode at each epoch; the frozen models stay in eval.
+        for frozen in (self.reference, self.reward_model):
+            if frozen is not None:
+                frozen.eval()
+
+    # -- one PPO iteration --------------------------------------------------------------------
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        # 1. Rollout: sample responses with the actor.
+        with self.memory.phase("rollout"):
+            exp = self._rollout(batch)
+        # 2-3. Score the responses; old and reference logprobs, and values, without gradients.
+        with self.memory.phase("score"):
+            exp.scores = self._score(exp)
+            self._logprobs_and_values(exp)
+        # 4. Advantages: KL-penalised rewards and GAE, or GRPO's group-relative scores.
+        kl_per_sample = self._advantages(exp)
+        # 5. Update: ppo_epochs over shuffled mini-batches of token-budget micro-batches.
+        with self.memory.phase("train"):
+            stats = self._update(exp)
+        # 6. Metrics, and the KL coefficient for the next step.
+        self._log_metrics(exp, kl_per_sample, stats)
+
+    # 1. Rollout ---------------------------------------------------------------------------------
+    def _rollout(self, batch: dict[str, Any]) -> Experience:
+        prompt_ids, prompt_mask, rows = batch["input_ids"], batch["attention_mask"], batch["rows"]
+        group = self.grpo.group_size if not self.use_critic else 1
+        if group > 1:  # GRPO: each prompt `group_size` times, side by side
+            prompt_ids = prompt_ids.repeat_interleave(group, dim=0)
+            prompt_mask = prompt_mask.repeat_interleave(group, dim=0)
+            rows = [row for row in rows for _ in range(group)]
+        exp = self.rollout_engine.generate(self.actor, prompt_ids, prompt_mask, synced=self.trainer.world_size > 1)
+        exp.group_ids = torch.arange(len(exp), device=self.device) // group
+        exp.rows = rows
+        exp.prompts = self.tokenizer.batch_decode(prompt_ids, skip_special_tokens=True)
+        exp.responses = [
+            self.tokenizer.decode(ids[: int(n)], skip_special_tokens=True)
+            for ids, n in zip(exp.response_ids, exp.response_lengths)
+        ]
+        return exp
+
+    # 2. Score -----------------------------------------------------------------------------------
+    def _score(self, exp: Experience) -> Tensor:
+        if self.reward_fn is not None:
+            return self.reward_fn(exp.prompts, exp.responses, exp.rows).to(self.device)
+        messages = [row_to_prompt_messages(row) for row in exp.rows]
+        return self.reward_model(
+            messages, exp.responses, max_tokens=self.ppo.logprob_budget, agree_on_count=self._agree_on_count
+        ).to(self.device)
+
+    # 3. Logprobs and values ---------------------------------------------------------------------
+    @torch.no_grad()
+    def _logprobs_and_values(self, exp: Experience) -> None:
+        shape = exp.response_ids.shape
+        exp.old_logprobs = torch.zeros(shape, device=self.device)
+        exp.ref_logprobs = torch.zeros(shape, device=self.device) if self.reference_mode else None
+        exp.old_values = torch.zeros(shape, device=self.device) if self.use_critic else None
+        temperature = self.generation.temperature
+        for idx in micro_batches(exp.sequence_lengths, self.ppo.logprob_budget, agree_on_count=self._agree_on_count):
+            mb = exp.select(idx)
+            cols = mb.response_ids.shape[1]
+            out = policy_forward(self.actor, mb, temperature=temperature, with_hidden=self.shared_critic)
+            exp.old_logprobs[idx, :cols] = out.logprobs
+            if self.reference_mode == "copy":
+                exp.ref_logprobs[idx, :cols] = policy_forward(self.reference, mb, temperature=temperature).logprobs
+            elif self.reference_mode == "adapters_off":
+                with self.actor.disable_adapter():  # the base model = the policy before training
+                    exp.ref_logprobs[idx, :cols] = policy_forward(self.actor, mb, temperature=temperature).logprobs
+            if self.shared_critic:
+                exp.old_values[idx, :cols] = self.value_head(out.hidden)
+            elif self.critic is not None:
+                exp.old_values[idx, :cols] = critic_values(self.critic, mb)
+
+    # 4. Advantages ------------------------------------------------------------------------------
+    def _advantages(self, exp: Experience) -> Tensor:
+        """Fill ``exp.advantages`` (and ``exp.returns`` for the critic); return each sample's KL."""
+        mask = exp.response_mask.float()
+        kl = (
+            kl_estimate(exp.old_logprobs, exp.ref_logprobs, self.kl.estimator) * mask
+            if exp.ref_logprobs is not None else torch.zeros_like(mask)
+        )
+        if self.use_critic:
+            penalty = self.kl_controller.value if self.kl.in_reward else 0.0
+            rewards = rewards_with_kl_penalty(exp.scores, kl, mask, penalty)
+            advantages, exp.returns = gae_advantages(
+                rewards, exp.old_values, mask, gamma=self.ppo.gamma, lam=self.ppo.lam
+            )
+        else:
+            advantages = grpo_advantages(exp.scores, exp.group_ids, mask, scale=self.grpo.scale_rewards)
+        if self.ppo.whiten_advantages:
+            advantages = whiten(advantages, mask, reduce=self._sum_over_ranks)
+        exp.advantages = advantages
+        return kl.sum(dim=1)
+
+    # 5. Update ----------------------------------------------------------------------------------
+    def _update(self, exp: Experience) -> dict[str, Tensor]:
+        totals: dict[str, Tensor] = {}
+        for _ in range(self.ppo.ppo_epochs):
+            order = torch.randperm(len(exp), device=self.device)
+            for mini_idx in torch.tensor_split(order, self.ppo.num_mini_batches):
+                mini = exp.select(mini_idx)
+                # The loss is a token mean over the whole mini-batch on all ranks, whatever the split.
+                tokens = self._sum_over_ranks(mini.response_mask.sum().float())
+                scale = self.trainer.world_size / tokens
+                for idx in micro_batches(
+                    mini.sequence_lengths, self.ppo.max_tokens_per_microbatch, agree_on_count=self._agree_on_count
+                ):
+                    loss, terms = self._loss(mini.select(idx))
+                    self.manual_backward(loss * scale)
+                    for name, value in terms.items():
+                        totals[name] = totals.get(name, 0.0) + value
+                self._optimizer_step()
+        return totals
+
+    def _loss(self, mb: Experience) -> tuple[Tensor, dict[str, Tensor]]:
+        """The micro-batch's summed loss (not yet divided by the mini-batch's tokens), and its terms."""
+        mask = mb.response_mask.float()
+        # With no entropy bonus, the entropy is a metric: no gradient through a vocabulary-wide softmax.
+        bonus = self.ppo.entropy_coef > 0
+        out = policy_forward(
+            self.actor, mb, temperature=self.generation.temperature, with_entropy=True, entropy_grad=bonus,
+            with_hidden=self.shared_critic,
+        )
+        pg = clipped_policy_loss(out.logprobs, mb.old_logprobs, mb.advantages, mask, clip_ratio=self.ppo.clip_ratio)
+        entropy = masked_sum(out.entropy, mask)
+        loss = pg.loss_sum - self.ppo.entropy_coef * entropy if bonus else pg.loss_sum
+        terms = {"tokens": mask.sum(), "policy_loss": pg.loss_sum.detach(), "clipped": pg.clipped_tokens,
+                 "approx_kl": pg.approx_kl_sum, "entropy": entropy.detach()}
+        if not self.kl.in_reward and mb.ref_logprobs is not None:
+            kl = masked_sum(kl_estimate(out.logprobs, mb.ref_logprobs, self.kl.estimator), mask)
+            loss = loss + self.kl_controller.value * kl
+        if self.use_critic:
+            values = self.value_head(out.hidden) if self.shared_critic else critic_values(self.critic, mb)
+            vl = clipped_value_loss(values, mb.old_values, mb.returns, mask, clip_range=self.ppo.value_clip)
+            loss = loss + self.ppo.vf_coef * vl.loss_sum
+            terms.update(value_loss=vl.loss_sum.detach(), value_clipped=vl.clipped_tokens)
+        return loss, terms
+
+    def _optimizer_step(self) -> None:
+        schedulers = self.lr_schedulers()
+        schedulers = [] if schedulers is None else schedulers if isinstance(schedulers, list) else [schedulers]
+        for optimizer in self.optimizers() if isinstance(self.optimizers(), list) else [self.optimizers()]:
+            if self.ppo.max_grad_norm is not None:
+                self.clip_gradients(optimizer, gradient_clip_val=self.ppo.max_grad_norm, gradient_clip_algorithm="norm")
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        for scheduler in schedulers:
+            scheduler.step()
+
+    # 6. Metrics ---------------------------------------------------------------------------------
+    def _log_metrics(self, exp: Experience, kl_per_sample: Tensor, totals: dict[str, Tensor]) -> None:
+        ones = torch.ones_like(exp.scores)
+        reward_mean, reward_var = masked_mean_var(exp.scores, ones, reduce=self._sum_over_ranks)
+        samples = self._sum_over_ranks(ones.sum())
+        kl_mean = self._sum_over_ranks(kl_per_sample.sum()) / samples
+        response_tokens = self._sum_over_ranks(exp.response_mask.sum().float())
+        self.kl_controller.update(float(kl_mean), int(samples))
+        t = {name: self._sum_over_ranks(torch.as_tensor(v, device=self.device).float()) for name, v in totals.items()}
+        # Token means over every update of this step (each token counted once per epoch).
+        per_token = lambda name: t[name] / t["tokens"]  # noqa: E731
+        metrics = {
+            "reward_mean": reward_mean,
+            "reward_std": reward_var.sqrt(),
+            "kl": kl_mean,
+            "kl_coef": self.kl_controller.value,
+            "policy_loss": per_token("policy_loss"),
+            "clipfrac": per_token("clipped"),
+            "approx_kl": per_token("approx_kl"),
+            "response_length": response_tokens / samples,
+            "gen_tokens_per_s": response_tokens / max(self.memory.seconds["rollout"], 1e-9),
+            **{f"time_{phase}_s": seconds for phase, seconds in self.memory.seconds.items()},
+        }
+        metrics["entropy"] = per_token("entropy")
+        if "value_loss" in t:
+            metrics["value_loss"] = per_token("value_loss")
+            metrics["value_clipfrac"] = per_token("value_clipped")
+        self.log_dict({k: float(v) for k, v in metrics.items()}, on_step=True, on_epoch=False)
+        self.log("reward", float(reward_mean), prog_bar=True, on_step=True, on_epoch=False)
+
+    # -- ranks --------------------------------------------------------------------------------
+    def _sum_over_ranks(self, value: Tensor) -> Tensor:
+        return self.trainer.strategy.reduce(value, reduce_op="sum") if self.trainer.world_size > 1 else value
+
+    def _agree_on_count(self, count: int) -> int:
+        if self.trainer.world_size == 1:
+            return count
+        return int(self.all_gather(torch.tensor(count, device=self.device)).max())
+
+    def _optimizers(self) -> list[torch.optim.Optimizer]:
+        optimizers = self.optimizers(use_pl_optimizer=False)
+        return optimizers if isinstance(optimizers, list) else [optimizers]
+
+    # -- checkpoints and export ---------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # The reference and reward models never change: they reload from their checkpoints, so
+        # the training checkpoint skips them (for a 7B policy, 14 GB each in bf16).
+        frozen = tuple(f"{name}." for name in ("reference", "reward_model"))
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith(frozen)}
+        checkpoint["kl_controller"] = self.kl_controller.state_dict()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if "kl_controller" in checkpoint:
+            self.kl_controller.load_state_dict(checkpoint["kl_controller"])
+
+    def on_fit_end(self) -> None:
+        if self.memory is not None:
+            self.memory.restore()
+        if self.hparams.export_dir is None:
+            return
+        out = Path(self.trainer.default_root_dir) / self.hparams.export_dir
+        export_hf(self.trainer, self.actor, self.tokenizer, out)
+        rank_zero_info(f"exported the actor and tokenizer to {out}")
+
+
+def _frozen(model: nn.Module) -> nn.Module:
+    _disable_dropout(model)
+    return model.requires_grad_(False).eval()
+
+
+def _disable_dropout(model: nn.Module) -> None:
+    """PPO compares one forward's logprobs with another's: dropout would make the ratio noise."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+
+
+def _eos_ids(model: nn.Module, tokenizer: Any) -> list[int]:
+    """Every token that ends a response: the tokenizer's eos and the model's generation config's
+    (chat models often stop on an end-of-turn token as well)."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if isinstance(config_eos, int):
+        ids.add(config_eos)
+    elif config_eos:
+        ids.update(config_eos)
+    if not ids:
+        raise ValueError("`model.name_or_path`: neither the tokenizer nor the generation config names an eos token")
+    return sorted(ids)
+
+
+class PPOCLI(RecipeCLI):
+    """The recipe CLI; the prompt datamodule loads the tokenizer of ``model.name_or_path``."""
+
+    link_tokenizer = True
+
+
+def main(args: list[str] | None = None) -> RecipeCLI:
+    return PPOCLI(PPOModule, PromptDataModule, args=args, save_config_kwargs={"overwrite": True})
+
+
+if __name__ == "__main__":
+    main()

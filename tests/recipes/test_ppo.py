@@ -1,0 +1,311 @@
+"""The PPO recipe: bad input fails before any model loads; the memory plan holds during a real step;
+an update does not depend on the micro-batch split; PPO, GRPO, LoRA, shared critic and reward
+model variants run; and the tiny end-to-end run (SFT warm-up, then PPO) raises the reward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch.loggers import CSVLogger
+
+import recipes.ppo as ppo
+from lightning_mem.data import PromptDataModule
+from lightning_mem.offload import module_location, optimizer_state_location
+from lightning_mem.rl.config import CriticConfig, GRPOConfig, KLConfig, PPOConfig, RewardModelConfig
+from lightning_mem.rl.memory_plan import PhaseMemoryPlan, PhasePlacement
+from lightning_mem.rl.rollout import GenerationConfig
+from recipes.rewards import ArithmeticReward
+from tests.helpers import ARITH, REPO, TINY_MODEL, csv_logger_args, read_metric, run_recipe
+
+CONFIG = str(REPO / "configs" / "ppo" / "tiny_cpu.yaml")
+SFT_CONFIG = str(REPO / "configs" / "sft" / "tiny_cpu.yaml")
+
+
+def gpu_tier_plan() -> PhaseMemoryPlan:
+    away = dict(actor_optimizer="host", critic_optimizer="host")
+    return PhaseMemoryPlan(
+        rollout=PhasePlacement(**away, critic="host", reference="host", reward_model="host"),
+        score=PhasePlacement(**away),
+        train=PhasePlacement(reference="host", reward_model="host"),
+        empty_cache_between_phases=True,
+    )
+
+
+def fit(tmp_path, module_cls=ppo.PPOModule, *, steps=1, batch_size=8, **overrides):
+    """One short in-process fit of the recipe's module on the tiny random model."""
+    seed_everything(0)
+    kwargs = dict(
+        name_or_path=str(TINY_MODEL),
+        reward=ArithmeticReward(),
+        generation=GenerationConfig(max_new_tokens=4),
+        ppo=PPOConfig(ppo_epochs=1, num_mini_batches=2, max_tokens_per_microbatch=256),
+        export_dir=None,
+    )
+    kwargs.update(overrides)
+    module = module_cls(**kwargs)
+    data = PromptDataModule(str(ARITH / "prompts.jsonl"), tokenizer=str(TINY_MODEL), batch_size=batch_size, max_prompt_length=64)
+    trainer = Trainer(
+        accelerator="cpu", devices=1, max_epochs=1, limit_train_batches=steps, default_root_dir=tmp_path,
+        logger=CSVLogger(tmp_path, name="logs"), log_every_n_steps=1, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(module, data)
+    return module, trainer
+
+
+# -- the memory plan during a real step ---------------------------------------------------------
+
+
+class PlacementProbe(ppo.PPOModule):
+    """Records, at each point of the step, where the plan's components are according to the offload
+    primitives' ledgers."""
+
+    seen: dict[str, dict[str, str]]
+
+    def _where(self) -> dict[str, str]:
+        optimizers = self._optimizers()
+        out = {"actor_optimizer": optimizer_state_location(optimizers[0])}
+        if len(optimizers) > 1:
+            out["critic_optimizer"] = optimizer_state_location(optimizers[1])
+        for name in ("critic", "reference", "reward_model"):
+            if getattr(self, name) is not None:
+                out[name] = module_location(getattr(self, name))
+        return out
+
+    def _rollout(self, batch):
+        self.seen = {"rollout": self._where()}
+        return super()._rollout(batch)
+
+    def _score(self, exp):
+        self.seen["score"] = self._where()
+        return super()._score(exp)
+
+    def _optimizer_step(self):
+        self.seen["update"] = self._where()
+        super()._optimizer_step()
+
+
+def test_memory_plan_holds_in_every_phase_of_a_step(tmp_path):
+    module, _ = fit(tmp_path, PlacementProbe, memory_plan=gpu_tier_plan(), kl=KLConfig(coef=0.05))
+    seen = module.seen
+    assert seen["rollout"] == dict(
+        actor_optimizer="host", critic_optimizer="host", critic="host", reference="host"
+    )
+    assert seen["score"] == dict(
+        actor_optimizer="host", critic_optimizer="host", critic="device", reference="device"
+    )
+    assert seen["update"] == dict(
+        actor_optimizer="device", critic_optimizer="device", critic="device", reference="host"
+    )
+    # Lightning saw a normal step: optimizer state exists and the phases were timed.
+    assert module._optimizers()[0].state
+    for phase in ("rollout", "score", "train"):
+        assert read_metric(tmp_path, f"time_{phase}_s")[0] > 0
+
+
+# -- an update does not depend on how the mini-batch is split -----------------------------------
+
+
+def test_update_is_the_same_whatever_the_token_budget(tmp_path, monkeypatch):
+    counts = []
+    real = ppo.micro_batches
+
+    def counting(lengths, max_tokens, **kwargs):
+        batches = real(lengths, max_tokens, **kwargs)
+        counts.append((max_tokens, len(batches)))
+        return batches
+
+    monkeypatch.setattr(ppo, "micro_batches", counting)
+    sgd = lambda params: torch.optim.SGD(params, lr=1.0)  # noqa: E731  (plain SGD: params move by exactly -grad)
+    params = {}
+    for budget in (None, 40):
+        module, _ = fit(
+            tmp_path / str(budget), Snapshot, optimizer=sgd, critic_optimizer=sgd,
+            ppo=PPOConfig(ppo_epochs=1, num_mini_batches=1, max_grad_norm=None, max_tokens_per_microbatch=budget,
+                          logprob_max_tokens_per_microbatch=4096),
+        )
+        params[budget] = {f"actor.{k}": v.detach().clone() for k, v in module.actor.named_parameters()}
+        params[budget].update({f"critic.{k}": v.detach().clone() for k, v in module.critic.named_parameters()})
+    update_splits = [n for budget, n in counts if budget == 40]
+    assert update_splits and min(update_splits) >= 4  # the small budget really split the mini-batch
+    for name, whole in params[None].items():
+        torch.testing.assert_close(params[40][name], whole, atol=2e-6, rtol=1e-4, msg=name)
+    # ... and the update was not a no-op: most actor tensors moved.
+    moved = [not torch.equal(params[None][f"actor.{k}"], v) for k, v in module.initial.items()]
+    assert sum(moved) > len(moved) // 2
+
+
+class Snapshot(ppo.PPOModule):
+    def on_fit_start(self):
+        self.initial = {k: v.detach().clone() for k, v in self.actor.named_parameters()}
+        super().on_fit_start()
+
+
+# -- variants -----------------------------------------------------------------------------------
+
+
+def test_grpo_builds_no_critic_and_samples_groups(tmp_path):
+    module, _ = fit(
+        tmp_path, advantage_estimator="grpo", grpo=GRPOConfig(group_size=4), batch_size=4,
+        kl=KLConfig(coef=0.01, estimator="k3", in_reward=False),
+    )
+    assert module.critic is None and module.value_head is None
+    assert len(module._optimizers()) == 1
+    assert read_metric(tmp_path, "reward_mean") and not read_metric(tmp_path, "value_loss")
+
+
+def test_lora_actor_uses_its_base_as_the_reference_and_a_shared_critic(tmp_path):
+    module, _ = fit(
+        tmp_path, lora=dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+        critic=CriticConfig(layout="shared"),
+    )
+    assert module.reference is None and module.reference_mode == "adapters_off"
+    assert module.critic is None and module.value_head is not None
+    trainable = {n for n, p in module.actor.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    # The step's KL is measured against the adapters-off model: it starts at the policy itself.
+    assert abs(read_metric(tmp_path, "kl")[0]) < 1e-4
+    # The shared value head trains with the actor's optimizer.
+    actor_params = [p for group in module._optimizers()[0].param_groups for p in group["params"]]
+    assert any(p is module.value_head.summary.weight for p in actor_params)
+    assert read_metric(tmp_path, "value_loss")
+
+
+def test_reward_model_is_scored_and_parked_on_the_host(tmp_path):
+    module, _ = fit(
+        tmp_path, PlacementProbe, reward=None, reward_model=RewardModelConfig(name_or_path=str(TINY_MODEL)),
+        memory_plan=gpu_tier_plan(),
+    )
+    assert module.seen["rollout"]["reward_model"] == "host"
+    assert module.seen["score"]["reward_model"] == "device"
+    assert module.seen["update"]["reward_model"] == "host"
+    assert torch.isfinite(torch.tensor(read_metric(tmp_path, "reward_mean")[0]))
+
+
+# -- bad input: one clear error, before any model is loaded ---------------------------------
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the bad input was reported")
+
+    monkeypatch.setattr(ppo, "load_causal_lm", refuse)
+    monkeypatch.setattr(ppo, "load_value_model", refuse)
+    monkeypatch.setattr(ppo, "load_reward_model", refuse)
+
+
+def _cli(tmp_path, *extra):
+    return ppo.main(
+        ["fit", "--config", CONFIG, f"--trainer.default_root_dir={tmp_path}", f"--model.name_or_path={TINY_MODEL}", *extra]
+    )
+
+
+def test_reward_class_path_that_does_not_import(tmp_path, no_model_load, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _cli(tmp_path, "--model.reward.class_path=recipes.rewards.NoSuchReward")
+    assert exit_info.value.code != 0
+    err = capsys.readouterr().err
+    assert "model.reward" in err and "recipes.rewards.NoSuchReward" in err
+
+
+def test_memory_plan_that_parks_a_model_it_needs(tmp_path, no_model_load):
+    with pytest.raises(ValueError, match=r"`model.memory_plan.score.reference` is 'host', but the score phase"):
+        _cli(tmp_path, "--model.memory_plan.score.reference=host")
+
+
+def test_reward_rule_and_reward_model_together(tmp_path, no_model_load):
+    with pytest.raises(ValueError, match=r"set exactly one of `model.reward`"):
+        _cli(tmp_path, f"--model.reward_model.name_or_path={TINY_MODEL}")
+
+
+def test_grpo_group_of_one(tmp_path, no_model_load):
+    with pytest.raises(ValueError, match=r"`model.grpo.group_size` must be >= 2"):
+        _cli(tmp_path, "--model.advantage_estimator=grpo", "--model.grpo.group_size=1")
+
+
+def test_missing_policy_checkpoint(tmp_path, no_model_load):
+    with pytest.raises(FileNotFoundError, match=r"`model.name_or_path`: model path './no-sft-export' does not exist"):
+        _cli(tmp_path, "--model.name_or_path=./no-sft-export")
+
+
+# -- end to end: the real CLI, SFT warm-up then PPO ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sft_export(tmp_path_factory):
+    """A short SFT of the tiny model: the policy must know the answer format before PPO."""
+    root = tmp_path_factory.mktemp("sft")
+    sft = run_recipe(
+        "sft", "fit", "--config", SFT_CONFIG, f"--trainer.default_root_dir={root}", "--trainer.max_steps=120",
+        "--trainer.val_check_interval=120", "--model.lr_scheduler.init_args.total_steps=120", "--trainer.logger=false",
+        "--trainer.callbacks=[]",
+    )
+    assert sft.returncode == 0, sft.stderr[-3000:]
+    return root / "export"
+
+
+@pytest.fixture(scope="module")
+def ppo_run(tmp_path_factory, sft_export):
+    """48 PPO steps of the tiny config from the short SFT."""
+    root = tmp_path_factory.mktemp("ppo")
+    run = run_recipe(
+        "ppo", "fit", "--config", CONFIG, f"--trainer.default_root_dir={root}", f"--model.name_or_path={sft_export}",
+        "--trainer.max_epochs=3", *csv_logger_args(root),
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return root
+
+
+def test_reward_improves(ppo_run):
+    rewards = [v for _, v in sorted(read_metric(ppo_run, "reward_mean").items())]
+    assert len(rewards) == 48
+    q = len(rewards) // 4
+    first, last = sum(rewards[:q]) / q, sum(rewards[-q:]) / q
+    assert last >= first + 0.1, (first, last)
+    assert all(0.0 <= r <= 1.0 for r in rewards)
+
+
+def test_every_metric_is_logged(ppo_run):
+    for name in (
+        "reward_mean", "reward_std", "kl", "kl_coef", "policy_loss", "value_loss", "clipfrac", "entropy", "approx_kl",
+        "response_length", "gen_tokens_per_s", "time_rollout_s", "time_score_s", "time_train_s",
+    ):
+        assert len(read_metric(ppo_run, name)) == 48, name
+    assert (ppo_run / "export" / "model.safetensors").is_file()
+
+
+# -- FSDP2 on 2 CPU ranks: the same update as one process on the same global batch ---------------
+
+
+def test_two_fsdp2_ranks_make_the_single_process_update(tmp_path, sft_export):
+    """16 prompts, greedy rollouts (so both runs see the same responses), one PPO step with plain
+    SGD: the 2-rank run (8 prompts each, sharded actor/critic/reference, activation checkpointing
+    and offload, global whitening and token normalisation) must write the single-process weights."""
+    from safetensors.torch import load_file
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join((ARITH / "prompts.jsonl").read_text().splitlines(keepends=True)[:16]))
+    same = [
+        f"--model.name_or_path={sft_export}", f"--data.train_file={prompts}", "--trainer.max_epochs=1",
+        "--model.generation.do_sample=false", "--model.ppo.ppo_epochs=1", "--model.ppo.num_mini_batches=1",
+        "--model.ppo.max_grad_norm=null", "--model.optimizer.class_path=torch.optim.SGD",
+        "--model.optimizer.init_args.lr=1.0", "--model.critic_optimizer.class_path=torch.optim.SGD",
+        "--model.critic_optimizer.init_args.lr=1.0", "--trainer.logger=false",
+    ]
+    runs = {
+        "single": ["--config", CONFIG, "--data.batch_size=16"],
+        "fsdp2": ["--config", str(REPO / "configs" / "ppo" / "tiny_cpu_fsdp2.yaml"), "--data.batch_size=8"],
+    }
+    weights = {}
+    for name, args in runs.items():
+        root = tmp_path / name
+        run = run_recipe("ppo", "fit", *args, *same, f"--trainer.default_root_dir={root}")
+        assert run.returncode == 0, run.stderr[-3000:]
+        weights[name] = load_file(root / "export" / "model.safetensors")
+    start = load_file(sft_export / "model.safetensors")
+    assert weights["single"].keys() == weights["fsdp2"].keys()
+    for key, value in weights["single"].items():
+        torch.testing.assert_close(weights["fsdp2"][key], value, atol=1e-5, rtol=1e-4, msg=key)
+    assert sum(not torch.equal(weights["single"][k], start[k]) for k in start) > len(start) // 2

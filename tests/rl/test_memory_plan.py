@@ -1,0 +1,146 @@
+"""The per-phase memory plan: validation, and where things live in each phase (read from the
+offload primitives' own bookkeeping, since host and device are the same memory on CPU)."""
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_mem.offload import module_location, optimizer_state_location
+from lightning_mem.rl.memory_plan import PhaseMemory, PhaseMemoryPlan, PhasePlacement
+
+
+def gpu_tier_plan(**kwargs) -> PhaseMemoryPlan:
+    """The GPU tiers' default: Adam state off the device outside training; ref and reward on the
+    host outside scoring; the critic on the host during the rollout."""
+    away = dict(actor_optimizer="host", critic_optimizer="host")
+    return PhaseMemoryPlan(
+        rollout=PhasePlacement(**away, critic="host", reference="host", reward_model="host"),
+        score=PhasePlacement(**away),
+        train=PhasePlacement(reference="host", reward_model="host"),
+        **kwargs,
+    )
+
+
+def trained_optimizer(module: nn.Module) -> torch.optim.Optimizer:
+    opt = torch.optim.AdamW(module.parameters(), lr=0.1)
+    module(torch.ones(3, 4)).sum().backward()
+    opt.step()
+    return opt
+
+
+@pytest.fixture
+def parts():
+    torch.manual_seed(0)
+    actor, critic = nn.Linear(4, 4), nn.Linear(4, 1)
+    return dict(
+        actor_optimizer=trained_optimizer(actor),
+        critic_optimizer=trained_optimizer(critic),
+        critic=critic,
+        reference=nn.Linear(4, 4),
+        reward_model=nn.Linear(4, 1),
+    )
+
+
+def where(memory: PhaseMemory, parts: dict) -> dict[str, str]:
+    """Each component's location according to the primitives' ledgers (not the plan's own record)."""
+    out = {}
+    for name, obj in parts.items():
+        out[name] = optimizer_state_location(obj) if name.endswith("optimizer") else module_location(obj)
+        assert out[name] == memory.locations[name], name
+    return out
+
+
+def test_each_phase_places_everything_as_declared(parts):
+    memory = PhaseMemory(gpu_tier_plan(), **parts)
+    memory.place("train")
+    assert where(memory, parts) == dict(
+        actor_optimizer="device", critic_optimizer="device", critic="device", reference="host", reward_model="host"
+    )
+    with memory.phase("rollout"):
+        assert where(memory, parts) == dict(
+            actor_optimizer="host", critic_optimizer="host", critic="host", reference="host", reward_model="host"
+        )
+    with memory.phase("score"):
+        assert where(memory, parts) == dict(
+            actor_optimizer="host", critic_optimizer="host", critic="device", reference="device", reward_model="device"
+        )
+    with memory.phase("train"):
+        assert where(memory, parts)["actor_optimizer"] == "device"
+        assert where(memory, parts)["reference"] == "host"
+    assert set(memory.seconds) == {"rollout", "score", "train"}
+
+
+def test_round_trips_leave_every_tensor_bit_identical(parts):
+    before_state = {k: v.clone() for k, v in parts["actor_optimizer"].state_dict()["state"][0].items()}
+    before_ref = parts["reference"].weight.detach().clone()
+    memory = PhaseMemory(gpu_tier_plan(), **parts)
+    for phase in ("train", "rollout", "score", "train", "rollout", "score", "train"):
+        memory.place(phase)
+    after_state = parts["actor_optimizer"].state_dict()["state"][0]
+    for key, value in before_state.items():
+        assert torch.equal(after_state[key], value), key
+    memory.restore()
+    assert torch.equal(parts["reference"].weight, before_ref)
+    assert all(location == "device" for location in memory.locations.values())
+
+
+def test_offloads_happen_before_reloads(parts):
+    calls = []
+
+    class Recording(PhaseMemory):
+        def _to_host(self, name):
+            calls.append(("host", name))
+            super()._to_host(name)
+
+        def _to_device(self, name):
+            calls.append(("device", name))
+            super()._to_device(name)
+
+    memory = Recording(gpu_tier_plan(), **parts)
+    memory.place("score")  # reference and reward stay, optimizers out
+    calls.clear()
+    memory.place("train")  # optimizers back in, reference and reward out
+    kinds = [kind for kind, _ in calls]
+    assert kinds == sorted(kinds, key=lambda k: k != "host"), calls  # every "host" move first
+    assert {name for _, name in calls} == {"actor_optimizer", "critic_optimizer", "reference", "reward_model"}
+
+
+def test_missing_components_are_skipped():
+    actor = nn.Linear(4, 4)
+    memory = PhaseMemory(gpu_tier_plan(), actor_optimizer=trained_optimizer(actor))  # GRPO with a reward rule
+    with memory.phase("rollout"):
+        assert optimizer_state_location(memory.components["actor_optimizer"]) == "host"
+    assert set(memory.components) == {"actor_optimizer"}
+
+
+def test_kv_cache_freed_after_rollout_only_when_asked():
+    class Engine:
+        freed = 0
+
+        def free_kv_cache(self):
+            self.freed += 1
+            return True
+
+    for free, expected in ((True, 1), (False, 0)):
+        engine = Engine()
+        memory = PhaseMemory(PhaseMemoryPlan(free_kv_cache=free), rollout_engine=engine)
+        with memory.phase("rollout"):
+            pass
+        with memory.phase("score"):
+            pass
+        assert engine.freed == expected
+
+
+@pytest.mark.parametrize(
+    "phase, component",
+    [("score", "reference"), ("score", "reward_model"), ("score", "critic"), ("train", "actor_optimizer"), ("train", "critic")],
+)
+def test_a_component_cannot_be_on_the_host_in_a_phase_that_uses_it(phase, component):
+    plan = PhaseMemoryPlan(**{phase: PhasePlacement(**{component: "host"})})
+    with pytest.raises(ValueError, match=rf"`model.memory_plan.{phase}.{component}` is 'host', but the {phase} phase"):
+        plan.validate()
+
+
+def test_unknown_placement_is_named():
+    with pytest.raises(ValueError, match=r"`model.memory_plan.rollout.reference` must be 'device' or 'host', got 'gpu'"):
+        PhaseMemoryPlan(rollout=PhasePlacement(reference="gpu")).validate()
