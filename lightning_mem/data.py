@@ -246,6 +246,19 @@ class _Collator:
         return collate_right_padded(examples, self.pad_token_id)
 
 
+def resume_where_stopped(sampler: TokenBudgetSampler, trainer: Any) -> None:
+    """Position a training sampler by the batches the trainer has already run.
+
+    Lightning restores its batch counters from a checkpoint but replays a plain DataLoader from
+    the start (and, from a checkpoint taken on an epoch's last batch, resumes with the next epoch
+    number); positioning by batches run makes a resumed run see exactly the uninterrupted batches.
+    """
+    if trainer is None:
+        return
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    sampler.position_fn = lambda: progress.total.processed
+
+
 # ---------------------------------------------------------------------------------------------
 # The datamodule
 # ---------------------------------------------------------------------------------------------
@@ -349,12 +362,7 @@ class SFTDataModule(LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         assert self.train_set is not None, "call setup() first"
         sampler = self._sampler(self.train_set, shuffle=True)
-        if self.trainer is not None:
-            # Lightning restores its batch counters from a checkpoint but replays a plain DataLoader
-            # from the start (and may resume with another epoch number); positioning the sampler
-            # by the batches already run makes a resumed run see exactly the uninterrupted batches.
-            progress = self.trainer.fit_loop.epoch_loop.batch_progress
-            sampler.position_fn = lambda: progress.total.processed
+        resume_where_stopped(sampler, self.trainer)
         return self._loader(self.train_set, sampler)
 
     def val_dataloader(self) -> DataLoader | list:
@@ -484,7 +492,6 @@ class PromptDataModule(LightningDataModule):
         self.tokenizer: Any = None
         self.train_set: PromptDataset | None = None
         self.dropped: list[str] = []
-        self._resume_skip = 0
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
@@ -537,7 +544,7 @@ class PromptDataModule(LightningDataModule):
             shuffle=True,
             seed=self.seed,
         )
-        sampler.skip_batches, self._resume_skip = self._resume_skip, 0
+        resume_where_stopped(sampler, trainer)
         return DataLoader(
             self.train_set,
             sampler=sampler,
@@ -545,13 +552,3 @@ class PromptDataModule(LightningDataModule):
             collate_fn=_PromptCollator(self.tokenizer.pad_token_id),
             num_workers=self.num_workers,
         )
-
-    # Mid-epoch resume, as in SFTDataModule: skip the prompt batches this epoch already used.
-    def state_dict(self) -> dict[str, Any]:
-        trainer = self.trainer
-        if trainer is None:
-            return {}
-        return {"batches_done_in_epoch": trainer.fit_loop.epoch_loop.batch_progress.current.processed}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._resume_skip = int(state_dict.get("batches_done_in_epoch", 0))
