@@ -74,16 +74,21 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
     return [dict(row, _where=f"{p}:row {i}") for i, row in enumerate(table)]
 
 
+def check_messages(messages: Any, where: str) -> None:
+    """A non-empty list of ``{"role": str, "content": str}``, or an error naming the row."""
+    if not isinstance(messages, list) or not messages:
+        raise DataFormatError(f"{where}: `messages` must be a non-empty list")
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise DataFormatError(f"{where}: each message needs string `role` and `content`, got {m!r}")
+
+
 def row_to_messages(row: dict[str, Any]) -> list[dict[str, str]]:
     """Normalise a row to chat messages, or raise naming the row's file and line."""
     where = row.get("_where", "row")
     if "messages" in row:
         messages = row["messages"]
-        if not isinstance(messages, list) or not messages:
-            raise DataFormatError(f"{where}: `messages` must be a non-empty list")
-        for m in messages:
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise DataFormatError(f"{where}: each message needs string `role` and `content`, got {m!r}")
+        check_messages(messages, where)
         if not any(m["role"] == "assistant" for m in messages):
             raise DataFormatError(f"{where}: `messages` has no assistant turn to learn from")
         return messages
@@ -385,11 +390,7 @@ def row_to_prompt_messages(row: dict[str, Any]) -> list[dict[str, str]]:
         return messages + [{"role": "user", "content": row["prompt"]}]
     if "messages" in row:
         messages = row["messages"]
-        if not isinstance(messages, list) or not messages:
-            raise DataFormatError(f"{where}: `messages` must be a non-empty list")
-        for m in messages:
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise DataFormatError(f"{where}: each message needs string `role` and `content`, got {m!r}")
+        check_messages(messages, where)
         if messages[-1]["role"] == "assistant":
             raise DataFormatError(f"{where}: a prompt's `messages` must end before the assistant's answer")
         return messages
