@@ -1,0 +1,52 @@
+"""scripts/eval_arithmetic.py: the answer probability is the teacher-forced product of the answer's
+token probabilities; rows without an answer are refused by line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lightning_mem.models import load_causal_lm, load_tokenizer
+from scripts.eval_arithmetic import evaluate
+from tests.helpers import TINY_MODEL
+
+
+@pytest.fixture(scope="module")
+def tiny_saved(tmp_path_factory):
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny")
+    load_causal_lm(str(TINY_MODEL)).save_pretrained(path)
+    load_tokenizer(str(TINY_MODEL)).save_pretrained(path)
+    return path
+
+
+def test_answer_probability_is_the_product_of_token_probabilities(tiny_saved, tmp_path):
+    rows = [{"prompt": "What is 3 + 4?", "answer": "7"}, {"prompt": "Compute 12 - 2.", "answer": "10"}]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = evaluate(str(tiny_saved), prompts, limit=2)
+
+    model, tok = load_causal_lm(str(tiny_saved)).eval(), load_tokenizer(str(tiny_saved))
+    expected = 0.0
+    for row in rows:
+        text = tok.apply_chat_template([{"role": "user", "content": row["prompt"]}], tokenize=False, add_generation_prompt=True)
+        ids = tok(text + row["answer"] + tok.eos_token, add_special_tokens=False)["input_ids"]
+        n_prompt = len(tok(text, add_special_tokens=False)["input_ids"])
+        with torch.no_grad():
+            probs = model(torch.tensor([ids])).logits[0].softmax(-1)
+        p = 1.0
+        for t in range(n_prompt, len(ids)):  # every answer token and the end token, one at a time
+            p *= float(probs[t - 1, ids[t]])
+        expected += p / len(rows)
+    assert result["answer_probability"] == pytest.approx(expected, rel=1e-4)
+    assert result["prompts"] == 2
+    assert 0.0 <= result["greedy_exact"] <= 1.0 and 0.0 <= result["sampled_exact"] <= 1.0
+
+
+def test_rows_without_an_answer_are_refused(tiny_saved, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "What is 1 + 1?", "answer": "2"}) + "\n" + json.dumps({"prompt": "x"}) + "\n")
+    with pytest.raises(KeyError, match=r"p.jsonl: rows without an `answer` key \(line 2 is the first\)"):
+        evaluate(str(tiny_saved), prompts)
