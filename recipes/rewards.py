@@ -42,9 +42,9 @@ class ArithmeticReward(ExactAnswerReward):
     ``extract="last_integer"`` judges the last integer in the response instead (a chat model's
     "11 + 5 = 16." counts as 16), for instruction-tuned policies that explain before answering.
 
-    Why graded: a few-million-parameter policy after a short SFT answers about 7% of sampled
-    prompts exactly, so an exact-match reward is 0 for most samples and the policy gradient
-    has little to go on. Closeness is dense and points the same way; with ``partial`` at most 0.5
+    Why graded: a policy that rarely gets the exact answer (a short warm-up, a hard prompt set)
+    sees an exact-match reward of 0 for most samples, and the policy gradient has little to go
+    on. Closeness is dense and points the same way; with ``partial`` at most 0.5
     an exact answer is always worth at least twice any near miss. ``partial=0`` is
     :class:`ExactAnswerReward`.
     """

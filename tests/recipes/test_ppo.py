@@ -235,12 +235,11 @@ def test_missing_policy_checkpoint(tmp_path, no_model_load):
 
 @pytest.fixture(scope="module")
 def sft_export(tmp_path_factory):
-    """A short SFT of the tiny model: the policy must know the answer format before PPO."""
+    """The SFT demo run (configs/sft/tiny_cpu.yaml, 600 steps, about 2 minutes): the policy PPO starts from."""
     root = tmp_path_factory.mktemp("sft")
     sft = run_recipe(
-        "sft", "fit", "--config", SFT_CONFIG, f"--trainer.default_root_dir={root}", "--trainer.max_steps=120",
-        "--trainer.val_check_interval=120", "--model.lr_scheduler.init_args.total_steps=120", "--trainer.logger=false",
-        "--trainer.callbacks=[]",
+        "sft", "fit", "--config", SFT_CONFIG, f"--trainer.default_root_dir={root}", "--trainer.logger=false",
+        "--trainer.callbacks=[]", "--trainer.val_check_interval=600",
     )
     assert sft.returncode == 0, sft.stderr[-3000:]
     return root / "export"
@@ -255,27 +254,50 @@ def _ppo(root, sft_export, *extra):
     return root
 
 
+SHORT_EPOCHS = 8  # 128 PPO steps, about 75 s: the tiny config's first quarter
+
+
 @pytest.fixture(scope="module")
 def ppo_run(tmp_path_factory, sft_export):
-    """16 PPO steps (one pass over the prompts) of the tiny config from the short SFT."""
-    return _ppo(tmp_path_factory.mktemp("ppo"), sft_export, "--trainer.max_epochs=1")
+    """The tiny config cut to its first quarter (128 of 512 PPO steps)."""
+    return _ppo(tmp_path_factory.mktemp("ppo"), sft_export, f"--trainer.max_epochs={SHORT_EPOCHS}")
+
+
+def _quarters(root) -> list[float]:
+    rewards = [v for _, v in sorted(read_metric(root, "reward_mean").items())]
+    q = len(rewards) // 4
+    return [sum(rewards[i * q : (i + 1) * q]) / q for i in range(4)]
 
 
 def test_rewards_are_in_unit_range(ppo_run):
     rewards = [v for _, v in sorted(read_metric(ppo_run, "reward_mean").items())]
-    assert len(rewards) == 16
+    assert len(rewards) == 16 * SHORT_EPOCHS
     assert all(0.0 <= r <= 1.0 for r in rewards)
 
 
-# NOTE: not yet met. A 48-step run measured a first-quarter mean reward of 0.255 and a last-quarter
-# mean of 0.288 (+0.03), short of the issue's +0.15; the full 8-epoch tiny config is unmeasured.
-# Kept as the target, deselected by default (`pytest -m slow` runs it, about 10 minutes).
-@pytest.mark.slow
+def test_short_run_raises_the_reward(ppo_run):
+    """A quarter of the config's budget. Each quarter of this run is 1,024 sampled answers, so the
+    difference of two quarter means has a standard error of about 0.02; measured: +0.07 (0.588 ->
+    0.658, docs/ppo.md). The bar sits two standard errors below that."""
+    first, *_, last = _quarters(ppo_run)
+    assert last >= first + 0.03, _quarters(ppo_run)
+
+
+def test_ppo_export_gives_the_right_answer_more_probability(ppo_run, sft_export):
+    """Apart from the training metric, and free of sampling noise: the probability the exported
+    actor gives the exact answer (the expected reward of one rollout), averaged over the 512
+    prompts, beats the policy it started from. Measured: 0.611 -> 0.677."""
+    from scripts.eval_arithmetic import evaluate
+
+    before = evaluate(str(sft_export), limit=512)
+    after = evaluate(str(ppo_run / "export"), limit=512)
+    assert after["answer_probability"] >= before["answer_probability"] + 0.03, (before, after)
+    assert before["greedy_exact"] >= 0.6, before  # the SFT demo taught the task (measured 0.85)
+
+
+@pytest.mark.slow  # the issue's target, on the full config: about 5 minutes (`pytest -m slow`)
 def test_reward_improves_over_the_full_tiny_config(tmp_path, sft_export):
-    root = _ppo(tmp_path, sft_export)
-    rewards = [v for _, v in sorted(read_metric(root, "reward_mean").items())]
-    q = len(rewards) // 4
-    first, last = sum(rewards[:q]) / q, sum(rewards[-q:]) / q
+    first, *_, last = _quarters(_ppo(tmp_path, sft_export))
     assert last >= first + 0.15, (first, last)
 
 
@@ -284,7 +306,7 @@ def test_every_metric_is_logged(ppo_run):
         "reward_mean", "reward_std", "kl", "kl_coef", "policy_loss", "value_loss", "clipfrac", "entropy", "approx_kl",
         "response_length", "gen_tokens_per_s", "time_rollout_s", "time_score_s", "time_train_s",
     ):
-        assert len(read_metric(ppo_run, name)) == 16, name
+        assert len(read_metric(ppo_run, name)) == 16 * SHORT_EPOCHS, name
     assert (ppo_run / "export" / "model.safetensors").is_file()
 
 

@@ -144,3 +144,50 @@ def test_a_component_cannot_be_on_the_host_in_a_phase_that_uses_it(phase, compon
 def test_unknown_placement_is_named():
     with pytest.raises(ValueError, match=r"`model.memory_plan.rollout.reference` must be 'device' or 'host', got 'gpu'"):
         PhaseMemoryPlan(rollout=PhasePlacement(reference="gpu")).validate()
+
+
+def _devices(parts: dict) -> dict[str, str]:
+    """Each component's location read from its tensors' devices (CUDA only: on CPU they are the same)."""
+    out = {}
+    for name, obj in parts.items():
+        if name.endswith("optimizer"):
+            tensors = [t for s in obj.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
+        else:
+            tensors = list(obj.parameters())
+        kinds = {t.device.type for t in tensors}
+        assert len(kinds) == 1, (name, kinds)
+        out[name] = "device" if kinds == {"cuda"} else "host"
+    return out
+
+
+@pytest.mark.gpu
+def test_each_phase_places_everything_on_the_declared_device_on_cuda():
+    torch.manual_seed(0)
+    actor, critic = nn.Linear(4, 4).cuda(), nn.Linear(4, 1).cuda()
+
+    def trained(module):
+        opt = torch.optim.AdamW(module.parameters(), lr=0.1)
+        module(torch.ones(3, 4, device="cuda")).sum().backward()
+        opt.step()
+        return opt
+
+    parts = dict(actor_optimizer=trained(actor), critic_optimizer=trained(critic), critic=critic,
+                 reference=nn.Linear(4, 4).cuda(), reward_model=nn.Linear(4, 1).cuda())
+    memory = PhaseMemory(gpu_tier_plan(), **parts)
+    memory.place("train")
+    assert _devices(parts) == dict(
+        actor_optimizer="device", critic_optimizer="device", critic="device", reference="host", reward_model="host"
+    )
+    with memory.phase("rollout"):
+        assert _devices(parts) == dict(
+            actor_optimizer="host", critic_optimizer="host", critic="host", reference="host", reward_model="host"
+        )
+    with memory.phase("score"):
+        assert _devices(parts) == dict(
+            actor_optimizer="host", critic_optimizer="host", critic="device", reference="device", reward_model="device"
+        )
+    with memory.phase("train"):
+        assert _devices(parts)["actor_optimizer"] == "device" and _devices(parts)["reference"] == "host"
+    # The update works on the state that came back.
+    actor(torch.ones(3, 4, device="cuda")).sum().backward()
+    parts["actor_optimizer"].step()

@@ -1,5 +1,6 @@
-"""scripts/eval_arithmetic.py: the answer probability is the teacher-forced product of the answer's
-token probabilities; rows without an answer are refused by line."""
+"""The scripts: eval_arithmetic's answer probability is the teacher-forced product of the answer's
+token probabilities, and rows without an answer are refused by line; plot_metrics draws a PNG and
+names a missing column."""
 
 from __future__ import annotations
 
@@ -50,3 +51,15 @@ def test_rows_without_an_answer_are_refused(tiny_saved, tmp_path):
     prompts.write_text(json.dumps({"prompt": "What is 1 + 1?", "answer": "2"}) + "\n" + json.dumps({"prompt": "x"}) + "\n")
     with pytest.raises(KeyError, match=r"p.jsonl: rows without an `answer` key \(line 2 is the first\)"):
         evaluate(str(tiny_saved), prompts)
+
+
+def test_plot_metrics_draws_each_column_and_names_a_missing_one(tmp_path):
+    from scripts.plot_metrics import moving_average, plot
+
+    metrics = tmp_path / "metrics.csv"
+    metrics.write_text("step,reward_mean,kl\n0,0.5,\n1,0.7,0.1\n2,0.9,0.2\n")
+    out = plot(metrics, ["reward_mean", "kl"], tmp_path / "out" / "curve.png", window=2)
+    assert out.is_file() and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert moving_average([0.5, 0.7, 0.9], 2) == pytest.approx([0.5, 0.6, 0.8])
+    with pytest.raises(KeyError, match=r"metrics.csv: no column `reward` \(columns: step, reward_mean, kl\)"):
+        plot(metrics, ["reward_mean", "reward"], tmp_path / "x.png")
