@@ -22,6 +22,7 @@ steps (``ppo_epochs x num_mini_batches`` per iteration); the loggers' step is th
 from __future__ import annotations
 
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
@@ -496,6 +497,11 @@ class PPOCLI(RecipeCLI):
 
 
 def main(args: list[str] | None = None) -> RecipeCLI:
+    # Two Lightning warnings that every PPO run would print and that are by design here: the frozen
+    # reference (and reward model) are in eval mode; and with manual optimization a checkpoint
+    # holds the weights after the step's updates, which is the state a resume continues from.
+    warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
+    warnings.filterwarnings("ignore", message=r"Using ModelCheckpoint with manual optimization")
     return PPOCLI(PPOModule, PromptDataModule, args=args, save_config_kwargs={"overwrite": True})
 
 

@@ -13,6 +13,8 @@ Two layouts, one head:
 
 from __future__ import annotations
 
+import warnings
+
 from typing import Any
 
 import torch
@@ -81,7 +83,21 @@ def load_value_model(
     if source == "local" and not has_weights(name_or_path):
         backbone = AutoModel.from_config(AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code), **kwargs)
     else:
-        backbone = AutoModel.from_pretrained(name_or_path, **kwargs)
+        # A causal-LM checkpoint has an LM head the backbone does not: transformers would print a
+        # load report calling it unexpected on every run. Quiet that, and warn only about what
+        # matters, backbone weights the checkpoint lacks (those start at random).
+        from transformers.utils import logging as hf_logging
+
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
+        try:
+            backbone, info = AutoModel.from_pretrained(name_or_path, output_loading_info=True, **kwargs)
+        finally:
+            hf_logging.set_verbosity(verbosity)
+        missing = sorted(info.get("missing_keys") or [])
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            warnings.warn(f"`{key}` ({name_or_path}): the checkpoint has no weights for {shown}; they start at random")
     return ValueModel(backbone)
 
 
