@@ -28,7 +28,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 
 from lightning_mem.data import collate_left_padded, read_rows, row_to_prompt_messages  # noqa: E402
 from lightning_mem.models import load_causal_lm, load_tokenizer  # noqa: E402
-from lightning_mem.rl.rollout import GenerationConfig, RolloutEngine  # noqa: E402
+from lightning_mem.rl.rollout import (  # noqa: E402
+    GenerationConfig,
+    RolloutEngine,
+    experience_from_generation,
+    policy_forward,
+)
+from recipes.rewards import ExactAnswerReward  # noqa: E402
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[1] / "data" / "arithmetic" / "prompts.jsonl"
 
@@ -51,6 +57,7 @@ def evaluate(
         text = tokenizer.apply_chat_template(row_to_prompt_messages(row), tokenize=False, add_generation_prompt=True)
         items.append({"prompt_ids": tokenizer(text, add_special_tokens=False)["input_ids"], "row": row})
     eos = [tokenizer.eos_token_id]
+    exact = ExactAnswerReward()  # the PPO config's reward
     result: dict[str, float] = {"prompts": float(len(rows))}
     torch.manual_seed(seed)
     for name, sample in (("greedy_exact", False), ("sampled_exact", True)):
@@ -58,14 +65,15 @@ def evaluate(
             GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, do_sample=sample),
             eos_token_ids=eos, pad_token_id=tokenizer.pad_token_id,
         )
-        correct = 0
+        correct = 0.0
         for start in range(0, len(items), batch_size):
             batch = collate_left_padded(items[start : start + batch_size], tokenizer.pad_token_id)
             exp = engine.generate(model, batch["input_ids"], batch["attention_mask"])
-            for i, row in enumerate(rows[start : start + batch_size]):
-                n = int(exp.response_mask[i].sum())
-                answer = tokenizer.decode(exp.response_ids[i, :n], skip_special_tokens=True).strip()
-                correct += answer == str(row["answer"]).strip()
+            responses = [
+                tokenizer.decode(ids[: int(n)], skip_special_tokens=True)
+                for ids, n in zip(exp.response_ids, exp.response_lengths)
+            ]
+            correct += sum(exact.score([], responses, batch["rows"]))
         result[name] = correct / len(rows)
     result["answer_probability"] = _answer_probability(model, tokenizer, items, temperature, batch_size)
     return result
@@ -73,32 +81,30 @@ def evaluate(
 
 @torch.no_grad()
 def _answer_probability(model, tokenizer, items, temperature: float, batch_size: int) -> float:
-    """Mean over prompts of P(answer tokens, then eos | prompt) at ``temperature``, teacher-forced.
+    """Mean over prompts of P(answer tokens, then eos | prompt) at ``temperature``, teacher-forced:
+    the right answer laid out as if the policy had generated it, scored by the recipe's logprob pass.
 
     The answer is tokenized on its own; that matches the chat template's rendering when the
     tokenizer does not merge across the assistant tag (true of the shipped tiny tokenizer: one
     token per digit).
     """
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     total = 0.0
     for start in range(0, len(items), batch_size):
         chunk = items[start : start + batch_size]
-        seqs, spans = [], []
-        for item in chunk:
-            answer = tokenizer(str(item["row"]["answer"]).strip(), add_special_tokens=False)["input_ids"]
-            target = answer + [tokenizer.eos_token_id]
-            seqs.append(item["prompt_ids"] + target)
-            spans.append((len(item["prompt_ids"]), len(target)))
-        width = max(len(s) for s in seqs)
-        ids = torch.full((len(seqs), width), tokenizer.pad_token_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, s in enumerate(seqs):
-            ids[i, : len(s)] = torch.tensor(s)
-            mask[i, : len(s)] = 1
-        logprobs = (model(input_ids=ids, attention_mask=mask).logits.float() / temperature).log_softmax(-1)
-        for i, (p, n) in enumerate(spans):
-            # The output at position t predicts token t + 1.
-            picked = logprobs[i, p - 1 : p - 1 + n].gather(-1, ids[i, p : p + n].unsqueeze(-1))
-            total += float(picked.sum().exp())
+        batch = collate_left_padded(chunk, pad)
+        answers = [
+            tokenizer(str(item["row"]["answer"]).strip(), add_special_tokens=False)["input_ids"] + [eos] for item in chunk
+        ]
+        responses = torch.full((len(chunk), max(map(len, answers))), pad, dtype=torch.long)
+        for i, answer in enumerate(answers):
+            responses[i, : len(answer)] = torch.tensor(answer)
+        exp = experience_from_generation(
+            batch["input_ids"], batch["attention_mask"], torch.cat([batch["input_ids"], responses], dim=1),
+            eos_token_ids=[eos], pad_token_id=pad,
+        )
+        logprobs = policy_forward(model, exp, temperature=temperature).logprobs
+        total += float((logprobs * exp.response_mask).sum(dim=1).exp().sum())
     return total / len(items)
 
 
