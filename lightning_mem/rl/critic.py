@@ -14,7 +14,6 @@ Two layouts, one head:
 from __future__ import annotations
 
 import warnings
-
 from typing import Any
 
 import torch

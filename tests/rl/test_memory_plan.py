@@ -23,7 +23,7 @@ def gpu_tier_plan(**kwargs) -> PhaseMemoryPlan:
 
 def trained_optimizer(module: nn.Module) -> torch.optim.Optimizer:
     opt = torch.optim.AdamW(module.parameters(), lr=0.1)
-    module(torch.ones(3, 4)).sum().backward()
+    module(torch.ones(3, 4, device=module.weight.device)).sum().backward()
     opt.step()
     return opt
 
@@ -164,14 +164,7 @@ def _devices(parts: dict) -> dict[str, str]:
 def test_each_phase_places_everything_on_the_declared_device_on_cuda():
     torch.manual_seed(0)
     actor, critic = nn.Linear(4, 4).cuda(), nn.Linear(4, 1).cuda()
-
-    def trained(module):
-        opt = torch.optim.AdamW(module.parameters(), lr=0.1)
-        module(torch.ones(3, 4, device="cuda")).sum().backward()
-        opt.step()
-        return opt
-
-    parts = dict(actor_optimizer=trained(actor), critic_optimizer=trained(critic), critic=critic,
+    parts = dict(actor_optimizer=trained_optimizer(actor), critic_optimizer=trained_optimizer(critic), critic=critic,
                  reference=nn.Linear(4, 4).cuda(), reward_model=nn.Linear(4, 1).cuda())
     memory = PhaseMemory(gpu_tier_plan(), **parts)
     memory.place("train")
