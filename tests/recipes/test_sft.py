@@ -216,8 +216,11 @@ def test_sft_step_is_a_token_mean_whatever_the_micro_batches_and_ranks(tmp_path)
         assert result.returncode == 0, result.stderr[-3000:]
         weights[name] = load_file(root / "export" / "model.safetensors")
     initial = load_file(start / "model.safetensors")
-    reference = weights["one_micro_batch"]
+    reference = {k: v - initial[k] for k, v in weights["one_micro_batch"].items()}  # the update itself
+    assert sum(bool(d.any()) for d in reference.values()) > len(reference) // 2
     for name in ("four_accumulated", "two_ranks"):
-        for key, value in reference.items():
-            torch.testing.assert_close(weights[name][key], value, atol=1e-6, rtol=0, msg=f"{name}: {key}")
-    assert sum(not torch.equal(reference[k], initial[k]) for k in initial) > len(initial) // 2
+        for key, update in reference.items():
+            # Relative to the update's size (SGD at lr 1 moves weights by up to ~3; fp32 sums in
+            # another order differ by ~1e-7 of that). A per-micro-batch mean is off by 10-50 %.
+            error = float((weights[name][key] - initial[key] - update).norm() / update.norm().clamp(min=1e-12))
+            assert error <= 1e-6, (name, key, error)
