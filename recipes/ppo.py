@@ -8,7 +8,7 @@ One training step is one PPO iteration on a batch of prompts:
 2. score:      a reward rule or reward model judges each response;
 3.             old logprobs (actor), reference logprobs, values (critic), all without gradients;
 4. advantages: per-token rewards with a KL penalty and GAE, whitened; or GRPO's group-relative
-               scores (no critic at all);
+               scores as they are (no critic, no whitening);
 5. update:     ``ppo_epochs`` over shuffled mini-batches of token-budget micro-batches: clipped
                policy loss, clipped value loss, entropy bonus, gradient clipping;
 6. metrics.
@@ -171,6 +171,11 @@ class PPOModule(LightningModule):
         memory_plan.validate()
         if advantage_estimator == "grpo":
             grpo.validate()
+            if ppo.whiten_advantages:
+                raise ValueError(
+                    "`model.ppo.whiten_advantages: true` with GRPO: whitening is a GAE option; GRPO's group-relative"
+                    " scores are the advantages (use `model.grpo.scale_rewards` to choose scaled or Dr. GRPO's centred)"
+                )
             if not generation.do_sample:
                 raise ValueError("`model.generation.do_sample: false` with GRPO: a group of greedy answers is all alike")
 
@@ -326,7 +331,7 @@ class PPOModule(LightningModule):
         """Fill ``exp.advantages`` (and ``exp.returns`` for the critic); return each sample's KL."""
         mask = exp.response_mask.float()
         kl = (
-            kl_estimate(exp.old_logprobs, exp.ref_logprobs, self.kl.estimator) * mask
+            kl_estimate(exp.old_logprobs, exp.ref_logprobs, self.kl.estimator, mask=mask)
             if exp.ref_logprobs is not None else torch.zeros_like(mask)
         )
         if self.use_critic:
@@ -335,10 +340,12 @@ class PPOModule(LightningModule):
             advantages, exp.returns = gae_advantages(
                 rewards, exp.old_values, mask, gamma=self.ppo.gamma, lam=self.ppo.lam
             )
+            if self.ppo.whiten_advantages is not False:
+                advantages = whiten(advantages, mask, reduce=self._sum_over_ranks)
         else:
+            # The group-relative score is the advantage, as it is: no batch whitening on top (a
+            # group that scored all alike keeps exactly 0; Dr. GRPO stays unscaled).
             advantages = grpo_advantages(exp.scores, exp.group_ids, mask, scale=self.grpo.scale_rewards)
-        if self.ppo.whiten_advantages:
-            advantages = whiten(advantages, mask, reduce=self._sum_over_ranks)
         exp.advantages = advantages
         return kl.sum(dim=1)
 

@@ -183,6 +183,48 @@ def test_reward_model_is_scored_and_parked_on_the_host(tmp_path):
     assert torch.isfinite(torch.tensor(read_metric(tmp_path, "reward_mean")[0]))
 
 
+# -- advantages ---------------------------------------------------------------------------------
+
+
+def _grpo_experience():
+    """Two groups of four: group 0 all right (score 1), group 1 one right; the wrong answers are
+    the longer ones, as they tend to be (so a batch mean over tokens is not 0)."""
+    from types import SimpleNamespace
+
+    lengths = [2, 2, 2, 2, 2, 6, 6, 6]
+    mask = torch.tensor([[1] * n + [0] * (6 - n) for n in lengths])
+    return SimpleNamespace(
+        response_mask=mask, scores=torch.tensor([1.0, 1, 1, 1, 1, 0, 0, 0]),
+        group_ids=torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]), old_logprobs=torch.zeros(8, 6), ref_logprobs=None,
+    )
+
+
+@pytest.mark.parametrize("scale", [True, False])
+def test_grpo_advantages_reach_the_loss_as_they_are(scale):
+    """GRPO's group-relative score is the advantage: no batch whitening on top. (Whitened, the
+    all-right group got +0.365 per token here, and Dr. GRPO's unscaled score was divided by the
+    batch std anyway.)"""
+    module = ppo.PPOModule(
+        name_or_path=str(TINY_MODEL), reward=ArithmeticReward(), advantage_estimator="grpo",
+        grpo=GRPOConfig(group_size=4, scale_rewards=scale), kl=KLConfig(coef=0.0),
+    )
+    module._sum_over_ranks = lambda value: value  # one process, no trainer attached
+    exp = _grpo_experience()
+    module._advantages(exp)
+    mask = exp.response_mask.bool()
+    assert torch.equal(exp.advantages[:4], torch.zeros(4, 6))  # the all-alike group: exactly 0
+    # group 1: mean 0.25; centred 0.75 / -0.25; unbiased std 0.5
+    expected = torch.tensor([0.75, -0.25, -0.25, -0.25]) / (0.5 + 1e-6 if scale else 1.0)
+    for row, value in zip(range(4, 8), expected):
+        assert torch.allclose(exp.advantages[row][mask[row]], value.expand(int(mask[row].sum())), atol=1e-6, rtol=0)
+    assert torch.equal(exp.advantages[~mask], torch.zeros(int((~mask).sum())))
+
+
+def test_grpo_with_whitening_asked_for_is_an_error(tmp_path, no_model_load):
+    with pytest.raises(ValueError, match=r"`model.ppo.whiten_advantages: true` with GRPO: whitening is a GAE option"):
+        _cli(tmp_path, "--model.advantage_estimator=grpo", "--model.ppo.whiten_advantages=true")
+
+
 # -- bad input: one clear error, before any model is loaded ---------------------------------
 
 
