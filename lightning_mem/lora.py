@@ -30,12 +30,14 @@ BASE_SIDECAR = "lightning_mem_base.json"
 
 @dataclass
 class LoraSettings:
-    """The ``model.lora`` section of a config.
+    """The ``model.lora`` section of a config, in every recipe (SFT, QLoRA, PPO).
+
+    The field names are peft's ``LoraConfig`` names, so a block copied from a peft script works.
 
     Args:
         r: rank of each adapter.
-        alpha: scale; the adapter's output is multiplied by ``alpha / r``.
-        dropout: dropout on the adapter's input during training.
+        lora_alpha: scale; the adapter's output is multiplied by ``lora_alpha / r``.
+        lora_dropout: dropout on the adapter's input during training.
         target_modules: "all-linear" (every linear layer but the output head, as in the QLoRA
             paper), a list of module names (``q_proj`` matches every ``...q_proj``), or a regex
             matched against full module names.
@@ -45,8 +47,8 @@ class LoraSettings:
     """
 
     r: int = 16
-    alpha: float = 32.0
-    dropout: float = 0.05
+    lora_alpha: float = 32.0
+    lora_dropout: float = 0.05
     target_modules: str | list[str] = ALL_LINEAR
     modules_to_save: list[str] | None = None
     bias: Literal["none", "all", "lora_only"] = "none"
@@ -54,10 +56,12 @@ class LoraSettings:
     def __post_init__(self) -> None:
         if self.r <= 0:
             raise ValueError(f"`{_KEY}.r` must be positive, got {self.r}")
-        if self.alpha <= 0:
-            raise ValueError(f"`{_KEY}.alpha` must be positive, got {self.alpha}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"`{_KEY}.dropout` must be in [0, 1), got {self.dropout}")
+        if self.lora_alpha <= 0:
+            raise ValueError(f"`{_KEY}.lora_alpha` must be positive, got {self.lora_alpha}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ValueError(f"`{_KEY}.lora_dropout` must be in [0, 1), got {self.lora_dropout}")
+        if self.bias not in ("none", "all", "lora_only"):
+            raise ValueError(f"`{_KEY}.bias` must be 'none', 'all' or 'lora_only', got {self.bias!r}")
         if isinstance(self.target_modules, list) and not self.target_modules:
             raise ValueError(f"`{_KEY}.target_modules` is empty; use '{ALL_LINEAR}' or name some modules")
         if isinstance(self.target_modules, str) and self.target_modules != ALL_LINEAR:
@@ -169,8 +173,8 @@ def build_lora_config(settings: LoraSettings, target_modules: list[str] | str) -
 
     return LoraConfig(
         r=settings.r,
-        lora_alpha=settings.alpha,
-        lora_dropout=settings.dropout,
+        lora_alpha=settings.lora_alpha,
+        lora_dropout=settings.lora_dropout,
         target_modules=target_modules,
         modules_to_save=list(settings.modules_to_save) if settings.modules_to_save else None,
         bias=settings.bias,

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from lightning_mem.cli import RecipeCLI
 from lightning_mem.data import PromptDataModule, row_to_prompt_messages
 from lightning_mem.export import export_hf
+from lightning_mem.lora import LoraSettings, apply_lora, check_lora_targets, meta_model
 from lightning_mem.models import check_model_source, load_causal_lm, load_tokenizer, resolve_dtype
 from lightning_mem.optim import param_groups, warn_if_paged_on_cpu
 from lightning_mem.rl.algorithms import (
@@ -68,9 +69,11 @@ class PPOModule(LightningModule):
     Args:
         name_or_path: the policy to start from (usually an SFT checkpoint); folder or hub id.
         dtype, attn_implementation, trust_remote_code: as in the SFT recipe.
-        lora: ``peft.LoraConfig`` arguments (``r``, ``lora_alpha``, ``target_modules``...) to train
-            adapters instead of the whole actor; the reference is then the same model with its
-            adapters disabled, so no second copy is loaded.
+        lora: train LoRA adapters instead of the whole actor
+            (:class:`~lightning_mem.lora.LoraSettings`, peft's names: ``r``, ``lora_alpha``,
+            ``lora_dropout``, ``target_modules``...; the same section as SFT's and QLoRA's). The
+            target names are checked on a meta-device twin before any load; the reference is then
+            the same model with its adapters disabled, so no second copy is loaded.
         optimizer, lr_scheduler: the actor's (and the shared value head's); the scheduler is
             stepped every optimizer step and also drives the critic's optimizer.
         critic_optimizer: the separate critic's optimizer.
@@ -91,7 +94,7 @@ class PPOModule(LightningModule):
         dtype: str | None = None,
         attn_implementation: str | None = None,
         trust_remote_code: bool = False,
-        lora: dict[str, Any] | None = None,
+        lora: LoraSettings | None = None,
         optimizer: OptimizerCallable = _adamw,
         lr_scheduler: LRSchedulerCallable | None = None,
         critic_optimizer: OptimizerCallable = _adamw,
@@ -108,15 +111,18 @@ class PPOModule(LightningModule):
         export_dir: str | None = "export",
     ) -> None:
         super().__init__()
+        if isinstance(lora, dict):  # load_from_checkpoint passes the saved hyperparameters back as dicts
+            lora = LoraSettings(**lora)
         # Every check that needs no model runs here, so a bad config fails in a second.
         self._validate(name_or_path, dtype, lora, advantage_estimator, reward, reward_model, reference,
-                       generation, ppo, kl, grpo, critic, memory_plan)
+                       generation, ppo, kl, grpo, critic, memory_plan, trust_remote_code=trust_remote_code)
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "critic_optimizer", "reward"])
         self.automatic_optimization = False  # several optimizer steps per rollout
         self.strict_loading = False  # checkpoints leave out the frozen models (on_save_checkpoint)
         self.optimizer_factory, self.critic_optimizer_factory = optimizer, critic_optimizer
         self.lr_scheduler_factory = lr_scheduler
         self.reward_fn = reward
+        self.lora = lora
         self.generation, self.ppo, self.kl, self.grpo = generation, ppo, kl, grpo
         self.critic_config, self.memory_plan = critic, memory_plan
         self.use_critic = advantage_estimator == "gae"
@@ -140,7 +146,7 @@ class PPOModule(LightningModule):
 
     @staticmethod
     def _validate(name_or_path, dtype, lora, advantage_estimator, reward, reward_model, reference,
-                  generation, ppo, kl, grpo, critic, memory_plan) -> None:
+                  generation, ppo, kl, grpo, critic, memory_plan, *, trust_remote_code=False) -> None:
         check_model_source(name_or_path)
         resolve_dtype(dtype, key="model.dtype")
         if advantage_estimator not in ("gae", "grpo"):
@@ -155,12 +161,8 @@ class PPOModule(LightningModule):
         if reference == "adapters_off" and not lora:
             raise ValueError("`model.reference: adapters_off` needs `model.lora`: without adapters there is nothing to disable")
         if lora is not None:
-            from peft import LoraConfig
-
-            try:
-                LoraConfig(task_type="CAUSAL_LM", **lora)
-            except (TypeError, ValueError) as err:
-                raise ValueError(f"`model.lora`: {err}") from None
+            # On a meta-device twin: a target typo fails here, before the policy is read.
+            check_lora_targets(meta_model(name_or_path, trust_remote_code=trust_remote_code), lora)
         if advantage_estimator == "gae" and critic.name_or_path is not None:
             check_model_source(critic.name_or_path, key="model.critic.name_or_path")
         resolve_dtype(critic.dtype, key="model.critic.dtype")
@@ -200,11 +202,10 @@ class PPOModule(LightningModule):
         load = dict(dtype=hp.dtype, attn_implementation=hp.attn_implementation, trust_remote_code=hp.trust_remote_code)
         self.tokenizer = load_tokenizer(hp.name_or_path, trust_remote_code=hp.trust_remote_code)
         self.actor = load_causal_lm(hp.name_or_path, **load)
-        _disable_dropout(self.actor)  # the ratio pi/pi_old must not see two dropout masks
-        if hp.lora:
-            from peft import LoraConfig, get_peft_model
-
-            self.actor = get_peft_model(self.actor, LoraConfig(task_type="CAUSAL_LM", **hp.lora))
+        if self.lora is not None:
+            self.actor = apply_lora(self.actor, self.lora)
+        # After the adapters exist: their lora_dropout too would give the ratio pi/pi_old two masks.
+        _disable_dropout(self.actor)
         if self.reference_mode == "copy":
             self.reference = _frozen(load_causal_lm(hp.name_or_path, **load))
         if self.shared_critic:

@@ -11,6 +11,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 import recipes.ppo as ppo
 from lightning_mem.data import PromptDataModule
+from lightning_mem.lora import LoraSettings
 from lightning_mem.offload import module_location, optimizer_state_location
 from lightning_mem.rl.config import CriticConfig, GRPOConfig, KLConfig, PPOConfig, RewardModelConfig
 from lightning_mem.rl.memory_plan import PhaseMemoryPlan, PhasePlacement
@@ -157,7 +158,7 @@ def test_grpo_builds_no_critic_and_samples_groups(tmp_path):
 
 def test_lora_actor_uses_its_base_as_the_reference_and_a_shared_critic(tmp_path):
     module, _ = fit(
-        tmp_path, lora=dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+        tmp_path, lora=LoraSettings(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
         critic=CriticConfig(layout="shared"),
     )
     assert module.reference is None and module.reference_mode == "adapters_off"
@@ -170,6 +171,36 @@ def test_lora_actor_uses_its_base_as_the_reference_and_a_shared_critic(tmp_path)
     actor_params = [p for group in module._optimizers()[0].param_groups for p in group["params"]]
     assert any(p is module.value_head.summary.weight for p in actor_params)
     assert read_metric(tmp_path, "value_loss")
+
+
+def test_lora_dropout_is_off_in_the_actor_so_two_passes_agree():
+    """Dropout is switched off *after* the adapters are added: with lora_dropout 0.1 two train-mode
+    forwards of the actor give identical logprobs (else the PPO ratio pi/pi_old is noise)."""
+    seed_everything(0)
+    module = ppo.PPOModule(
+        name_or_path=str(TINY_MODEL), reward=ArithmeticReward(), kl=KLConfig(coef=0.0),
+        lora=LoraSettings(r=4, lora_alpha=8, lora_dropout=0.1), export_dir=None,
+    )
+    module.configure_model()
+    actor = module.actor.train()
+    with torch.no_grad():  # LoRA's B starts at 0, which would hide any dropout on A's input
+        for name, p in actor.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.5)
+    ids = torch.randint(5, 200, (4, 12), generator=torch.Generator().manual_seed(0))
+
+    def logprobs():
+        with torch.no_grad():
+            return torch.log_softmax(actor(input_ids=ids).logits.float(), dim=-1)
+
+    first, second = logprobs(), logprobs()
+    assert torch.equal(first, second)
+    # The check can see noise: with the adapters' dropout back on, the two passes differ.
+    dropouts = [m for n, m in actor.named_modules() if isinstance(m, torch.nn.Dropout) and "lora_dropout" in n]
+    assert dropouts and all(m.p == 0.0 for m in dropouts)
+    for m in dropouts:
+        m.p = 0.1
+    assert not torch.equal(logprobs(), logprobs())
 
 
 def test_reward_model_is_scored_and_parked_on_the_host(tmp_path):
@@ -265,6 +296,17 @@ def test_reward_rule_and_reward_model_together(tmp_path, no_model_load):
 def test_grpo_group_of_one(tmp_path, no_model_load):
     with pytest.raises(ValueError, match=r"`model.grpo.group_size` must be >= 2"):
         _cli(tmp_path, "--model.advantage_estimator=grpo", "--model.grpo.group_size=1")
+
+
+def test_lora_target_typo_fails_before_the_policy_loads(tmp_path, no_model_load):
+    with pytest.raises(ValueError, match=r"`model.lora.target_modules`: \['qkv'\] matches no linear module of LlamaForCausalLM"):
+        _cli(tmp_path, "--model.lora.r=4", "--model.lora.target_modules=[q_proj, qkv]")
+
+
+def test_lora_takes_peft_names_only(tmp_path, no_model_load, capsys):
+    with pytest.raises(SystemExit):
+        _cli(tmp_path, "--model.lora.r=4", "--model.lora.alpha=8")
+    assert "alpha" in capsys.readouterr().err
 
 
 def test_missing_policy_checkpoint(tmp_path, no_model_load):
