@@ -75,6 +75,7 @@ class PlacementProbe(ppo.PPOModule):
         return out
 
     def _rollout(self, batch):
+        type(self).last = self
         self.seen = {"rollout": self._where()}
         return super()._rollout(batch)
 
@@ -103,6 +104,21 @@ def test_memory_plan_holds_in_every_phase_of_a_step(tmp_path):
     assert module._optimizers()[0].state
     for phase in ("rollout", "score", "train"):
         assert read_metric(tmp_path, f"time_{phase}_s")[0] > 0
+
+
+class FailingUpdate(PlacementProbe):
+    def _optimizer_step(self):
+        self.seen["update"] = self._where()
+        raise RuntimeError("out of memory (simulated) in the train phase")
+
+
+def test_an_exception_in_the_train_phase_leaves_everything_on_the_device(tmp_path):
+    with pytest.raises(RuntimeError, match="simulated"):
+        fit(tmp_path, FailingUpdate, memory_plan=gpu_tier_plan(), kl=KLConfig(coef=0.05))
+    module = FailingUpdate.last
+    assert module.seen["update"]["reference"] == "host"  # the plan had parked the reference
+    assert set(module._where().values()) == {"device"}, module._where()
+    assert set(module.memory.locations.values()) == {"device"}
 
 
 # -- an update does not depend on how the mini-batch is split -----------------------------------
