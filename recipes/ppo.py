@@ -56,6 +56,7 @@ from lightning_mem.rl.critic import ValueHead, ValueModel, critic_values, load_v
 from lightning_mem.rl.memory_plan import PhaseMemory, PhaseMemoryPlan
 from lightning_mem.rl.microbatch import micro_batches
 from lightning_mem.rl.reward import RewardFunction, RewardModel, load_reward_model
+from lightning_mem.rl.rng import SamplingRNG
 from lightning_mem.rl.rollout import Experience, GenerationConfig, RolloutEngine, policy_forward
 
 
@@ -143,6 +144,8 @@ class PPOModule(LightningModule):
         self.tokenizer: Any = None
         self.rollout_engine: RolloutEngine | None = None
         self.memory: PhaseMemory | None = None
+        # The stream rollouts and shuffles draw from; in the checkpoint, so a resume is exact.
+        self.sampling_rng: SamplingRNG | None = None
 
     @staticmethod
     def _validate(name_or_path, dtype, lora, advantage_estimator, reward, reward_model, reference,
@@ -253,6 +256,16 @@ class PPOModule(LightningModule):
             rollout_engine=self.rollout_engine,
         )
         self.memory.place("train")  # the resting placement between steps
+        if self.sampling_rng is None:  # not restored from a checkpoint: start from the seeded state
+            self.sampling_rng = SamplingRNG()
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.sampling_rng.enter()
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        # Lightning runs the callbacks' hook (ModelCheckpoint's save) before this one: the stream
+        # is still live then, and SamplingRNG.state_dict reads it from the generator.
+        self.sampling_rng.exit()
 
     def on_train_epoch_start(self) -> None:
         # Lightning puts the whole module in train mode at each epoch; the frozen models stay in eval.
@@ -455,10 +468,15 @@ class PPOModule(LightningModule):
         frozen = tuple(f"{name}." for name in ("reference", "reward_model"))
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith(frozen)}
         checkpoint["kl_controller"] = self.kl_controller.state_dict()
+        if self.sampling_rng is not None:
+            checkpoint["sampling_rng"] = self.sampling_rng.state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if "kl_controller" in checkpoint:
             self.kl_controller.load_state_dict(checkpoint["kl_controller"])
+        if "sampling_rng" in checkpoint:
+            self.sampling_rng = SamplingRNG()
+            self.sampling_rng.load_state_dict(checkpoint["sampling_rng"])
 
     def on_fit_end(self) -> None:
         if self.memory is not None:

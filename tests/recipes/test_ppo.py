@@ -410,6 +410,32 @@ def test_every_metric_is_logged(ppo_run):
     assert (ppo_run / "export" / "model.safetensors").is_file()
 
 
+# -- resume ---------------------------------------------------------------------------------------
+
+
+def test_resume_repeats_the_uninterrupted_run_exactly(tmp_path, sft_export):
+    """6 PPO steps straight, against 3 steps, a stop, and ``--ckpt_path last``: the same rollouts
+    (the sampling stream is in the checkpoint) give the same rewards, losses and KL at every step.
+    4 steps make an epoch of the 16 prompts, so the resumed part also crosses an epoch boundary
+    (where a new DataLoader iterator draws from the global generator)."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join((ARITH / "prompts.jsonl").read_text().splitlines(keepends=True)[:16]))
+    same = [
+        f"--data.train_file={prompts}", "--data.batch_size=4", "--model.ppo.ppo_epochs=1",
+        "--model.ppo.num_mini_batches=1", "--checkpoint.every_n_train_steps=2", "--model.export_dir=null",
+        "--trainer.enable_progress_bar=false",
+    ]  # global_step counts optimizer steps: 2 (actor, critic) per PPO step here
+    whole = _ppo(tmp_path / "whole", sft_export, *same, "--trainer.max_steps=12")
+    part = _ppo(tmp_path / "part", sft_export, *same, "--trainer.max_steps=6")
+    assert sorted(read_metric(part, "reward_mean")) == [0, 1, 2]
+    _ppo(part, sft_export, *same, "--trainer.max_steps=12", "--ckpt_path=last")
+    for name in ("reward_mean", "response_length", "policy_loss", "value_loss", "kl", "entropy", "approx_kl"):
+        expected, resumed = read_metric(whole, name), read_metric(part, name)
+        assert sorted(expected) == list(range(6)), name
+        assert resumed == expected, (name, expected, resumed)
+    assert len(set(read_metric(whole, "reward_mean").values())) > 1  # the steps did differ
+
+
 # -- FSDP2 on 2 CPU ranks: the same update as one process on the same global batch ---------------
 
 
