@@ -3,8 +3,12 @@
 A LoRA adapter adds ``B @ A`` (rank ``r``) next to a frozen linear layer and trains only ``A`` and
 ``B``: ``r * (in + out)`` parameters per targeted layer instead of ``in * out``. The exported
 adapter is peft's own format (``adapter_config.json`` + ``adapter_model.safetensors``), so any peft
-user can load it; a small side file records how the base was quantized, so that the exact model
-that was trained can be rebuilt (:func:`load_adapter_model`) or merged (:func:`merge_adapter`).
+user can load it; a small side file records how the base was loaded (quantized or not, dtype), so
+that the exact model that was trained can be rebuilt (:func:`load_adapter_model`) or merged
+(:func:`merge_adapter`). The same pieces serve LoRA on a bf16/fp32 base (the SFT recipe's
+``model.lora``), QLoRA (a 4-bit base) and a LoRA actor in PPO: adapter-only checkpoints
+(:func:`trainable_checkpoint_state`, :func:`check_checkpoint_has_trainables`), a saved base for a
+config-only model (:func:`saved_base`), export, reload, merge and its command (:func:`merge_main`).
 """
 
 from __future__ import annotations
@@ -19,8 +23,13 @@ import torch
 from torch import nn
 
 from lightning_mem.export import gather_full_state_dict
-from lightning_mem.models import check_model_source, load_causal_lm, load_tokenizer, resolve_dtype
-from lightning_mem.quantization import QuantizationSettings, is_quantized_linear, load_quantized_causal_lm
+from lightning_mem.models import check_model_source, has_weights, load_causal_lm, load_tokenizer, resolve_dtype
+from lightning_mem.quantization import (
+    QuantizationSettings,
+    is_quantized_linear,
+    load_quantized_causal_lm,
+    materialize_random_weights,
+)
 
 _KEY = "model.lora"
 ALL_LINEAR = "all-linear"
@@ -30,12 +39,14 @@ BASE_SIDECAR = "lightning_mem_base.json"
 
 @dataclass
 class LoraSettings:
-    """The ``model.lora`` section of a config.
+    """The ``model.lora`` section of a config, in every recipe (SFT, QLoRA, PPO).
+
+    The field names are peft's ``LoraConfig`` names, so a block copied from a peft script works.
 
     Args:
         r: rank of each adapter.
-        alpha: scale; the adapter's output is multiplied by ``alpha / r``.
-        dropout: dropout on the adapter's input during training.
+        lora_alpha: scale; the adapter's output is multiplied by ``lora_alpha / r``.
+        lora_dropout: dropout on the adapter's input during training.
         target_modules: "all-linear" (every linear layer but the output head, as in the QLoRA
             paper), a list of module names (``q_proj`` matches every ``...q_proj``), or a regex
             matched against full module names.
@@ -45,8 +56,8 @@ class LoraSettings:
     """
 
     r: int = 16
-    alpha: float = 32.0
-    dropout: float = 0.05
+    lora_alpha: float = 32.0
+    lora_dropout: float = 0.05
     target_modules: str | list[str] = ALL_LINEAR
     modules_to_save: list[str] | None = None
     bias: Literal["none", "all", "lora_only"] = "none"
@@ -54,10 +65,12 @@ class LoraSettings:
     def __post_init__(self) -> None:
         if self.r <= 0:
             raise ValueError(f"`{_KEY}.r` must be positive, got {self.r}")
-        if self.alpha <= 0:
-            raise ValueError(f"`{_KEY}.alpha` must be positive, got {self.alpha}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"`{_KEY}.dropout` must be in [0, 1), got {self.dropout}")
+        if self.lora_alpha <= 0:
+            raise ValueError(f"`{_KEY}.lora_alpha` must be positive, got {self.lora_alpha}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ValueError(f"`{_KEY}.lora_dropout` must be in [0, 1), got {self.lora_dropout}")
+        if self.bias not in ("none", "all", "lora_only"):
+            raise ValueError(f"`{_KEY}.bias` must be 'none', 'all' or 'lora_only', got {self.bias!r}")
         if isinstance(self.target_modules, list) and not self.target_modules:
             raise ValueError(f"`{_KEY}.target_modules` is empty; use '{ALL_LINEAR}' or name some modules")
         if isinstance(self.target_modules, str) and self.target_modules != ALL_LINEAR:
@@ -169,8 +182,8 @@ def build_lora_config(settings: LoraSettings, target_modules: list[str] | str) -
 
     return LoraConfig(
         r=settings.r,
-        lora_alpha=settings.alpha,
-        lora_dropout=settings.dropout,
+        lora_alpha=settings.lora_alpha,
+        lora_dropout=settings.lora_dropout,
         target_modules=target_modules,
         modules_to_save=list(settings.modules_to_save) if settings.modules_to_save else None,
         bias=settings.bias,
@@ -269,15 +282,23 @@ def load_adapter_model(adapter_dir: str | Path, *, base: str | None = None, **pl
 
     adapter_config, sidecar = _read_adapter(adapter_dir)
     if sidecar is None:
-        raise FileNotFoundError(f"{adapter_dir}: no {BASE_SIDECAR}, so how the base was quantized is unknown")
-    model = load_quantized_causal_lm(
-        _base_of(adapter_config, base),
-        QuantizationSettings(**sidecar["quantization"]),
-        attn_implementation=sidecar.get("attn_implementation"),
-        trust_remote_code=sidecar.get("trust_remote_code", False),
-        **placement,
-    )
-    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        raise FileNotFoundError(f"{adapter_dir}: no {BASE_SIDECAR}, so how the base was loaded is unknown")
+    base_path = _base_of(adapter_config, base)
+    trust = sidecar.get("trust_remote_code", False)
+    if sidecar.get("quantization") is None:  # plain LoRA: the base in the dtype training loaded it in
+        model = load_causal_lm(
+            base_path, dtype=sidecar.get("dtype"), from_config=False,
+            attn_implementation=sidecar.get("attn_implementation"), trust_remote_code=trust, **placement,
+        )
+    else:
+        model = load_quantized_causal_lm(
+            base_path,
+            QuantizationSettings(**sidecar["quantization"]),
+            attn_implementation=sidecar.get("attn_implementation"),
+            trust_remote_code=trust,
+            **placement,
+        )
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     return PeftModel.from_pretrained(model, str(adapter_dir)).eval()
 
 
@@ -311,7 +332,10 @@ def merge_adapter(
     adapter_config, sidecar = _read_adapter(adapter_dir)
     base_path = _base_of(adapter_config, base)
     trust = bool(sidecar and sidecar.get("trust_remote_code"))
-    if base_weights == "dequantized":
+    if sidecar is not None and sidecar.get("quantization") is None and base_weights in ("dequantized", "original"):
+        # A plain LoRA adapter: its base was never quantized, both choices are the checkpoint itself.
+        model = load_causal_lm(base_path, dtype=torch_dtype, from_config=False, trust_remote_code=trust)
+    elif base_weights == "dequantized":
         if sidecar is None:
             raise FileNotFoundError(
                 f"`--adapter`: {adapter_dir} has no {BASE_SIDECAR}, so how its base was quantized is unknown; "
@@ -342,11 +366,83 @@ def merge_adapter(
 
 
 def base_record(
-    settings: QuantizationSettings, *, attn_implementation: str | None, trust_remote_code: bool
+    settings: QuantizationSettings | None,
+    *,
+    attn_implementation: str | None,
+    trust_remote_code: bool,
+    dtype: str | None = None,
 ) -> dict[str, Any]:
-    """What :data:`BASE_SIDECAR` holds: enough to load the base exactly as training did."""
+    """What :data:`BASE_SIDECAR` holds: enough to load the base exactly as training did.
+
+    ``settings`` None: a plain (bf16/fp32) base, loaded in ``dtype``.
+    """
     return {
-        "quantization": asdict(settings),
+        "quantization": None if settings is None else asdict(settings),
+        "dtype": dtype,
         "attn_implementation": attn_implementation,
         "trust_remote_code": trust_remote_code,
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# Training with adapters: the base on disk, adapter-only checkpoints
+# ---------------------------------------------------------------------------------------------
+
+
+def saved_base(trainer: Any, name_or_path: str, cache_dir: str, *, seed: int) -> str:
+    """The base to load: ``name_or_path`` itself, or, for a config-only folder (like
+    ``assets/tiny-llama``), seeded random weights saved once under ``cache_dir`` (relative to
+    ``trainer.default_root_dir``). An adapter must name a base that exists with its weights, or it
+    could never be reloaded or merged. One process writes them; the others wait, then read them.
+    """
+    if not (Path(name_or_path).is_dir() and not has_weights(name_or_path)):
+        return name_or_path
+    cache = Path(trainer.default_root_dir) / cache_dir
+    if trainer.is_global_zero:
+        materialize_random_weights(name_or_path, cache, seed=seed)
+    trainer.strategy.barrier("materialize_random_weights")
+    return str(materialize_random_weights(name_or_path, cache, seed=seed))
+
+
+def trainable_checkpoint_state(module: nn.Module, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` cut to ``module``'s trainable tensors (adapters, modules_to_save).
+
+    The frozen base is re-read from its source on resume; saving it would make every checkpoint as
+    large as the model (tens of GB at 70B) for nothing.
+    """
+    keep = {name for name, p in module.named_parameters() if p.requires_grad}
+    return {k: v for k, v in state_dict.items() if k in keep}
+
+
+def check_checkpoint_has_trainables(module: nn.Module, state_dict: dict[str, Any]) -> None:
+    """Loading is non-strict for the base's sake; every trainable tensor must still be there."""
+    missing = sorted({name for name, p in module.named_parameters() if p.requires_grad} - set(state_dict))
+    if missing:
+        raise KeyError(f"the checkpoint lacks {len(missing)} trainable tensors, e.g. {missing[:3]}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The merge command: ``python -m recipes.<sft|qlora> merge ...``
+# ---------------------------------------------------------------------------------------------
+
+
+def merge_main(args: list[str], *, prog: str) -> Path:
+    """``<prog> --adapter DIR --out DIR [--base ...] [--base_weights ...] [--dtype ...]``."""
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(prog=prog, description=merge_adapter.__doc__.split("\n")[0])
+    parser.add_argument("--adapter", required=True, help="folder with adapter_config.json (a run's export/)")
+    parser.add_argument("--out", required=True, help="folder for the merged Hugging Face model")
+    parser.add_argument("--base", default=None, help="base model; default: the one adapter_config.json names")
+    parser.add_argument(
+        "--base_weights",
+        default="dequantized",
+        choices=["dequantized", "original"],
+        help="a 4-bit base: dequantized = the base training saw (reproduces the trained model); original ="
+        " the checkpoint. A plain LoRA base: the same either way",
+    )
+    parser.add_argument("--dtype", default="bfloat16", help="dtype of the merged model")
+    cfg = parser.parse_args(args)
+    out = merge_adapter(cfg.adapter, cfg.out, base=cfg.base, base_weights=cfg.base_weights, dtype=cfg.dtype)
+    print(f"merged {cfg.adapter} into its base ({cfg.base_weights} weights, {cfg.dtype}): {out}")
+    return out

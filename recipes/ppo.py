@@ -8,7 +8,7 @@ One training step is one PPO iteration on a batch of prompts:
 2. score:      a reward rule or reward model judges each response;
 3.             old logprobs (actor), reference logprobs, values (critic), all without gradients;
 4. advantages: per-token rewards with a KL penalty and GAE, whitened; or GRPO's group-relative
-               scores (no critic at all);
+               scores as they are (no critic, no whitening);
 5. update:     ``ppo_epochs`` over shuffled mini-batches of token-budget micro-batches: clipped
                policy loss, clipped value loss, entropy bonus, gradient clipping;
 6. metrics.
@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from lightning_mem.cli import RecipeCLI
 from lightning_mem.data import PromptDataModule, row_to_prompt_messages
 from lightning_mem.export import export_hf
+from lightning_mem.lora import LoraSettings, apply_lora, check_lora_targets, meta_model
 from lightning_mem.models import check_model_source, load_causal_lm, load_tokenizer, resolve_dtype
 from lightning_mem.optim import param_groups, warn_if_paged_on_cpu
 from lightning_mem.rl.algorithms import (
@@ -55,6 +56,7 @@ from lightning_mem.rl.critic import ValueHead, ValueModel, critic_values, load_v
 from lightning_mem.rl.memory_plan import PhaseMemory, PhaseMemoryPlan
 from lightning_mem.rl.microbatch import micro_batches
 from lightning_mem.rl.reward import RewardFunction, RewardModel, load_reward_model
+from lightning_mem.rl.rng import SamplingRNG
 from lightning_mem.rl.rollout import Experience, GenerationConfig, RolloutEngine, policy_forward
 
 
@@ -68,9 +70,11 @@ class PPOModule(LightningModule):
     Args:
         name_or_path: the policy to start from (usually an SFT checkpoint); folder or hub id.
         dtype, attn_implementation, trust_remote_code: as in the SFT recipe.
-        lora: ``peft.LoraConfig`` arguments (``r``, ``lora_alpha``, ``target_modules``...) to train
-            adapters instead of the whole actor; the reference is then the same model with its
-            adapters disabled, so no second copy is loaded.
+        lora: train LoRA adapters instead of the whole actor
+            (:class:`~lightning_mem.lora.LoraSettings`, peft's names: ``r``, ``lora_alpha``,
+            ``lora_dropout``, ``target_modules``...; the same section as SFT's and QLoRA's). The
+            target names are checked on a meta-device twin before any load; the reference is then
+            the same model with its adapters disabled, so no second copy is loaded.
         optimizer, lr_scheduler: the actor's (and the shared value head's); the scheduler is
             stepped every optimizer step and also drives the critic's optimizer.
         critic_optimizer: the separate critic's optimizer.
@@ -95,7 +99,7 @@ class PPOModule(LightningModule):
         dtype: str | None = None,
         attn_implementation: str | None = None,
         trust_remote_code: bool = False,
-        lora: dict[str, Any] | None = None,
+        lora: LoraSettings | None = None,
         optimizer: OptimizerCallable = _adamw,
         lr_scheduler: LRSchedulerCallable | None = None,
         critic_optimizer: OptimizerCallable = _adamw,
@@ -113,15 +117,19 @@ class PPOModule(LightningModule):
         export_dir: str | None = "export",
     ) -> None:
         super().__init__()
+        if isinstance(lora, dict):  # load_from_checkpoint passes the saved hyperparameters back as dicts
+            lora = LoraSettings(**lora)
         # Every check that needs no model runs here, so a bad config fails in a second.
         self._validate(name_or_path, dtype, lora, advantage_estimator, reward, reward_model, reference,
-                       generation, ppo, kl, grpo, critic, memory_plan, logits_chunk_size)
+                       generation, ppo, kl, grpo, critic, memory_plan, logits_chunk_size,
+                       trust_remote_code=trust_remote_code)
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "critic_optimizer", "reward"])
         self.automatic_optimization = False  # several optimizer steps per rollout
         self.strict_loading = False  # checkpoints leave out the frozen models (on_save_checkpoint)
         self.optimizer_factory, self.critic_optimizer_factory = optimizer, critic_optimizer
         self.lr_scheduler_factory = lr_scheduler
         self.reward_fn = reward
+        self.lora = lora
         self.generation, self.ppo, self.kl, self.grpo = generation, ppo, kl, grpo
         self.critic_config, self.memory_plan = critic, memory_plan
         self.logits_chunk_size = logits_chunk_size or None
@@ -143,10 +151,13 @@ class PPOModule(LightningModule):
         self.tokenizer: Any = None
         self.rollout_engine: RolloutEngine | None = None
         self.memory: PhaseMemory | None = None
+        # The stream rollouts and shuffles draw from; in the checkpoint, so a resume is exact.
+        self.sampling_rng: SamplingRNG | None = None
 
     @staticmethod
     def _validate(name_or_path, dtype, lora, advantage_estimator, reward, reward_model, reference,
-                  generation, ppo, kl, grpo, critic, memory_plan, logits_chunk_size) -> None:
+                  generation, ppo, kl, grpo, critic, memory_plan, logits_chunk_size, *,
+                  trust_remote_code=False) -> None:
         check_model_source(name_or_path)
         resolve_dtype(dtype, key="model.dtype")
         if advantage_estimator not in ("gae", "grpo"):
@@ -161,12 +172,8 @@ class PPOModule(LightningModule):
         if reference == "adapters_off" and not lora:
             raise ValueError("`model.reference: adapters_off` needs `model.lora`: without adapters there is nothing to disable")
         if lora is not None:
-            from peft import LoraConfig
-
-            try:
-                LoraConfig(task_type="CAUSAL_LM", **lora)
-            except (TypeError, ValueError) as err:
-                raise ValueError(f"`model.lora`: {err}") from None
+            # On a meta-device twin: a target typo fails here, before the policy is read.
+            check_lora_targets(meta_model(name_or_path, trust_remote_code=trust_remote_code), lora)
         if advantage_estimator == "gae" and critic.name_or_path is not None:
             check_model_source(critic.name_or_path, key="model.critic.name_or_path")
         resolve_dtype(critic.dtype, key="model.critic.dtype")
@@ -179,6 +186,11 @@ class PPOModule(LightningModule):
         memory_plan.validate()
         if advantage_estimator == "grpo":
             grpo.validate()
+            if ppo.whiten_advantages:
+                raise ValueError(
+                    "`model.ppo.whiten_advantages: true` with GRPO: whitening is a GAE option; GRPO's group-relative"
+                    " scores are the advantages (use `model.grpo.scale_rewards` to choose scaled or Dr. GRPO's centred)"
+                )
             if not generation.do_sample:
                 raise ValueError("`model.generation.do_sample: false` with GRPO: a group of greedy answers is all alike")
 
@@ -203,11 +215,10 @@ class PPOModule(LightningModule):
         load = dict(dtype=hp.dtype, attn_implementation=hp.attn_implementation, trust_remote_code=hp.trust_remote_code)
         self.tokenizer = load_tokenizer(hp.name_or_path, trust_remote_code=hp.trust_remote_code)
         self.actor = load_causal_lm(hp.name_or_path, **load)
-        _disable_dropout(self.actor)  # the ratio pi/pi_old must not see two dropout masks
-        if hp.lora:
-            from peft import LoraConfig, get_peft_model
-
-            self.actor = get_peft_model(self.actor, LoraConfig(task_type="CAUSAL_LM", **hp.lora))
+        if self.lora is not None:
+            self.actor = apply_lora(self.actor, self.lora)
+        # After the adapters exist: their lora_dropout too would give the ratio pi/pi_old two masks.
+        _disable_dropout(self.actor)
         if self.reference_mode == "copy":
             self.reference = _frozen(load_causal_lm(hp.name_or_path, **load))
         if self.shared_critic:
@@ -255,6 +266,16 @@ class PPOModule(LightningModule):
             rollout_engine=self.rollout_engine,
         )
         self.memory.place("train")  # the resting placement between steps
+        if self.sampling_rng is None:  # not restored from a checkpoint: start from the seeded state
+            self.sampling_rng = SamplingRNG()
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.sampling_rng.enter()
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        # Lightning runs the callbacks' hook (ModelCheckpoint's save) before this one: the stream
+        # is still live then, and SamplingRNG.state_dict reads it from the generator.
+        self.sampling_rng.exit()
 
     def on_train_epoch_start(self) -> None:
         # Lightning puts the whole module in train mode at each epoch; the frozen models stay in eval.
@@ -349,7 +370,7 @@ class PPOModule(LightningModule):
         mask = exp.response_mask.float()
         # On-policy, the old logprobs come with the update (the KL is then measured there).
         kl = (
-            kl_estimate(exp.old_logprobs, exp.ref_logprobs, self.kl.estimator) * mask
+            kl_estimate(exp.old_logprobs, exp.ref_logprobs, self.kl.estimator, mask=mask)
             if exp.ref_logprobs is not None and exp.old_logprobs is not None else torch.zeros_like(mask)
         )
         if self.use_critic:
@@ -358,10 +379,12 @@ class PPOModule(LightningModule):
             advantages, exp.returns = gae_advantages(
                 rewards, exp.old_values, mask, gamma=self.ppo.gamma, lam=self.ppo.lam
             )
+            if self.ppo.whiten_advantages is not False:
+                advantages = whiten(advantages, mask, reduce=self._sum_over_ranks)
         else:
+            # The group-relative score is the advantage, as it is: no batch whitening on top (a
+            # group that scored all alike keeps exactly 0; Dr. GRPO stays unscaled).
             advantages = grpo_advantages(exp.scores, exp.group_ids, mask, scale=self.grpo.scale_rewards)
-        if self.ppo.whiten_advantages:
-            advantages = whiten(advantages, mask, reduce=self._sum_over_ranks)
         exp.advantages = advantages
         return kl.sum(dim=1)
 
@@ -398,7 +421,7 @@ class PPOModule(LightningModule):
         terms = {"tokens": mask.sum(), "policy_loss": pg.loss_sum.detach(), "clipped": pg.clipped_tokens,
                  "approx_kl": pg.approx_kl_sum, "entropy": entropy.detach()}
         if mb.ref_logprobs is not None and (not self.kl.in_reward or mb.old_logprobs is None):
-            kl = masked_sum(kl_estimate(out.logprobs, mb.ref_logprobs, self.kl.estimator), mask)
+            kl = masked_sum(kl_estimate(out.logprobs, mb.ref_logprobs, self.kl.estimator, mask=mask), mask)
             terms["kl_sum"] = kl.detach()
             if not self.kl.in_reward:
                 loss = loss + self.kl_controller.value * kl
@@ -472,10 +495,15 @@ class PPOModule(LightningModule):
         frozen = tuple(f"{name}." for name in ("reference", "reward_model"))
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith(frozen)}
         checkpoint["kl_controller"] = self.kl_controller.state_dict()
+        if self.sampling_rng is not None:
+            checkpoint["sampling_rng"] = self.sampling_rng.state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if "kl_controller" in checkpoint:
             self.kl_controller.load_state_dict(checkpoint["kl_controller"])
+        if "sampling_rng" in checkpoint:
+            self.sampling_rng = SamplingRNG()
+            self.sampling_rng.load_state_dict(checkpoint["sampling_rng"])
 
     def on_fit_end(self) -> None:
         if self.memory is not None:

@@ -32,22 +32,13 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_mem.cli import RecipeCLI
 from lightning_mem.data import SFTDataModule
-from lightning_mem.lora import (
-    LoraSettings,
-    apply_lora,
-    base_record,
-    check_lora_targets,
-    export_adapter,
-    merge_adapter,
-    meta_model,
-)
-from lightning_mem.models import count_parameters, has_weights, load_tokenizer
+from lightning_mem.lora import LoraSettings, apply_lora, base_record, merge_main, saved_base
+from lightning_mem.models import count_parameters
 from lightning_mem.strategies.device_map import DeviceMapStrategy
 from lightning_mem.quantization import (
     QuantizationSettings,
     check_placement,
     load_quantized_causal_lm,
-    materialize_random_weights,
     quantized_weight_bytes,
 )
 from recipes.sft import SFTModule
@@ -109,22 +100,20 @@ class QLoRAModule(SFTModule):
             lr_scheduler=lr_scheduler,
             logits_chunk_size=logits_chunk_size,
             export_dir=export_dir,
+            # The SFT module checks the targets on a meta-device twin (a typo fails in a second,
+            # not after the base was read and quantized), and keeps adapter-only checkpoints.
+            lora=lora,
+            random_init_dir=random_init_dir,
+            init_seed=init_seed,
         )
         # Replace the SFT hyperparameters (which would list its unused `dtype`) with this recipe's.
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
-        # Kept as objects: under LightningCLI, hparams hold the config's plain dicts instead (and
+        # Kept as an object: under LightningCLI, hparams hold the config's plain dicts instead (and
         # `load_from_checkpoint` passes those dicts back in).
         if isinstance(quantization, dict):
             quantization = QuantizationSettings(**quantization)
-        if isinstance(lora, dict):
-            lora = LoraSettings(**lora)
-        self.quantization, self.lora = quantization, lora
+        self.quantization = quantization
         check_placement(device_map, max_memory, offload_folder)
-        # Target names are checked on a meta-device twin of the model: a typo fails here, in a
-        # second, instead of after the base has been read and quantized.
-        check_lora_targets(meta_model(name_or_path, trust_remote_code=trust_remote_code), lora)
-        # Checkpoints carry the trainable tensors only, so loading one leaves the base's keys missing.
-        self.strict_loading = False
 
     def setup(self, stage: str) -> None:
         # Before the base is loaded: a device_map spreads it over devices (and host, and disk),
@@ -141,14 +130,7 @@ class QLoRAModule(SFTModule):
         if self.model is not None:
             return
         hp = self.hparams
-        base_path = hp.name_or_path
-        if Path(base_path).is_dir() and not has_weights(base_path):
-            # One process draws and writes the random weights; the others wait, then read them.
-            cache = Path(self.trainer.default_root_dir) / hp.random_init_dir
-            if self.trainer.is_global_zero:
-                materialize_random_weights(base_path, cache, seed=hp.init_seed)
-            self.trainer.strategy.barrier("materialize_random_weights")
-            base_path = str(materialize_random_weights(base_path, cache, seed=hp.init_seed))
+        base_path = saved_base(self.trainer, hp.name_or_path, hp.random_init_dir, seed=hp.init_seed)
         base = load_quantized_causal_lm(
             base_path,
             self.quantization,
@@ -178,35 +160,13 @@ class QLoRAModule(SFTModule):
             f"({held / dense:.3f} x their bf16 size)" if dense else "QLoRA: no quantized linear layers"
         )
 
-    # -- checkpoints: the trainable tensors only --------------------------------------------------
-    def _trainable_keys(self) -> set[str]:
-        return {name for name, p in self.named_parameters() if p.requires_grad}
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # The frozen base is re-read from name_or_path on resume; saving it would make every
-        # checkpoint as large as the quantized model (tens of GB at 70B) for nothing.
-        keep = self._trainable_keys()
-        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in keep}
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # strict_loading is off for the base's sake; the adapters must still all be there.
-        missing = sorted(self._trainable_keys() - set(checkpoint["state_dict"]))
-        if missing:
-            raise KeyError(f"the checkpoint lacks {len(missing)} trainable tensors, e.g. {missing[:3]}")
-
-    # -- 6: export --------------------------------------------------------------------------------
-    def on_fit_end(self) -> None:
-        if self.hparams.export_dir is None:
-            return
-        out = Path(self.trainer.default_root_dir) / self.hparams.export_dir
-        record = base_record(
+    # -- checkpoints (adapters only) and the adapter export: SFTModule's, with this base record --
+    def adapter_base_record(self) -> dict[str, Any]:
+        return base_record(
             self.quantization,
             attn_implementation=self.hparams.attn_implementation,
             trust_remote_code=self.hparams.trust_remote_code,
         )
-        tokenizer = load_tokenizer(self.hparams.name_or_path, trust_remote_code=self.hparams.trust_remote_code)
-        export_adapter(self.trainer, self.model, tokenizer, out, base=record)
-        rank_zero_info(f"exported the adapter and tokenizer to {out}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -214,32 +174,11 @@ class QLoRAModule(SFTModule):
 # ---------------------------------------------------------------------------------------------
 
 
-def merge_main(args: list[str]) -> Path:
-    """``python -m recipes.qlora merge --adapter DIR --out DIR [--base ...] [--base_weights ...] [--dtype ...]``."""
-    from jsonargparse import ArgumentParser
-
-    parser = ArgumentParser(prog="python -m recipes.qlora merge", description=merge_adapter.__doc__.split("\n")[0])
-    parser.add_argument("--adapter", required=True, help="folder with adapter_config.json (a run's export/)")
-    parser.add_argument("--out", required=True, help="folder for the merged Hugging Face model")
-    parser.add_argument("--base", default=None, help="base model; default: the one adapter_config.json names")
-    parser.add_argument(
-        "--base_weights",
-        default="dequantized",
-        choices=["dequantized", "original"],
-        help="dequantized: the 4-bit base training saw (reproduces the trained model); original: the checkpoint",
-    )
-    parser.add_argument("--dtype", default="bfloat16", help="dtype of the merged model")
-    cfg = parser.parse_args(args)
-    out = merge_adapter(cfg.adapter, cfg.out, base=cfg.base, base_weights=cfg.base_weights, dtype=cfg.dtype)
-    print(f"merged {cfg.adapter} into its base ({cfg.base_weights} weights, {cfg.dtype}): {out}")
-    return out
-
-
 def main(args: list[str] | None = None) -> RecipeCLI | Path:
     argv = sys.argv[1:] if args is None else list(args)
     # `merge` is not a Trainer subcommand, so it is dispatched before LightningCLI sees argv.
     if argv[:1] == ["merge"]:
-        return merge_main(argv[1:])
+        return merge_main(argv[1:], prog="python -m recipes.qlora merge")
     return RecipeCLI(QLoRAModule, SFTDataModule, args=args, save_config_kwargs={"overwrite": True})
 
 

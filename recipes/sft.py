@@ -2,14 +2,19 @@
 
     python -m recipes.sft fit --config configs/sft/tiny_cpu.yaml
     python -m recipes.sft fit --config configs/sft/tiny_cpu.yaml --ckpt_path last   # resume
+    python -m recipes.sft fit --config configs/sft/tiny_cpu_lora.yaml               # LoRA adapters
+    python -m recipes.sft merge --adapter runs/sft/tiny_cpu_lora/export --out runs/sft/tiny_cpu_lora/merged
 
 The memory plan (strategy, precision, checkpointing, offload, optimizer) lives in the YAML; this
 file is the algorithm: next-token cross-entropy on the assistant's tokens, as a token mean over
-each optimizer step (every micro-batch of the accumulation, every rank).
+each optimizer step (every micro-batch of the accumulation, every rank). With ``model.lora`` the
+base is frozen and LoRA adapters train (:mod:`lightning_mem.lora`): checkpoints then hold the
+adapters only, and the export is a peft adapter that ``merge`` folds into a plain HF model.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +27,18 @@ from lightning_mem.cli import RecipeCLI
 from lightning_mem.data import SFTDataModule
 from lightning_mem.export import export_hf
 from lightning_mem.logits import next_token_targets, score_tokens
+from lightning_mem.lora import (
+    LoraSettings,
+    apply_lora,
+    base_record,
+    check_checkpoint_has_trainables,
+    check_lora_targets,
+    export_adapter,
+    merge_main,
+    meta_model,
+    saved_base,
+    trainable_checkpoint_state,
+)
 from lightning_mem.models import check_model_source, load_causal_lm, load_tokenizer, resolve_dtype
 from lightning_mem.optim import param_groups, warn_if_paged_on_cpu
 
@@ -48,7 +65,15 @@ class SFTModule(LightningModule):
             alive in forward or backward, and only label positions are projected. None or 0:
             all of a micro-batch's label tokens at once (the unchunked path).
         export_dir: where the trained model and tokenizer are written in Hugging Face format at
-            the end of fit, relative to ``trainer.default_root_dir``; None skips the export.
+            the end of fit, relative to ``trainer.default_root_dir``; None skips the export. With
+            ``lora``, the peft adapter and tokenizer are written there instead.
+        lora: train LoRA adapters on the frozen base instead of every weight
+            (:class:`~lightning_mem.lora.LoraSettings`: ``r``, ``lora_alpha``, ``lora_dropout``,
+            ``target_modules``, ``modules_to_save``, ``bias``, peft's names). Target names are
+            checked on a meta-device twin before anything loads.
+        random_init_dir, init_seed: with ``lora`` and a config-only base folder, the seeded random
+            weights the adapters train on are saved there (relative to
+            ``trainer.default_root_dir``), so the adapter names a base that can be reloaded.
     """
 
     def __init__(
@@ -61,6 +86,9 @@ class SFTModule(LightningModule):
         lr_scheduler: LRSchedulerCallable | None = None,
         logits_chunk_size: int | None = 512,
         export_dir: str | None = "export",
+        lora: LoraSettings | None = None,
+        random_init_dir: str = "random_base",
+        init_seed: int = 0,
     ) -> None:
         super().__init__()
         check_model_source(name_or_path)  # fail before anything is loaded
@@ -68,6 +96,14 @@ class SFTModule(LightningModule):
         if logits_chunk_size is not None and logits_chunk_size < 0:
             raise ValueError(f"`model.logits_chunk_size` must be positive, 0 or null, got {logits_chunk_size}")
         self.logits_chunk_size = logits_chunk_size or None
+        if isinstance(lora, dict):  # load_from_checkpoint passes the saved hyperparameters back as dicts
+            lora = LoraSettings(**lora)
+        if lora is not None:
+            # On a meta-device twin: a target typo fails here, in a second, not after the load.
+            check_lora_targets(meta_model(name_or_path, trust_remote_code=trust_remote_code), lora)
+            # Checkpoints carry the trainable tensors only, so loading one leaves the base's keys missing.
+            self.strict_loading = False
+        self.lora = lora
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
         self.optimizer_factory = optimizer
         self.lr_scheduler_factory = lr_scheduler
@@ -80,13 +116,20 @@ class SFTModule(LightningModule):
         if self.model is not None:
             return
         hp = self.hparams
+        base = hp.name_or_path
+        if self.lora is not None:  # an adapter needs a base on disk it can name
+            base = saved_base(self.trainer, base, hp.random_init_dir, seed=hp.init_seed)
         self.model = load_causal_lm(
-            hp.name_or_path,
+            base,
             dtype=hp.dtype,
             attn_implementation=hp.attn_implementation,
             trust_remote_code=hp.trust_remote_code,
         )
         self.model.config.use_cache = False  # training never reuses the KV cache
+        if self.lora is not None:
+            # from_pretrained returns eval mode and Lightning keeps modules as they are: train()
+            # so that lora_dropout is active.
+            self.model = apply_lora(self.model, self.lora).train()
 
     def forward(self, **batch: torch.Tensor) -> Any:
         return self.model(**batch)
@@ -136,17 +179,41 @@ class SFTModule(LightningModule):
         scheduler = self.lr_scheduler_factory(optimizer)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
+    # -- checkpoints: with adapters, the trainable tensors only ---------------------------------
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.lora is not None:
+            checkpoint["state_dict"] = trainable_checkpoint_state(self, checkpoint["state_dict"])
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.lora is not None:
+            check_checkpoint_has_trainables(self, checkpoint["state_dict"])
+
     # -- export ---------------------------------------------------------------------------------
+    def adapter_base_record(self) -> dict[str, Any]:
+        """How the base was loaded, written next to an exported adapter (a 4-bit base says so)."""
+        hp = self.hparams
+        return base_record(
+            None, dtype=hp.dtype, attn_implementation=hp.attn_implementation, trust_remote_code=hp.trust_remote_code
+        )
+
     def on_fit_end(self) -> None:
         if self.hparams.export_dir is None:
             return
         out = Path(self.trainer.default_root_dir) / self.hparams.export_dir
-        tokenizer = load_tokenizer(self.hparams.name_or_path)
+        tokenizer = load_tokenizer(self.hparams.name_or_path, trust_remote_code=self.hparams.trust_remote_code)
+        if self.lora is not None:
+            export_adapter(self.trainer, self.model, tokenizer, out, base=self.adapter_base_record())
+            rank_zero_info(f"exported the adapter and tokenizer to {out}")
+            return
         export_hf(self.trainer, self.model, tokenizer, out)
         rank_zero_info(f"exported the model and tokenizer to {out}")
 
 
-def main(args: list[str] | None = None) -> RecipeCLI:
+def main(args: list[str] | None = None) -> RecipeCLI | Path:
+    argv = sys.argv[1:] if args is None else list(args)
+    # `merge` is not a Trainer subcommand, so it is dispatched before LightningCLI sees argv.
+    if argv[:1] == ["merge"]:
+        return merge_main(argv[1:], prog="python -m recipes.sft merge")
     return RecipeCLI(SFTModule, SFTDataModule, args=args, save_config_kwargs={"overwrite": True})
 
 

@@ -89,7 +89,9 @@ def test_meta_twin_has_the_real_models_linear_names(base):
     "kwargs, message",
     [
         ({"r": 0}, r"`model.lora.r` must be positive"),
-        ({"dropout": 1.0}, r"`model.lora.dropout` must be in \[0, 1\)"),
+        ({"lora_alpha": 0}, r"`model.lora.lora_alpha` must be positive"),
+        ({"bias": "some"}, r"`model.lora.bias` must be 'none', 'all' or 'lora_only'"),
+        ({"lora_dropout": 1.0}, r"`model.lora.lora_dropout` must be in \[0, 1\)"),
         ({"target_modules": []}, r"`model.lora.target_modules` is empty"),
         ({"target_modules": "q_proj("}, r"`model.lora.target_modules`: 'q_proj\(' is not a valid regex"),
     ],

@@ -177,7 +177,7 @@ def _qlora_model(base: str):
     model = load_quantized_causal_lm(base, QuantizationSettings(compute_dtype="float32", quant_storage="float32"))
     model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     torch.manual_seed(1)  # the same adapter initialisation on every rank and in the reference
-    return apply_lora(model, LoraSettings(r=4, dropout=0.0))
+    return apply_lora(model, LoraSettings(r=4, lora_dropout=0.0))
 
 
 def _packed_bytes(model) -> int:

@@ -38,13 +38,23 @@ def _identity(t: Tensor) -> Tensor:
 # ---------------------------------------------------------------------------------------------
 
 
+def _masked(values: Tensor, mask: Tensor) -> Tensor:
+    """``values`` where ``mask`` is set, exactly 0 elsewhere.
+
+    Selection, not multiplication: ``inf * 0`` and ``nan * 0`` are NaN, so a non-finite value at a
+    padded position (a logit overflow, an uninitialised buffer, a value head on a pad token) would
+    otherwise poison every sum it enters, and its gradient too.
+    """
+    return torch.where(mask.bool(), values, torch.zeros((), dtype=values.dtype, device=values.device))
+
+
 def masked_sum(values: Tensor, mask: Tensor) -> Tensor:
-    return (values * mask).sum()
+    return _masked(values, mask).sum()
 
 
 def masked_mean(values: Tensor, mask: Tensor, reduce: Reduce = _identity) -> Tensor:
     """Mean over the tokens where ``mask`` is 1, over all ranks when ``reduce`` sums across them."""
-    stats = reduce(torch.stack([masked_sum(values, mask), mask.sum()]).to(torch.float64))
+    stats = reduce(torch.stack([masked_sum(values.to(torch.float64), mask), mask.sum().to(torch.float64)]))
     return (stats[0] / stats[1].clamp(min=1)).to(values.dtype)
 
 
@@ -55,9 +65,9 @@ def masked_mean_var(values: Tensor, mask: Tensor, reduce: Reduce = _identity) ->
     gives the global statistics (whitening over the whole batch, not per rank: the advantages
     then do not depend on how samples are spread across ranks).
     """
-    v = values.to(torch.float64)
+    v = _masked(values.to(torch.float64), mask)
     m = mask.to(torch.float64)
-    stats = reduce(torch.stack([(v * m).sum(), (v * v * m).sum(), m.sum()]))
+    stats = reduce(torch.stack([v.sum(), (v * v).sum(), m.sum()]))
     total, total_sq, count = stats[0], stats[1], stats[2]
     if count < 2:
         raise ValueError("whitening needs at least two unmasked tokens")
@@ -72,11 +82,12 @@ def whiten(values: Tensor, mask: Tensor, *, shift_mean: bool = True, eps: float 
     ``shift_mean=False`` only rescales (keeps the mean): used for rewards, whose sign carries
     meaning; advantages are centred.
     """
+    values = _masked(values, mask)  # before any arithmetic: inf - mean at padding would NaN the backward
     mean, var = masked_mean_var(values, mask, reduce)
     out = (values - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean
-    return out * mask
+    return _masked(out, mask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -84,9 +95,15 @@ def whiten(values: Tensor, mask: Tensor, *, shift_mean: bool = True, eps: float 
 # ---------------------------------------------------------------------------------------------
 
 
-def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k1") -> Tensor:
-    """Per-token estimate of KL(pi || pi_ref) for tokens sampled from pi (see module docstring)."""
+def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k1", mask: Tensor | None = None) -> Tensor:
+    """Per-token estimate of KL(pi || pi_ref) for tokens sampled from pi (see module docstring).
+
+    With ``mask``, padded positions are 0 and pass no gradient, whatever the logprobs hold there
+    (exp of an inf log-ratio would otherwise make the backward NaN).
+    """
     log_ratio = logprobs - ref_logprobs
+    if mask is not None:
+        log_ratio = _masked(log_ratio, mask)
     if estimator == "k1":
         return log_ratio
     if estimator == "k2":
@@ -108,7 +125,7 @@ def last_token_index(mask: Tensor) -> Tensor:
 def rewards_with_kl_penalty(scores: Tensor, kl: Tensor, mask: Tensor, kl_coef: float) -> Tensor:
     """Per-token rewards: ``-kl_coef * kl`` on every response token, plus the sequence's score on its
     last token (where the reward function or model judged the whole response)."""
-    rewards = -kl_coef * kl * mask
+    rewards = _masked(-kl_coef * kl, mask)
     rows = torch.arange(scores.shape[0], device=scores.device)
     rewards[rows, last_token_index(mask)] += scores.to(rewards.dtype)
     return rewards
@@ -128,21 +145,21 @@ def gae_advantages(
     ends there); A_t = delta_t + gamma * lam * A_{t+1}. Returns ``(advantages, returns)`` with
     returns = A + V, the value targets. Padding positions are 0 in both.
     """
-    values = values * mask
-    rewards = rewards * mask
+    values = _masked(values, mask)
+    rewards = _masked(rewards, mask)
     length = rewards.shape[1]
     advantages = torch.zeros_like(rewards)
     next_value = torch.zeros_like(rewards[:, 0])
     running = torch.zeros_like(rewards[:, 0])
     for t in reversed(range(length)):
-        m = mask[:, t].to(rewards.dtype)
+        m = mask[:, t].bool()
         delta = rewards[:, t] + gamma * next_value - values[:, t]
-        running = (delta + gamma * lam * running) * m
+        running = torch.where(m, delta + gamma * lam * running, 0.0)
         advantages[:, t] = running
         # A padded position passes nothing back: the next real token sees V = 0 and A = 0.
-        next_value = values[:, t] * m
+        next_value = torch.where(m, values[:, t], 0.0)
     returns = advantages + values
-    return advantages, returns * mask
+    return advantages, _masked(returns, mask)
 
 
 def grpo_advantages(scores: Tensor, group_ids: Tensor, mask: Tensor, *, eps: float = 1e-6, scale: bool = True) -> Tensor:
@@ -152,18 +169,20 @@ def grpo_advantages(scores: Tensor, group_ids: Tensor, mask: Tensor, *, eps: flo
     ``group_ids[i]`` names the prompt sample ``i`` answers; a group whose responses all score the
     same gets advantage 0 (nothing to prefer). ``scale=False`` skips the division (Dr. GRPO).
     """
-    scores = scores.to(torch.float32)
+    # float64 statistics and an exact all-equal test: in fp32 the mean of eight scores of 0.45 is
+    # one unit in the last place off, so "identical" scores would get a +-0.03 advantage each.
+    scores = scores.to(torch.float64)
     adv = torch.zeros_like(scores)
     for gid in torch.unique(group_ids):
         members = group_ids == gid
         group = scores[members]
         if group.numel() < 2:
             raise ValueError("GRPO needs at least two responses per prompt (`grpo.group_size` >= 2)")
+        if bool((group == group[0]).all()):
+            continue  # a group that scored all alike has nothing to prefer: exactly 0, not 0/0
         centred = group - group.mean()
-        std = group.std()
-        # A group that scored all alike has nothing to prefer: 0, not 0/0.
-        adv[members] = centred / (std + eps) if scale and std > 0 else centred * (std > 0)
-    return adv.unsqueeze(1) * mask
+        adv[members] = centred / (group.std() + eps) if scale else centred
+    return _masked(adv.to(torch.float32).unsqueeze(1).expand(mask.shape), mask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,7 +201,10 @@ def clipped_policy_loss(
     logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, *, clip_ratio: float = 0.2
 ) -> PolicyLossTerms:
     """PPO's clipped surrogate: per token max(-A * r, -A * clip(r, 1-eps, 1+eps)), r = pi / pi_old."""
-    log_ratio = logprobs - old_logprobs
+    # Padded positions are selected away before exp: whatever they hold, they give 0 and no NaN
+    # gradient (0 * exp(inf) in the backward would be NaN even with the sum masked).
+    log_ratio = _masked(logprobs - old_logprobs, mask)
+    advantages = _masked(advantages, mask)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio, 1.0 + clip_ratio)
@@ -207,6 +229,7 @@ def clipped_value_loss(
     Clipping keeps the critic near the values the advantages were computed with; ``clip_range``
     None gives the plain squared error.
     """
+    values, old_values, returns = (_masked(x, mask) for x in (values, old_values, returns))
     unclipped = (values - returns).square()
     if clip_range is None:
         return ValueLossTerms(0.5 * masked_sum(unclipped, mask), torch.zeros((), device=values.device))

@@ -26,8 +26,11 @@ class PPOConfig:
         entropy_coef: weight of the entropy bonus (0 computes entropy for the metric only).
         max_grad_norm: gradient clipping per optimizer step (None: off).
         gamma, lam: GAE's discount and trace decay.
-        whiten_advantages: normalise advantages to zero mean and unit variance over the batch
-            (all ranks).
+        whiten_advantages: GAE only: normalise the advantages to zero mean and unit variance over
+            the batch (all ranks). None (the default) whitens under GAE. GRPO's group-relative
+            scores reach the loss as they are (whitening them again would give a group that
+            scored all alike a non-zero advantage, and undo Dr. GRPO's unscaled variant), so
+            ``true`` with GRPO is an error.
         max_tokens_per_microbatch: padded-token budget of a training micro-batch (forward +
             backward); None puts the whole mini-batch in one.
         logprob_max_tokens_per_microbatch: budget for the no-grad passes (old and reference
@@ -44,7 +47,7 @@ class PPOConfig:
     max_grad_norm: float | None = 1.0
     gamma: float = 1.0
     lam: float = 0.95
-    whiten_advantages: bool = True
+    whiten_advantages: bool | None = None
     max_tokens_per_microbatch: int | None = None
     logprob_max_tokens_per_microbatch: int | None = None
 

@@ -218,6 +218,12 @@ class PhaseMemory:
         try:
             with _monitor_phase(self.trainer, name):
                 yield
+        except BaseException:
+            # An exception mid-step (an OOM, a bad reward, Ctrl-C): nothing stays parked on the
+            # host, so whatever handles it (a checkpoint on exception, an OOM retry, a debugger)
+            # sees every optimizer state and model where Lightning expects them.
+            self.restore()
+            raise
         finally:
             self.seconds[name] = time.perf_counter() - start
             self.current = None

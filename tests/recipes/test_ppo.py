@@ -11,6 +11,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 import recipes.ppo as ppo
 from lightning_mem.data import PromptDataModule
+from lightning_mem.lora import LoraSettings
 from lightning_mem.offload import module_location, optimizer_state_location
 from lightning_mem.rl.config import CriticConfig, GRPOConfig, KLConfig, PPOConfig, RewardModelConfig
 from lightning_mem.rl.memory_plan import PhaseMemoryPlan, PhasePlacement
@@ -74,6 +75,7 @@ class PlacementProbe(ppo.PPOModule):
         return out
 
     def _rollout(self, batch):
+        type(self).last = self
         self.seen = {"rollout": self._where()}
         return super()._rollout(batch)
 
@@ -102,6 +104,21 @@ def test_memory_plan_holds_in_every_phase_of_a_step(tmp_path):
     assert module._optimizers()[0].state
     for phase in ("rollout", "score", "train"):
         assert read_metric(tmp_path, f"time_{phase}_s")[0] > 0
+
+
+class FailingUpdate(PlacementProbe):
+    def _optimizer_step(self):
+        self.seen["update"] = self._where()
+        raise RuntimeError("out of memory (simulated) in the train phase")
+
+
+def test_an_exception_in_the_train_phase_leaves_everything_on_the_device(tmp_path):
+    with pytest.raises(RuntimeError, match="simulated"):
+        fit(tmp_path, FailingUpdate, memory_plan=gpu_tier_plan(), kl=KLConfig(coef=0.05))
+    module = FailingUpdate.last
+    assert module.seen["update"]["reference"] == "host"  # the plan had parked the reference
+    assert set(module._where().values()) == {"device"}, module._where()
+    assert set(module.memory.locations.values()) == {"device"}
 
 
 # -- an update does not depend on how the mini-batch is split -----------------------------------
@@ -193,7 +210,7 @@ def test_grpo_builds_no_critic_and_samples_groups(tmp_path):
 
 def test_lora_actor_uses_its_base_as_the_reference_and_a_shared_critic(tmp_path):
     module, _ = fit(
-        tmp_path, lora=dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+        tmp_path, lora=LoraSettings(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
         critic=CriticConfig(layout="shared"),
     )
     assert module.reference is None and module.reference_mode == "adapters_off"
@@ -208,6 +225,36 @@ def test_lora_actor_uses_its_base_as_the_reference_and_a_shared_critic(tmp_path)
     assert read_metric(tmp_path, "value_loss")
 
 
+def test_lora_dropout_is_off_in_the_actor_so_two_passes_agree():
+    """Dropout is switched off *after* the adapters are added: with lora_dropout 0.1 two train-mode
+    forwards of the actor give identical logprobs (else the PPO ratio pi/pi_old is noise)."""
+    seed_everything(0)
+    module = ppo.PPOModule(
+        name_or_path=str(TINY_MODEL), reward=ArithmeticReward(), kl=KLConfig(coef=0.0),
+        lora=LoraSettings(r=4, lora_alpha=8, lora_dropout=0.1), export_dir=None,
+    )
+    module.configure_model()
+    actor = module.actor.train()
+    with torch.no_grad():  # LoRA's B starts at 0, which would hide any dropout on A's input
+        for name, p in actor.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.5)
+    ids = torch.randint(5, 200, (4, 12), generator=torch.Generator().manual_seed(0))
+
+    def logprobs():
+        with torch.no_grad():
+            return torch.log_softmax(actor(input_ids=ids).logits.float(), dim=-1)
+
+    first, second = logprobs(), logprobs()
+    assert torch.equal(first, second)
+    # The check can see noise: with the adapters' dropout back on, the two passes differ.
+    dropouts = [m for n, m in actor.named_modules() if isinstance(m, torch.nn.Dropout) and "lora_dropout" in n]
+    assert dropouts and all(m.p == 0.0 for m in dropouts)
+    for m in dropouts:
+        m.p = 0.1
+    assert not torch.equal(logprobs(), logprobs())
+
+
 def test_reward_model_is_scored_and_parked_on_the_host(tmp_path):
     module, _ = fit(
         tmp_path, PlacementProbe, reward=None, reward_model=RewardModelConfig(name_or_path=str(TINY_MODEL)),
@@ -217,6 +264,48 @@ def test_reward_model_is_scored_and_parked_on_the_host(tmp_path):
     assert module.seen["score"]["reward_model"] == "device"
     assert module.seen["update"]["reward_model"] == "host"
     assert torch.isfinite(torch.tensor(read_metric(tmp_path, "reward_mean")[0]))
+
+
+# -- advantages ---------------------------------------------------------------------------------
+
+
+def _grpo_experience():
+    """Two groups of four: group 0 all right (score 1), group 1 one right; the wrong answers are
+    the longer ones, as they tend to be (so a batch mean over tokens is not 0)."""
+    from types import SimpleNamespace
+
+    lengths = [2, 2, 2, 2, 2, 6, 6, 6]
+    mask = torch.tensor([[1] * n + [0] * (6 - n) for n in lengths])
+    return SimpleNamespace(
+        response_mask=mask, scores=torch.tensor([1.0, 1, 1, 1, 1, 0, 0, 0]),
+        group_ids=torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]), old_logprobs=torch.zeros(8, 6), ref_logprobs=None,
+    )
+
+
+@pytest.mark.parametrize("scale", [True, False])
+def test_grpo_advantages_reach_the_loss_as_they_are(scale):
+    """GRPO's group-relative score is the advantage: no batch whitening on top. (Whitened, the
+    all-right group got +0.365 per token here, and Dr. GRPO's unscaled score was divided by the
+    batch std anyway.)"""
+    module = ppo.PPOModule(
+        name_or_path=str(TINY_MODEL), reward=ArithmeticReward(), advantage_estimator="grpo",
+        grpo=GRPOConfig(group_size=4, scale_rewards=scale), kl=KLConfig(coef=0.0),
+    )
+    module._sum_over_ranks = lambda value: value  # one process, no trainer attached
+    exp = _grpo_experience()
+    module._advantages(exp)
+    mask = exp.response_mask.bool()
+    assert torch.equal(exp.advantages[:4], torch.zeros(4, 6))  # the all-alike group: exactly 0
+    # group 1: mean 0.25; centred 0.75 / -0.25; unbiased std 0.5
+    expected = torch.tensor([0.75, -0.25, -0.25, -0.25]) / (0.5 + 1e-6 if scale else 1.0)
+    for row, value in zip(range(4, 8), expected):
+        assert torch.allclose(exp.advantages[row][mask[row]], value.expand(int(mask[row].sum())), atol=1e-6, rtol=0)
+    assert torch.equal(exp.advantages[~mask], torch.zeros(int((~mask).sum())))
+
+
+def test_grpo_with_whitening_asked_for_is_an_error(tmp_path, no_model_load):
+    with pytest.raises(ValueError, match=r"`model.ppo.whiten_advantages: true` with GRPO: whitening is a GAE option"):
+        _cli(tmp_path, "--model.advantage_estimator=grpo", "--model.ppo.whiten_advantages=true")
 
 
 # -- bad input: one clear error, before any model is loaded ---------------------------------
@@ -259,6 +348,17 @@ def test_reward_rule_and_reward_model_together(tmp_path, no_model_load):
 def test_grpo_group_of_one(tmp_path, no_model_load):
     with pytest.raises(ValueError, match=r"`model.grpo.group_size` must be >= 2"):
         _cli(tmp_path, "--model.advantage_estimator=grpo", "--model.grpo.group_size=1")
+
+
+def test_lora_target_typo_fails_before_the_policy_loads(tmp_path, no_model_load):
+    with pytest.raises(ValueError, match=r"`model.lora.target_modules`: \['qkv'\] matches no linear module of LlamaForCausalLM"):
+        _cli(tmp_path, "--model.lora.r=4", "--model.lora.target_modules=[q_proj, qkv]")
+
+
+def test_lora_takes_peft_names_only(tmp_path, no_model_load, capsys):
+    with pytest.raises(SystemExit):
+        _cli(tmp_path, "--model.lora.r=4", "--model.lora.alpha=8")
+    assert "alpha" in capsys.readouterr().err
 
 
 def test_missing_policy_checkpoint(tmp_path, no_model_load):
@@ -344,6 +444,32 @@ def test_every_metric_is_logged(ppo_run):
     ):
         assert len(read_metric(ppo_run, name)) == 16 * SHORT_EPOCHS, name
     assert (ppo_run / "export" / "model.safetensors").is_file()
+
+
+# -- resume ---------------------------------------------------------------------------------------
+
+
+def test_resume_repeats_the_uninterrupted_run_exactly(tmp_path, sft_export):
+    """6 PPO steps straight, against 3 steps, a stop, and ``--ckpt_path last``: the same rollouts
+    (the sampling stream is in the checkpoint) give the same rewards, losses and KL at every step.
+    4 steps make an epoch of the 16 prompts, so the resumed part also crosses an epoch boundary
+    (where a new DataLoader iterator draws from the global generator)."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join((ARITH / "prompts.jsonl").read_text().splitlines(keepends=True)[:16]))
+    same = [
+        f"--data.train_file={prompts}", "--data.batch_size=4", "--model.ppo.ppo_epochs=1",
+        "--model.ppo.num_mini_batches=1", "--checkpoint.every_n_train_steps=2", "--model.export_dir=null",
+        "--trainer.enable_progress_bar=false",
+    ]  # global_step counts optimizer steps: 2 (actor, critic) per PPO step here
+    whole = _ppo(tmp_path / "whole", sft_export, *same, "--trainer.max_steps=12")
+    part = _ppo(tmp_path / "part", sft_export, *same, "--trainer.max_steps=6")
+    assert sorted(read_metric(part, "reward_mean")) == [0, 1, 2]
+    _ppo(part, sft_export, *same, "--trainer.max_steps=12", "--ckpt_path=last")
+    for name in ("reward_mean", "response_length", "policy_loss", "value_loss", "kl", "entropy", "approx_kl"):
+        expected, resumed = read_metric(whole, name), read_metric(part, name)
+        assert sorted(expected) == list(range(6)), name
+        assert resumed == expected, (name, expected, resumed)
+    assert len(set(read_metric(whole, "reward_mean").values())) > 1  # the steps did differ
 
 
 # -- FSDP2 on 2 CPU ranks: the same update as one process on the same global batch ---------------

@@ -14,6 +14,7 @@ from lightning_mem.rl.algorithms import (
     gae_advantages,
     grpo_advantages,
     kl_estimate,
+    masked_sum,
     masked_mean,
     masked_mean_var,
     rewards_with_kl_penalty,
@@ -195,3 +196,86 @@ def test_adaptive_kl_controller_by_hand():
     fixed = FixedKLController(0.05)
     fixed.update(100.0, 1000)
     assert fixed.value == 0.05
+
+
+def test_grpo_identical_scores_give_exactly_zero():
+    # Eight partial-credit scores of 0.45: the fp32 mean is off by one ulp and the fp32 std is
+    # ~3e-8, which used to give -0.0289 per sample. The group has nothing to prefer: exactly 0.
+    scores = torch.full((8,), 0.45)
+    groups = torch.zeros(8, dtype=torch.long)
+    for scale in (True, False):
+        adv = grpo_advantages(scores, groups, torch.ones(8, 5), scale=scale)
+        assert torch.equal(adv, torch.zeros(8, 5)), (scale, adv[:, 0])
+    # ... and next to a group that does differ, in the same batch.
+    mixed = torch.cat([scores, torch.tensor([0.45, 0.4, 0.35, 0.45])])
+    adv = grpo_advantages(mixed, torch.tensor([0] * 8 + [1] * 4), torch.ones(12, 1))
+    assert torch.equal(adv[:8], torch.zeros(8, 1))
+    assert adv[8:].abs().min() > 0.1
+
+
+# -- non-finite values on padding ----------------------------------------------------------------
+#
+# A padded position may hold anything (inf from an overflowed logit, NaN from an uninitialised
+# buffer). Every masked reduction selects it away: the result, and the gradient of every real
+# position, equal those of the same tensors with zeros on the padding.
+
+MASK = t([1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1])
+
+
+def _poisoned(x, value):
+    """x with ``value`` written on every padded position of MASK."""
+    return torch.where(MASK.bool(), x, torch.tensor(value))
+
+
+def _inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(3, 4, generator=g) for _ in range(4)]
+
+
+MASKED_FUNCTIONS = {
+    "masked_sum": lambda a, b, c, d: masked_sum(a, MASK),
+    "masked_mean": lambda a, b, c, d: masked_mean(a, MASK),
+    "masked_var": lambda a, b, c, d: masked_mean_var(a, MASK)[1],
+    "whiten": lambda a, b, c, d: whiten(a, MASK),
+    "whiten_keep_mean": lambda a, b, c, d: whiten(a, MASK, shift_mean=False),
+    "kl_k1": lambda a, b, c, d: kl_estimate(a, b, "k1", mask=MASK),
+    "kl_k3": lambda a, b, c, d: kl_estimate(a, b, "k3", mask=MASK),
+    "kl_penalty": lambda a, b, c, d: rewards_with_kl_penalty(torch.tensor([1.0, 0.0, 0.5]), a, MASK, 0.1),
+    "gae_advantages": lambda a, b, c, d: gae_advantages(a, b, MASK, gamma=0.9, lam=0.8)[0],
+    "gae_returns": lambda a, b, c, d: gae_advantages(a, b, MASK, gamma=0.9, lam=0.8)[1],
+    "policy_loss": lambda a, b, c, d: clipped_policy_loss(a, b, c, MASK, clip_ratio=0.2).loss_sum,
+    "policy_clipped": lambda a, b, c, d: clipped_policy_loss(a, b, c, MASK).clipped_tokens,
+    "policy_approx_kl": lambda a, b, c, d: clipped_policy_loss(a, b, c, MASK).approx_kl_sum,
+    "value_loss": lambda a, b, c, d: clipped_value_loss(a, b, c, MASK, clip_range=0.2).loss_sum,
+    "value_loss_unclipped": lambda a, b, c, d: clipped_value_loss(a, b, c, MASK, clip_range=None).loss_sum,
+    "value_clipped": lambda a, b, c, d: clipped_value_loss(a, b, c, MASK, clip_range=0.2).clipped_tokens,
+}
+
+
+@pytest.mark.parametrize("poison", [math.inf, -math.inf, math.nan])
+@pytest.mark.parametrize("name", sorted(MASKED_FUNCTIONS))
+def test_non_finite_padding_changes_nothing(name, poison):
+    fn = MASKED_FUNCTIONS[name]
+    clean = [x.clone().requires_grad_() for x in _inputs()]
+    dirty_leaves = [x.clone().requires_grad_() for x in _inputs()]
+    expected = fn(*[_poisoned(x, 0.0) for x in clean])
+    actual = fn(*[_poisoned(x, poison) for x in dirty_leaves])
+    # Padded output positions are 0 in both (gae's returns, whitened values...), so the whole
+    # tensor compares, bit for bit.
+    assert torch.isfinite(actual).all(), actual
+    torch.testing.assert_close(actual, expected, atol=0, rtol=0)
+    if expected.requires_grad:
+        expected.sum().backward()
+        actual.sum().backward()
+        for c, d in zip(clean, dirty_leaves):
+            if c.grad is None:
+                assert d.grad is None or torch.equal(d.grad, torch.zeros_like(d.grad))
+                continue
+            assert torch.isfinite(d.grad).all(), (name, d.grad)
+            torch.testing.assert_close(d.grad, c.grad, atol=0, rtol=0)
+
+
+def test_grpo_ignores_padding_rows_holding_nan():
+    mask = t([1, 1, 0], [1, 0, 0])
+    adv = grpo_advantages(torch.tensor([1.0, 0.0]), torch.tensor([0, 0]), mask)
+    assert torch.isfinite(adv).all() and adv[0, 2] == 0 and adv[1, 1] == 0

@@ -84,6 +84,18 @@ def test_round_trips_leave_every_tensor_bit_identical(parts):
     assert all(location == "device" for location in memory.locations.values())
 
 
+@pytest.mark.parametrize("phase", ["rollout", "score", "train"])
+def test_an_exception_mid_phase_brings_everything_back_to_the_device(parts, phase):
+    memory = PhaseMemory(gpu_tier_plan(), **parts)
+    memory.place("train")
+    with pytest.raises(RuntimeError, match="boom"):
+        with memory.phase(phase):
+            assert "host" in where(memory, parts).values()  # the plan did park something
+            raise RuntimeError("boom")
+    assert set(where(memory, parts).values()) == {"device"}
+    assert memory.current is None
+
+
 def test_offloads_happen_before_reloads(parts):
     calls = []
 
