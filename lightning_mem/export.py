@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from lightning_mem.checkpointing import staged_directory
+
 
 def gather_full_state_dict(trainer: Any, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
     """The model's full (unsharded) state dict on CPU on rank 0, None on other ranks.
@@ -26,9 +28,10 @@ def export_hf(trainer: Any, model: torch.nn.Module, tokenizer: Any, out_dir: str
     """Save ``model`` (a ``PreTrainedModel``, or a peft model: adapters only) and the tokenizer to ``out_dir``."""
     state = gather_full_state_dict(trainer, model)
     if state is not None:
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(out, state_dict=state, safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(out)
+        # Written beside out_dir and renamed into place: a failed export leaves the previous one
+        # (or nothing), never a folder with a config and no weights.
+        with staged_directory(out_dir) as out:
+            model.save_pretrained(out, state_dict=state, safe_serialization=True)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(out)
     trainer.strategy.barrier("export_hf")

@@ -124,6 +124,7 @@ class QLoRAModule(SFTModule):
         self.strict_loading = False
 
     def setup(self, stage: str) -> None:
+        super().setup(stage)
         # Before the base is loaded: a device_map spreads it over devices (and host, and disk),
         # which Lightning's usual strategies would undo by moving the whole module to one device.
         if self.hparams.device_map is not None and not isinstance(self.trainer.strategy, DeviceMapStrategy):

@@ -22,6 +22,7 @@ from lightning_mem.data import SFTDataModule
 from lightning_mem.export import export_hf
 from lightning_mem.models import check_model_source, load_causal_lm, load_tokenizer, resolve_dtype
 from lightning_mem.optim import param_groups, warn_if_paged_on_cpu
+from lightning_mem.schedules import build_lr_scheduler, check_schedule
 
 
 def _adamw(params: Any) -> torch.optim.Optimizer:
@@ -40,7 +41,9 @@ class SFTModule(LightningModule):
         optimizer: any optimizer class from YAML (``torch.optim.AdamW``,
             ``bitsandbytes.optim.PagedAdamW8bit``...); it sees trainable parameters only, with no
             weight decay on norms and biases.
-        lr_scheduler: optional, stepped every optimizer step.
+        lr_scheduler: optional, stepped every optimizer step. Leave ``total_steps`` out of
+            ``lightning_mem.schedules.WarmupCosineLR``'s init_args and it spans the run
+            (``trainer.max_steps``, or the optimizer steps of ``max_epochs``).
         export_dir: where the trained model and tokenizer are written in Hugging Face format at
             the end of fit, relative to ``trainer.default_root_dir``; None skips the export.
     """
@@ -62,6 +65,10 @@ class SFTModule(LightningModule):
         self.optimizer_factory = optimizer
         self.lr_scheduler_factory = lr_scheduler
         self.model: torch.nn.Module | None = None
+
+    def setup(self, stage: str) -> None:
+        # The data are loaded, the model is not: a schedule that cannot fit the run fails now.
+        check_schedule(self.lr_scheduler_factory, self.trainer)
 
     # -- model -------------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -103,7 +110,8 @@ class SFTModule(LightningModule):
         warn_if_paged_on_cpu(optimizer)
         if self.lr_scheduler_factory is None:
             return optimizer
-        scheduler = self.lr_scheduler_factory(optimizer)
+        # total_steps left out of the YAML: the schedule spans the trainer's run.
+        scheduler = build_lr_scheduler(self.lr_scheduler_factory, optimizer, self.trainer)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # -- export ---------------------------------------------------------------------------------
