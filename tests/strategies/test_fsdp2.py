@@ -30,10 +30,12 @@ sys.path.insert(0, str(HERE))
 
 import fsdp2_scenarios as sc  # noqa: E402
 
+from tests.helpers import HANG_GUARD_S  # noqa: E402
+
 from lightning_mem.strategies import FSDP2Strategy, full_state_dict, parse_dtype, shard_plan  # noqa: E402
 
 
-def run_worker(out: Path, spec: dict, devices: int = 2, timeout: int = 300) -> list[dict]:
+def run_worker(out: Path, spec: dict, devices: int = 2, timeout: float = HANG_GUARD_S) -> list[dict]:
     out.mkdir(parents=True)
     spec = {**spec, "out": str(out), "devices": devices}
     spec_path = out / "spec.json"
