@@ -11,12 +11,14 @@ from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import LightningModule
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_mem.callbacks.progress import StepProgressBar
 from lightning_mem.checkpointing import AtomicCheckpointIO, ResumeCheck, find_last_checkpoint
+from lightning_mem.quiet import silence_unactionable_warnings
 
 
 def _checkpoint_dir(default_root_dir: str | None) -> str:
@@ -38,6 +40,7 @@ class RecipeCLI(LightningCLI):
         # LightningCLI's own --optimizer would build an optimizer over the module's parameters
         # before configure_model has created any (an empty parameter list).
         kwargs.setdefault("auto_configure_optimizers", False)
+        silence_unactionable_warnings()
         super().__init__(*args, **kwargs)
 
     def subcommands(self) -> dict[str, set[str]]:  # type: ignore[override]
@@ -75,6 +78,16 @@ class RecipeCLI(LightningCLI):
         if config.get("ckpt_path"):
             keys = getattr(self.model, "optimizer_config_keys", ("model.optimizer",))
             self.trainer.callbacks.append(ResumeCheck(keys))
+        _count_steps_in_progress_bar(self.trainer)
+
+
+def _count_steps_in_progress_bar(trainer: Any) -> None:
+    # Lightning's default bar restarts every epoch and has no total for a max_steps run.
+    for i, callback in enumerate(trainer.callbacks):
+        if type(callback) is TQDMProgressBar:
+            trainer.callbacks[i] = StepProgressBar(
+                refresh_rate=callback.refresh_rate, process_position=callback.process_position, leave=callback._leave
+            )
 
 
 def check_numbers(config: Any) -> None:

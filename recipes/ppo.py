@@ -26,6 +26,7 @@ the iteration. A learning-rate schedule without ``total_steps`` spans the run.
 
 from __future__ import annotations
 
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -39,7 +40,7 @@ from torch import Tensor, nn
 
 from lightning_mem.cli import RecipeCLI
 from lightning_mem.data import PromptDataModule, row_to_prompt_messages
-from lightning_mem.export import export_hf
+from lightning_mem.export import export_hf, export_main
 from lightning_mem.models import check_model_source, load_causal_lm, load_tokenizer, resolve_dtype
 from lightning_mem.optim import param_groups, warn_if_paged_on_cpu
 from lightning_mem.schedules import build_lr_scheduler, check_schedule
@@ -483,7 +484,10 @@ class PPOModule(LightningModule):
             self.memory.restore()
         if self.hparams.export_dir is None:
             return
-        out = Path(self.trainer.default_root_dir) / self.hparams.export_dir
+        self.export(Path(self.trainer.default_root_dir) / self.hparams.export_dir)
+
+    def export(self, out: Path) -> None:
+        """Write the actor and tokenizer to ``out`` in HF format (also ``python -m recipes.ppo export``)."""
         export_hf(self.trainer, self.actor, self.tokenizer, out)
         rank_zero_info(f"exported the actor and tokenizer to {out}")
 
@@ -528,6 +532,9 @@ def main(args: list[str] | None = None) -> RecipeCLI:
     # holds the weights after the step's updates, which is the state a resume continues from.
     warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
     warnings.filterwarnings("ignore", message=r"Using ModelCheckpoint with manual optimization")
+    argv = sys.argv[1:] if args is None else list(args)
+    if argv[:1] == ["export"]:  # from a checkpoint; not a Trainer subcommand
+        return export_main(PPOCLI, PPOModule, PromptDataModule, argv[1:])
     return PPOCLI(PPOModule, PromptDataModule, args=args, save_config_kwargs={"overwrite": True})
 
 

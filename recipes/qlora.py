@@ -32,6 +32,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_mem.cli import RecipeCLI
 from lightning_mem.data import SFTDataModule
+from lightning_mem.export import export_main
 from lightning_mem.lora import (
     LoraSettings,
     apply_lora,
@@ -196,7 +197,10 @@ class QLoRAModule(SFTModule):
     def on_fit_end(self) -> None:
         if self.hparams.export_dir is None:
             return
-        out = Path(self.trainer.default_root_dir) / self.hparams.export_dir
+        self.export(Path(self.trainer.default_root_dir) / self.hparams.export_dir)
+
+    def export(self, out: Path) -> None:
+        """Write the adapter and tokenizer to ``out`` in peft format (also ``python -m recipes.qlora export``)."""
         record = base_record(
             self.quantization,
             attn_implementation=self.hparams.attn_implementation,
@@ -238,6 +242,8 @@ def main(args: list[str] | None = None) -> RecipeCLI | Path:
     # `merge` is not a Trainer subcommand, so it is dispatched before LightningCLI sees argv.
     if argv[:1] == ["merge"]:
         return merge_main(argv[1:])
+    if argv[:1] == ["export"]:
+        return export_main(RecipeCLI, QLoRAModule, SFTDataModule, argv[1:])
     return RecipeCLI(QLoRAModule, SFTDataModule, args=args, save_config_kwargs={"overwrite": True})
 
 

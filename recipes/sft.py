@@ -2,6 +2,8 @@
 
     python -m recipes.sft fit --config configs/sft/tiny_cpu.yaml
     python -m recipes.sft fit --config configs/sft/tiny_cpu.yaml --ckpt_path last   # resume
+    python -m recipes.sft export --config configs/sft/tiny_cpu.yaml \
+        --ckpt_path runs/sft/tiny_cpu/checkpoints/last.ckpt --out runs/sft/tiny_cpu/export_last
 
 The memory plan (strategy, precision, checkpointing, offload, optimizer) lives in the YAML; this
 file is the algorithm: next-token cross-entropy on the assistant's tokens.
@@ -9,6 +11,7 @@ file is the algorithm: next-token cross-entropy on the assistant's tokens.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +22,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_mem.cli import RecipeCLI
 from lightning_mem.data import SFTDataModule
-from lightning_mem.export import export_hf
+from lightning_mem.export import export_hf, export_main
 from lightning_mem.models import check_model_source, load_causal_lm, load_tokenizer, resolve_dtype
 from lightning_mem.optim import param_groups, warn_if_paged_on_cpu
 from lightning_mem.schedules import build_lr_scheduler, check_schedule
@@ -118,13 +121,20 @@ class SFTModule(LightningModule):
     def on_fit_end(self) -> None:
         if self.hparams.export_dir is None:
             return
-        out = Path(self.trainer.default_root_dir) / self.hparams.export_dir
+        self.export(Path(self.trainer.default_root_dir) / self.hparams.export_dir)
+
+    def export(self, out: Path) -> None:
+        """Write the model and tokenizer to ``out`` in HF format (also ``python -m recipes.sft export``)."""
         tokenizer = load_tokenizer(self.hparams.name_or_path)
         export_hf(self.trainer, self.model, tokenizer, out)
         rank_zero_info(f"exported the model and tokenizer to {out}")
 
 
-def main(args: list[str] | None = None) -> RecipeCLI:
+def main(args: list[str] | None = None) -> RecipeCLI | Path:
+    argv = sys.argv[1:] if args is None else list(args)
+    # `export` (from a checkpoint) is not a Trainer subcommand: dispatched before LightningCLI.
+    if argv[:1] == ["export"]:
+        return export_main(RecipeCLI, SFTModule, SFTDataModule, argv[1:])
     return RecipeCLI(SFTModule, SFTDataModule, args=args, save_config_kwargs={"overwrite": True})
 
 

@@ -557,11 +557,13 @@ class FSDP2Strategy(ModelParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
         if path.is_dir():
-            self._check_complete(path)
+            self.check_complete(path)
         return super().load_checkpoint(path, weights_only=weights_only)
 
     @staticmethod
-    def _check_complete(path: Path) -> None:
+    def check_complete(path: Path) -> None:
+        """Raise unless the sharded checkpoint folder ``path`` was completely written (its marker
+        is there and names the step its metadata has)."""
         from lightning.fabric.utilities.load import _METADATA_FILENAME
 
         marker = path / COMPLETE_MARKER

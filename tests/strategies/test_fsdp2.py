@@ -529,7 +529,7 @@ def test_sharded_save_switches_atomically_and_keeps_the_previous_version(tmp_pat
     assert [v.name.split(".")[2] for v in versions] == ["step2", "step3"]  # current + previous
     assert link.is_symlink() and link.resolve() == versions[1].resolve()
     assert torch.load(link / "meta.pt")["global_step"] == 3
-    strategy._check_complete(link)
+    strategy.check_complete(link)
     strategy.remove_checkpoint(link)
     assert not link.exists() and not link.is_symlink() and checkpoint_versions(link) == []
 
@@ -550,7 +550,7 @@ def test_interrupted_sharded_save_leaves_the_last_checkpoint_untouched(tmp_path,
     with pytest.raises(KeyboardInterrupt):
         _sharded_save(strategy, link, 6, 6)
     assert os.readlink(link) == before  # still the complete step-5 save
-    strategy._check_complete(link)
+    strategy.check_complete(link)
     torn = [v for v in (tmp_path).iterdir() if v.name.startswith("last.ckpt.step6")]
     assert len(torn) == 1
     with pytest.raises(RuntimeError, match="incomplete"):
