@@ -21,6 +21,10 @@ from lightning_mem.checkpointing import AtomicCheckpointIO, ResumeCheck, find_la
 from lightning_mem.quiet import silence_unactionable_warnings
 
 
+# Before a recipe imports bitsandbytes (it logs at import): recipes import this module first.
+silence_unactionable_warnings()
+
+
 def _checkpoint_dir(default_root_dir: str | None) -> str:
     return f"{default_root_dir or '.'}/checkpoints"
 

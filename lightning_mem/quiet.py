@@ -7,6 +7,7 @@ listed still prints.
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 #: (message regex, why it does not apply to the recipes)
@@ -24,10 +25,48 @@ UNACTIONABLE: tuple[tuple[str, str], ...] = (
         r"`isinstance\(treespec, LeafSpec\)` is deprecated",
         "raised inside Lightning's own code under torch >= 2.10, once per rank",
     ),
+    (
+        r"`is_gradient_checkpointing` is deprecated",
+        "raised inside peft's prepare_model_for_kbit_training under transformers 5",
+    ),
+    (
+        r"Paged optimizers are not supported on CPU",
+        "bitsandbytes' duplicate of lightning_mem.optim's own warning, which names the optimizer",
+    ),
 )
+
+#: (logger, message prefix, why): log records of other libraries, dropped the same way.
+UNACTIONABLE_LOGS: tuple[tuple[str, str, str], ...] = (
+    (
+        "bitsandbytes.backends.cpu.ops",
+        "Failed to load CPU gemm_4bit_forward from kernels-community",
+        "an optional CPU kernel that bitsandbytes would download from the hub at run time; the"
+        " built-in kernel is used, with the same results",
+    ),
+)
+
+_installed = False
+
+
+class _DropPrefix(logging.Filter):
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
 
 
 def silence_unactionable_warnings() -> None:
-    """Install ignore filters for :data:`UNACTIONABLE` (process-wide; call it from a recipe's entry point)."""
+    """Install ignore filters for :data:`UNACTIONABLE` and :data:`UNACTIONABLE_LOGS` (process-wide, once).
+
+    Called when :mod:`lightning_mem.cli` is imported, i.e. before a recipe imports bitsandbytes.
+    """
+    global _installed
+    if _installed:
+        return
+    _installed = True
     for pattern, _reason in UNACTIONABLE:
         warnings.filterwarnings("ignore", message=pattern)
+    for name, prefix, _reason in UNACTIONABLE_LOGS:
+        logging.getLogger(name).addFilter(_DropPrefix(prefix))
