@@ -62,6 +62,11 @@ def load_checkpoint_weights(module: torch.nn.Module, ckpt_path: str | Path) -> d
 
         from lightning_mem.strategies.fsdp2 import FSDP2Strategy
 
+        if not (path / ".metadata").is_file():
+            raise ValueError(
+                f"`--ckpt_path`: {path} is a folder but not a sharded (torch distributed) checkpoint; for a DeepSpeed"
+                " folder, convert it first with lightning.pytorch.utilities.deepspeed.convert_zero_checkpoint_to_fp32_state_dict"
+            )
         FSDP2Strategy.check_complete(path)
         reader = dcp.FileSystemReader(str(path))
         saved = {k.removeprefix("state_dict.") for k in reader.read_metadata().state_dict_metadata if k.startswith("state_dict.")}

@@ -152,3 +152,23 @@ def test_staged_directory_replaces_the_target_on_success(tmp_path):
         assert not (out / "model.safetensors").exists()  # invisible until complete
     assert [p.name for p in out.iterdir()] == ["model.safetensors"]
     assert [p.name for p in tmp_path.iterdir()] == ["export"]
+
+
+def test_export_from_checkpoint_rejects_what_it_cannot_read(tmp_path):
+    from lightning_mem.export import load_checkpoint_weights
+
+    module = torch.nn.Linear(2, 2)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_checkpoint_weights(module, tmp_path / "nope.ckpt")
+    (tmp_path / "zero").mkdir()
+    with pytest.raises(ValueError, match="not a sharded"):
+        load_checkpoint_weights(module, tmp_path / "zero")
+    torch.save({"weight": torch.zeros(2, 2)}, tmp_path / "plain.pt")
+    with pytest.raises(ValueError, match="not a Lightning checkpoint"):
+        load_checkpoint_weights(module, tmp_path / "plain.pt")
+    torch.save({"state_dict": {"other.weight": torch.zeros(2, 2)}}, tmp_path / "other.ckpt")
+    with pytest.raises(ValueError, match="tensors this model does not have"):
+        load_checkpoint_weights(module, tmp_path / "other.ckpt")
+    torch.save({"state_dict": {"weight": torch.ones(2, 2), "bias": torch.ones(2)}, "global_step": 7}, tmp_path / "ok.ckpt")
+    assert load_checkpoint_weights(module, tmp_path / "ok.ckpt")["global_step"] == 7
+    assert torch.equal(module.weight, torch.ones(2, 2))
