@@ -11,12 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import LightningModule
-from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
+from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_mem.callbacks.progress import StepProgressBar
+from lightning_mem.callbacks.progress import StepProgressBar, StepRichProgressBar
 from lightning_mem.checkpointing import AtomicCheckpointIO, ResumeCheck, find_last_checkpoint
 from lightning_mem.quiet import silence_unactionable_warnings
 
@@ -86,11 +86,17 @@ class RecipeCLI(LightningCLI):
 
 
 def _count_steps_in_progress_bar(trainer: Any) -> None:
-    # Lightning's default bar restarts every epoch and has no total for a max_steps run.
+    # Lightning's default bars restart every epoch and have no total for a max_steps run (the rich
+    # one shows "Epoch 4/-2"); a bar the user configured is left alone.
     for i, callback in enumerate(trainer.callbacks):
         if type(callback) is TQDMProgressBar:
             trainer.callbacks[i] = StepProgressBar(
                 refresh_rate=callback.refresh_rate, process_position=callback.process_position, leave=callback._leave
+            )
+        elif type(callback) is RichProgressBar:
+            trainer.callbacks[i] = StepRichProgressBar(
+                refresh_rate=callback.refresh_rate, leave=callback._leave, theme=callback.theme,
+                console_kwargs=callback._console_kwargs,
             )
 
 

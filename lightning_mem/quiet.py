@@ -26,6 +26,10 @@ UNACTIONABLE: tuple[tuple[str, str], ...] = (
         "raised inside Lightning's own code under torch >= 2.10, once per rank",
     ),
     (
+        r"torch\.distributed\.nn\.functional\.all_gather is deprecated",
+        "raised inside Lightning's all_gather (LightningModule.all_gather) under torch 2.13, once per rank",
+    ),
+    (
         r"`is_gradient_checkpointing` is deprecated",
         "raised inside peft's prepare_model_for_kbit_training under transformers 5",
     ),
