@@ -209,7 +209,7 @@ DISK_MAP = {
 def _placed_fit(tmp_path, *extra):
     return qlora.main([
         "fit", "--config", CONFIG, f"--trainer.default_root_dir={tmp_path}", "--trainer.max_steps=2",
-        "--trainer.enable_progress_bar=false", "--trainer.limit_val_batches=0", "--model.export_dir=null",
+        "--model.lr_scheduler.init_args.warmup_steps=1", "--trainer.enable_progress_bar=false", "--trainer.limit_val_batches=0", "--model.export_dir=null",
         f"--model.device_map={json.dumps(DISK_MAP)}", f"--model.offload_folder={tmp_path}/offload", *extra,
     ])  # fmt: skip
 

@@ -72,7 +72,9 @@ def test_run_prints_no_warning_outside_the_allow_list(runs, name):
 
 def test_progress_bar_counts_steps_of_the_run(runs):
     _, output = runs["sft_resumed"]
-    assert re.search(r"Epoch \d+, step: 100%\S* +\S* *4/4\b", output), output[-2000:]
+    # Rich's bar (Lightning's default when rich is installed) or tqdm's: "Epoch 1, step ... 4/4".
+    assert re.search(r"Epoch \d+, step\b.*\b4/4\b", output), output[-2000:]
+    assert not re.search(r"Epoch \d+/-\d", output)
 
 
 def _same_weights(a, b):
