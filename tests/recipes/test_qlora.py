@@ -27,7 +27,7 @@ def _fit_args(root, *extra):
     return [
         "fit", "--config", CONFIG, f"--trainer.default_root_dir={root}", "--trainer.log_every_n_steps=1",
         "--trainer.enable_progress_bar=false", f"--trainer.max_steps={STEPS}", "--trainer.val_check_interval=12",
-        "--checkpoint.every_n_train_steps=12", f"--model.lr_scheduler.init_args.total_steps={STEPS}",
+        "--checkpoint.every_n_train_steps=12",
         "--data.max_tokens_per_batch=256", *csv_logger_args(root), *extra,
     ]  # fmt: skip
 
