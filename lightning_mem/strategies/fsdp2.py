@@ -150,6 +150,23 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     strategy_name = "fsdp2"
 
+    #: The overridable steps' former (underscore) names; a subclass still overriding one would be
+    #: silently ignored, so defining it is an error that names the new method.
+    _RENAMED_STEPS = {
+        f"_{name}": name
+        for name in ("models_to_shard", "blocks_to_shard", "apply_activation_checkpointing", "offload_policy",
+                     "mixed_precision_policy", "shard_module", "materialize", "initialize_weights")
+    }
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        old = sorted(name for name in cls._RENAMED_STEPS if name in vars(cls))
+        if old:
+            raise TypeError(
+                f"{cls.__name__} overrides {old}: FSDP2Strategy's steps are public now; rename them to"
+                f" {[cls._RENAMED_STEPS[name] for name in old]}"
+            )
+
     def __init__(
         self,
         cpu_offload: bool = False,

@@ -575,3 +575,11 @@ def test_timeout_is_exposed_in_seconds_with_a_short_default():
     assert FSDP2Strategy(timeout=90)._timeout == timedelta(seconds=90)
     with pytest.raises(ValueError, match="timeout"):
         FSDP2Strategy(timeout=-1)
+
+
+def test_a_subclass_overriding_an_old_underscore_step_name_is_told_the_new_name():
+    with pytest.raises(TypeError, match=r"rename them to \['shard_module'\]"):
+
+        class Old(FSDP2Strategy):
+            def _shard_module(self, module, *, reshard_after_forward=None):
+                pass
