@@ -101,6 +101,24 @@ def test_export_from_an_fsdp2_sharded_checkpoint_equals_the_runs_export(runs, tm
     _same_weights(out, folder / "export")
 
 
+@pytest.mark.parametrize(
+    ("name", "weights", "extra"),
+    [("qlora", "adapter_model.safetensors", []), ("ppo", "model.safetensors", [f"--model.name_or_path={TINY_MODEL}"])],
+)
+def test_export_from_checkpoint_of_qlora_and_ppo_equals_the_runs_export(runs, tmp_path, name, weights, extra):
+    import importlib
+
+    folder, _ = runs[name]
+    recipe, args = RUNS[name]
+    config = args[args.index("--config") + 1]
+    out = importlib.import_module(f"recipes.{recipe}").main([
+        "export", "--config", str(REPO / config), f"--trainer.default_root_dir={folder}", *extra,
+        f"--ckpt_path={folder / 'checkpoints' / 'last.ckpt'}", f"--out={tmp_path / 'out'}",
+    ])  # fmt: skip
+    left, right = load_file(out / weights), load_file(folder / "export" / weights)
+    assert left.keys() == right.keys() and all(torch.equal(left[k], right[k]) for k in left)
+
+
 def test_export_needs_a_checkpoint_path():
     with pytest.raises(SystemExit, match="--ckpt_path is required"):
         sft.main(["export", "--config", str(REPO / "configs/sft/tiny_cpu.yaml")])
