@@ -84,6 +84,14 @@ def pad_batches_to_multiple(batches: list[list[int]], multiple: int, lengths: Se
     return [list(b) for b in batches] + extra
 
 
+class MicroBatch(list):
+    """One micro-batch's sample indices, with the summed ``weights`` (e.g. label tokens) of every
+    micro-batch of the same optimizer step on *all* ranks: the denominator of a token-mean loss
+    over the whole step, known before the first of its backward passes."""
+
+    step_weight: float | None = None
+
+
 class TokenBudgetSampler(DistributedSampler):
     """A distributed sampler that yields whole batches of indices.
 
@@ -100,6 +108,12 @@ class TokenBudgetSampler(DistributedSampler):
     run; each new iterator then starts from there (epoch = position // len, skipping the rest).
     That is what makes a resumed run see exactly the batches an uninterrupted one would, from a
     checkpoint taken mid-epoch or at an epoch's end, whatever epoch number the trainer resumes with.
+
+    ``weights`` (one number per sample, e.g. its label tokens) and ``accumulate_grad_batches`` make
+    every yielded batch a :class:`MicroBatch` carrying its optimizer step's total weight over all
+    ranks. Steps are grouped as Lightning groups them: ``accumulate_grad_batches`` consecutive
+    batches from the start of each epoch, the last group possibly shorter. Every rank computes the
+    same total without a collective, since every rank knows the whole (seeded) plan.
 
     It subclasses ``DistributedSampler`` so that Lightning uses it as is instead of injecting its own.
     Use it as ``DataLoader(dataset, sampler=sampler, batch_size=None)`` with a dataset whose
@@ -120,6 +134,8 @@ class TokenBudgetSampler(DistributedSampler):
         shuffle: bool = True,
         seed: int = 0,
         sort_window: int = 512,
+        weights: Sequence[float] | None = None,
+        accumulate_grad_batches: int = 1,
     ) -> None:
         if (max_tokens is None) == (batch_size is None):
             raise ValueError("set exactly one of `max_tokens_per_batch` and `batch_size`")
@@ -131,6 +147,12 @@ class TokenBudgetSampler(DistributedSampler):
         self.max_tokens = max_tokens
         self.batch_size = batch_size
         self.sort_window = sort_window
+        if weights is not None and len(weights) != len(self.lengths):
+            raise ValueError(f"`weights` has {len(weights)} entries for {len(self.lengths)} samples")
+        if accumulate_grad_batches < 1:
+            raise ValueError(f"`accumulate_grad_batches` must be >= 1, got {accumulate_grad_batches}")
+        self.weights = None if weights is None else list(weights)
+        self.accumulate_grad_batches = accumulate_grad_batches
         self.position_fn: Callable[[], int] | None = None
         self.batches = self._plan()
 
@@ -162,19 +184,37 @@ class TokenBudgetSampler(DistributedSampler):
             )
         return batches
 
-    def _epoch_batches(self, epoch: int) -> list[list[int]]:
+    def _epoch_order(self, epoch: int) -> list[list[int]]:
+        """Every rank's batches of ``epoch`` in order; rank ``r`` takes ``[r::num_replicas]``."""
         order = range(len(self.batches))
         if self.shuffle:
             g = torch.Generator().manual_seed(self.seed + 1 + epoch)
             order = torch.randperm(len(self.batches), generator=g).tolist()
-        ordered = [self.batches[i] for i in order]
-        return ordered[self.rank :: self.num_replicas]
+        return [self.batches[i] for i in order]
+
+    def _epoch_batches(self, epoch: int) -> list[list[int]]:
+        return self._epoch_order(epoch)[self.rank :: self.num_replicas]
+
+    def _step_weights(self, ordered: list[list[int]]) -> list[float]:
+        """Per local batch position, the total weight of its optimizer step over all ranks."""
+        per_rank, world, accumulate = len(self), self.num_replicas, self.accumulate_grad_batches
+        totals = []
+        for start in range(0, per_rank, accumulate):
+            stop = min(start + accumulate, per_rank)
+            step = ordered[start * world : stop * world]  # local positions start..stop-1 of every rank
+            totals.append(float(sum(self.weights[i] for batch in step for i in batch)))
+        return [totals[position // accumulate] for position in range(per_rank)]
 
     def __iter__(self) -> Iterator[list[int]]:  # type: ignore[override]
         epoch, skip = self.epoch, 0
         if self.position_fn is not None:
             epoch, skip = divmod(self.position_fn(), len(self))
-        return iter(self._epoch_batches(epoch)[skip:])
+        ordered = self._epoch_order(epoch)
+        batches = ordered[self.rank :: self.num_replicas]
+        if self.weights is None:
+            return iter(batches[skip:])
+        step_weights = self._step_weights(ordered)
+        return iter(_with_weight(batches[i], step_weights[i]) for i in range(skip, len(batches)))
 
     def __len__(self) -> int:
         return len(self.batches) // self.num_replicas
@@ -184,3 +224,9 @@ class TokenBudgetSampler(DistributedSampler):
         real = sum(self.lengths[i] for b in self.batches for i in b)
         padded = sum(padded_tokens([self.lengths[i] for i in b]) for b in self.batches)
         return real / max(padded, 1)
+
+
+def _with_weight(indices: list[int], step_weight: float) -> MicroBatch:
+    batch = MicroBatch(indices)
+    batch.step_weight = step_weight
+    return batch

@@ -23,7 +23,7 @@ import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_mem.batching import TokenBudgetSampler
+from lightning_mem.batching import MicroBatch, TokenBudgetSampler
 
 log = logging.getLogger(__name__)
 
@@ -219,6 +219,10 @@ class TokenizedDataset(Dataset):
         return len(self.examples)
 
     def __getitem__(self, idx: int | list[int]) -> Any:
+        if isinstance(idx, MicroBatch):  # keeps its step's label-token total for the collator
+            batch = MicroBatch(self.examples[i] for i in idx)
+            batch.step_weight = idx.step_weight
+            return batch
         if isinstance(idx, list):
             return [self.examples[i] for i in idx]
         return self.examples[idx]
@@ -226,6 +230,12 @@ class TokenizedDataset(Dataset):
     @property
     def lengths(self) -> list[int]:
         return [len(e["input_ids"]) for e in self.examples]
+
+    @property
+    def label_tokens(self) -> list[int]:
+        """Tokens each example is scored on: labels that a previous position predicts (the first
+        token is never a target)."""
+        return [sum(label != IGNORE_INDEX for label in e["labels"][1:]) for e in self.examples]
 
 
 def collate_right_padded(examples: list[dict[str, list[int]]], pad_token_id: int) -> dict[str, torch.Tensor]:
@@ -248,7 +258,11 @@ class _Collator:
         self.pad_token_id = pad_token_id
 
     def __call__(self, examples: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
-        return collate_right_padded(examples, self.pad_token_id)
+        batch = collate_right_padded(examples, self.pad_token_id)
+        if isinstance(examples, MicroBatch) and examples.step_weight is not None:
+            # The label tokens of this micro-batch's whole optimizer step, on all ranks.
+            batch["step_label_tokens"] = torch.tensor(int(examples.step_weight), dtype=torch.long)  # an int: precision plugins cast floats
+        return batch
 
 
 def resume_where_stopped(sampler: TokenBudgetSampler, trainer: Any) -> None:
@@ -343,7 +357,7 @@ class SFTDataModule(LightningDataModule):
             raise DataFormatError(f"{path}: no usable rows after tokenization")
         return TokenizedDataset(examples)
 
-    def _sampler(self, dataset: TokenizedDataset, shuffle: bool) -> TokenBudgetSampler:
+    def _sampler(self, dataset: TokenizedDataset, shuffle: bool, *, train: bool = False) -> TokenBudgetSampler:
         trainer = self.trainer
         return TokenBudgetSampler(
             dataset.lengths,
@@ -353,6 +367,10 @@ class SFTDataModule(LightningDataModule):
             rank=trainer.global_rank if trainer else 0,
             shuffle=shuffle,
             seed=self.seed,
+            # Training batches carry their optimizer step's label tokens (all micro-batches, all
+            # ranks): the SFT loss is a token mean over the step, whatever the split.
+            weights=dataset.label_tokens if train else None,
+            accumulate_grad_batches=trainer.accumulate_grad_batches if train and trainer else 1,
         )
 
     def _loader(self, dataset: TokenizedDataset, sampler: TokenBudgetSampler) -> DataLoader:
@@ -366,7 +384,7 @@ class SFTDataModule(LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         assert self.train_set is not None, "call setup() first"
-        sampler = self._sampler(self.train_set, shuffle=True)
+        sampler = self._sampler(self.train_set, shuffle=True, train=True)
         resume_where_stopped(sampler, self.trainer)
         return self._loader(self.train_set, sampler)
 

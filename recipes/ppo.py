@@ -88,6 +88,10 @@ class PPOModule(LightningModule):
             ``adapters_off``. Not built when the KL penalty is off.
         generation, ppo, kl, grpo, critic: the knob groups of :mod:`lightning_mem.rl.config`.
         memory_plan: where things live per phase (:class:`~lightning_mem.rl.memory_plan.PhaseMemoryPlan`).
+        logits_chunk_size: response tokens per chunk through the output layer in the score and
+            update passes (:mod:`lightning_mem.logits`): at most one chunk's ``[tokens, vocab]``
+            logits are alive, and backward recomputes them. None or 0: all of a micro-batch's
+            response tokens at once (the unchunked path).
         export_dir: where the trained actor and tokenizer are written (HF format) at the end of
             fit, relative to ``trainer.default_root_dir``; None skips it.
     """
@@ -115,12 +119,13 @@ class PPOModule(LightningModule):
         grpo: GRPOConfig = GRPOConfig(),
         critic: CriticConfig = CriticConfig(),
         memory_plan: PhaseMemoryPlan = PhaseMemoryPlan(),
+        logits_chunk_size: int | None = 512,
         export_dir: str | None = "export",
     ) -> None:
         super().__init__()
         # Every check that needs no model runs here, so a bad config fails in a second.
         self._validate(name_or_path, dtype, lora, advantage_estimator, reward, reward_model, reference,
-                       generation, ppo, kl, grpo, critic, memory_plan)
+                       generation, ppo, kl, grpo, critic, memory_plan, logits_chunk_size)
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "critic_optimizer", "reward"])
         self.automatic_optimization = False  # several optimizer steps per rollout
         self.strict_loading = False  # checkpoints leave out the frozen models (on_save_checkpoint)
@@ -129,6 +134,7 @@ class PPOModule(LightningModule):
         self.reward_fn = reward
         self.generation, self.ppo, self.kl, self.grpo = generation, ppo, kl, grpo
         self.critic_config, self.memory_plan = critic, memory_plan
+        self.logits_chunk_size = logits_chunk_size or None
         self.use_critic = advantage_estimator == "gae"
         self.shared_critic = self.use_critic and critic.layout == "shared"
         self.reference_mode = (
@@ -150,7 +156,7 @@ class PPOModule(LightningModule):
 
     @staticmethod
     def _validate(name_or_path, dtype, lora, advantage_estimator, reward, reward_model, reference,
-                  generation, ppo, kl, grpo, critic, memory_plan) -> None:
+                  generation, ppo, kl, grpo, critic, memory_plan, logits_chunk_size) -> None:
         check_model_source(name_or_path)
         resolve_dtype(dtype, key="model.dtype")
         if advantage_estimator not in ("gae", "grpo"):
@@ -174,6 +180,8 @@ class PPOModule(LightningModule):
         if advantage_estimator == "gae" and critic.name_or_path is not None:
             check_model_source(critic.name_or_path, key="model.critic.name_or_path")
         resolve_dtype(critic.dtype, key="model.critic.dtype")
+        if logits_chunk_size is not None and logits_chunk_size < 0:
+            raise ValueError(f"`model.logits_chunk_size` must be positive, 0 or null, got {logits_chunk_size}")
         generation.validate()
         ppo.validate()
         kl.validate()
@@ -326,23 +334,37 @@ class PPOModule(LightningModule):
         ).to(self.device)
 
     # 3. Logprobs and values ---------------------------------------------------------------------
+    @property
+    def on_policy(self) -> bool:
+        """One optimizer step per rollout: the update's policy *is* the rollout's, so its own
+        logprobs (detached) serve as the old ones and the separate old-logprob pass is skipped,
+        unless something before the update needs them (a KL penalty in the reward, a shared
+        value head that reads the actor's hidden states)."""
+        uses_old = self.shared_critic or (self.reference_mode is not None and self.kl.in_reward)
+        return self.ppo.ppo_epochs == 1 and self.ppo.num_mini_batches == 1 and not uses_old
+
+    def _policy(self, model: nn.Module, mb: Experience, **kwargs: Any) -> Any:
+        return policy_forward(
+            model, mb, temperature=self.generation.temperature, chunk_size=self.logits_chunk_size, **kwargs
+        )
+
     @torch.no_grad()
     def _logprobs_and_values(self, exp: Experience) -> None:
         shape = exp.response_ids.shape
-        exp.old_logprobs = torch.zeros(shape, device=self.device)
+        exp.old_logprobs = None if self.on_policy else torch.zeros(shape, device=self.device)
         exp.ref_logprobs = torch.zeros(shape, device=self.device) if self.reference_mode else None
         exp.old_values = torch.zeros(shape, device=self.device) if self.use_critic else None
-        temperature = self.generation.temperature
         for idx in micro_batches(exp.sequence_lengths, self.ppo.logprob_budget, agree_on_count=self._agree_on_count):
             mb = exp.select(idx)
             cols = mb.response_ids.shape[1]
-            out = policy_forward(self.actor, mb, temperature=temperature, with_hidden=self.shared_critic)
-            exp.old_logprobs[idx, :cols] = out.logprobs
+            if exp.old_logprobs is not None:
+                out = self._policy(self.actor, mb, with_hidden=self.shared_critic)
+                exp.old_logprobs[idx, :cols] = out.logprobs
             if self.reference_mode == "copy":
-                exp.ref_logprobs[idx, :cols] = policy_forward(self.reference, mb, temperature=temperature).logprobs
+                exp.ref_logprobs[idx, :cols] = self._policy(self.reference, mb).logprobs
             elif self.reference_mode == "adapters_off":
                 with self.actor.disable_adapter():  # the base model = the policy before training
-                    exp.ref_logprobs[idx, :cols] = policy_forward(self.actor, mb, temperature=temperature).logprobs
+                    exp.ref_logprobs[idx, :cols] = self._policy(self.actor, mb).logprobs
             if self.shared_critic:
                 exp.old_values[idx, :cols] = self.value_head(out.hidden)
             elif self.critic is not None:
@@ -352,9 +374,10 @@ class PPOModule(LightningModule):
     def _advantages(self, exp: Experience) -> Tensor:
         """Fill ``exp.advantages`` (and ``exp.returns`` for the critic); return each sample's KL."""
         mask = exp.response_mask.float()
+        # On-policy, the old logprobs come with the update (the KL is then measured there).
         kl = (
             kl_estimate(exp.old_logprobs, exp.ref_logprobs, self.kl.estimator) * mask
-            if exp.ref_logprobs is not None else torch.zeros_like(mask)
+            if exp.ref_logprobs is not None and exp.old_logprobs is not None else torch.zeros_like(mask)
         )
         if self.use_critic:
             penalty = self.kl_controller.value if self.kl.in_reward else 0.0
@@ -394,18 +417,18 @@ class PPOModule(LightningModule):
         mask = mb.response_mask.float()
         # With no entropy bonus, the entropy is a metric: no gradient through a vocabulary-wide softmax.
         bonus = self.ppo.entropy_coef > 0
-        out = policy_forward(
-            self.actor, mb, temperature=self.generation.temperature, with_entropy=True, entropy_grad=bonus,
-            with_hidden=self.shared_critic,
-        )
-        pg = clipped_policy_loss(out.logprobs, mb.old_logprobs, mb.advantages, mask, clip_ratio=self.ppo.clip_ratio)
+        out = self._policy(self.actor, mb, with_entropy=True, entropy_grad=bonus, with_hidden=self.shared_critic)
+        old_logprobs = out.logprobs.detach() if mb.old_logprobs is None else mb.old_logprobs
+        pg = clipped_policy_loss(out.logprobs, old_logprobs, mb.advantages, mask, clip_ratio=self.ppo.clip_ratio)
         entropy = masked_sum(out.entropy, mask)
         loss = pg.loss_sum - self.ppo.entropy_coef * entropy if bonus else pg.loss_sum
         terms = {"tokens": mask.sum(), "policy_loss": pg.loss_sum.detach(), "clipped": pg.clipped_tokens,
                  "approx_kl": pg.approx_kl_sum, "entropy": entropy.detach()}
-        if not self.kl.in_reward and mb.ref_logprobs is not None:
+        if mb.ref_logprobs is not None and (not self.kl.in_reward or mb.old_logprobs is None):
             kl = masked_sum(kl_estimate(out.logprobs, mb.ref_logprobs, self.kl.estimator), mask)
-            loss = loss + self.kl_controller.value * kl
+            terms["kl_sum"] = kl.detach()
+            if not self.kl.in_reward:
+                loss = loss + self.kl_controller.value * kl
         if self.use_critic:
             values = self.value_head(out.hidden) if self.shared_critic else critic_values(self.critic, mb)
             vl = clipped_value_loss(values, mb.old_values, mb.returns, mask, clip_range=self.ppo.value_clip)
@@ -429,10 +452,12 @@ class PPOModule(LightningModule):
         ones = torch.ones_like(exp.scores)
         reward_mean, reward_var = masked_mean_var(exp.scores, ones, reduce=self._sum_over_ranks)
         samples = self._sum_over_ranks(ones.sum())
-        kl_mean = self._sum_over_ranks(kl_per_sample.sum()) / samples
         response_tokens = self._sum_over_ranks(exp.response_mask.sum().float())
-        self.kl_controller.update(float(kl_mean), int(samples))
         t = {name: self._sum_over_ranks(torch.as_tensor(v, device=self.device).float()) for name, v in totals.items()}
+        # On-policy the KL was measured in the (single) update pass, each token once.
+        kl_sum = t["kl_sum"] if exp.old_logprobs is None and "kl_sum" in t else self._sum_over_ranks(kl_per_sample.sum())
+        kl_mean = kl_sum / samples
+        self.kl_controller.update(float(kl_mean), int(samples))
         # Token means over every update of this step (each token counted once per epoch).
         per_token = lambda name: t[name] / t["tokens"]  # noqa: E731
         metrics = {

@@ -79,6 +79,7 @@ class QLoRAModule(SFTModule):
             ``trainer.default_root_dir`` (absolute paths are kept).
         init_seed: seed of those random weights.
         optimizer: default ``bitsandbytes.optim.PagedAdamW8bit`` (lr 2e-4); sees adapters only.
+        logits_chunk_size: as in the SFT recipe (the loss is the SFT recipe's).
         export_dir: where the adapter and tokenizer go at the end of fit, relative to
             ``trainer.default_root_dir``; None skips the export.
     """
@@ -98,6 +99,7 @@ class QLoRAModule(SFTModule):
         trust_remote_code: bool = False,
         optimizer: OptimizerCallable = _paged_adamw8bit,
         lr_scheduler: LRSchedulerCallable | None = None,
+        logits_chunk_size: int | None = 512,
         export_dir: str | None = "export",
     ) -> None:
         super().__init__(
@@ -106,6 +108,7 @@ class QLoRAModule(SFTModule):
             trust_remote_code=trust_remote_code,
             optimizer=optimizer,
             lr_scheduler=lr_scheduler,
+            logits_chunk_size=logits_chunk_size,
             export_dir=export_dir,
         )
         # Replace the SFT hyperparameters (which would list its unused `dtype`) with this recipe's.

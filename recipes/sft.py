@@ -6,7 +6,8 @@
         --ckpt_path runs/sft/tiny_cpu/checkpoints/last.ckpt --out runs/sft/tiny_cpu/export_last
 
 The memory plan (strategy, precision, checkpointing, offload, optimizer) lives in the YAML; this
-file is the algorithm: next-token cross-entropy on the assistant's tokens.
+file is the algorithm: next-token cross-entropy on the assistant's tokens, as a token mean over
+each optimizer step (every micro-batch of the accumulation, every rank).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning_mem.cli import RecipeCLI
 from lightning_mem.data import SFTDataModule
 from lightning_mem.export import export_hf, export_main
+from lightning_mem.logits import next_token_targets, score_tokens
 from lightning_mem.models import check_model_source, load_causal_lm, load_tokenizer, resolve_dtype
 from lightning_mem.optim import param_groups, warn_if_paged_on_cpu
 from lightning_mem.schedules import build_lr_scheduler, check_schedule
@@ -47,6 +49,10 @@ class SFTModule(LightningModule):
         lr_scheduler: optional, stepped every optimizer step. Leave ``total_steps`` out of
             ``lightning_mem.schedules.WarmupCosineLR``'s init_args and it spans the run
             (``trainer.max_steps``, or the optimizer steps of ``max_epochs``).
+        logits_chunk_size: label tokens per chunk through the output layer
+            (:mod:`lightning_mem.logits`): at most one chunk's ``[tokens, vocab]`` logits are
+            alive in forward or backward, and only label positions are projected. None or 0:
+            all of a micro-batch's label tokens at once (the unchunked path).
         export_dir: where the trained model and tokenizer are written in Hugging Face format at
             the end of fit, relative to ``trainer.default_root_dir``; None skips the export.
     """
@@ -59,11 +65,15 @@ class SFTModule(LightningModule):
         trust_remote_code: bool = False,
         optimizer: OptimizerCallable = _adamw,
         lr_scheduler: LRSchedulerCallable | None = None,
+        logits_chunk_size: int | None = 512,
         export_dir: str | None = "export",
     ) -> None:
         super().__init__()
         check_model_source(name_or_path)  # fail before anything is loaded
         resolve_dtype(dtype, key="model.dtype")
+        if logits_chunk_size is not None and logits_chunk_size < 0:
+            raise ValueError(f"`model.logits_chunk_size` must be positive, 0 or null, got {logits_chunk_size}")
+        self.logits_chunk_size = logits_chunk_size or None
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
         self.optimizer_factory = optimizer
         self.lr_scheduler_factory = lr_scheduler
@@ -92,20 +102,40 @@ class SFTModule(LightningModule):
         return self.model(**batch)
 
     # -- the algorithm: cross-entropy on assistant tokens ---------------------------------------
-    def _loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        # The model shifts labels by one internally; -100 marks prompt and padding tokens.
-        return self.model(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]
-        ).loss
+    def _loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(summed cross-entropy, label tokens)`` of a micro-batch; -100 marks prompt and padding."""
+        positions, targets = next_token_targets(batch["input_ids"], batch["labels"])
+        scores = score_tokens(
+            self.model, batch["input_ids"], batch["attention_mask"], positions, targets,
+            chunk_size=self.logits_chunk_size,
+        )
+        return -scores.logprobs.sum(), torch.tensor(targets.numel(), device=targets.device)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self._loss(batch)
-        self.log("train_loss", loss, prog_bar=True, on_step=True, on_epoch=False)
-        self.log("train_tokens", float(batch["attention_mask"].sum()), on_step=True, reduce_fx="sum")
-        return loss
+        loss_sum, tokens = self._loss(batch)
+        self.log("train_loss", loss_sum.detach() / tokens.clamp(min=1), prog_bar=True, on_step=True, on_epoch=False)
+        self.log("train_label_tokens", tokens.float(), on_step=True, on_epoch=False, reduce_fx="sum")
+        return loss_sum * self._step_scale(batch, tokens)
+
+    def _step_scale(self, batch: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor | float:
+        """What turns this micro-batch's summed loss into its share of the step's token mean.
+
+        Lightning divides each micro-batch's loss by ``accumulate_grad_batches`` and the data-
+        parallel all-reduce averages over ranks; multiplying by both and dividing by the label
+        tokens of the whole step (all micro-batches, all ranks; the sampler counts them ahead)
+        makes the accumulated gradient the gradient of that token mean, whatever the split.
+        Without a step count (a datamodule of your own) it falls back to the micro-batch's mean.
+        """
+        step_tokens = batch.get("step_label_tokens")
+        if step_tokens is None:
+            return 1.0 / tokens.clamp(min=1)
+        return self.trainer.accumulate_grad_batches * self.trainer.world_size / max(int(step_tokens), 1)
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        self.log("val_loss", self._loss(batch), prog_bar=True, sync_dist=True)
+        loss_sum, tokens = self._loss(batch)
+        # Weighted by label tokens: the epoch's val_loss is the token mean over the whole set.
+        n = int(tokens)
+        self.log("val_loss", loss_sum / max(n, 1), prog_bar=True, sync_dist=True, batch_size=max(n, 1))
 
     def configure_optimizers(self) -> Any:
         # weight_decay=None: the decayed group keeps the optimizer's own (YAML) setting.

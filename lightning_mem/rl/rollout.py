@@ -15,7 +15,6 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from lightning_mem.rl.algorithms import entropy_from_logits, token_logprobs
 
 
 @dataclass
@@ -203,32 +202,36 @@ def policy_forward(
     with_entropy: bool = False,
     entropy_grad: bool = True,
     with_hidden: bool = False,
+    chunk_size: int | None = 512,
 ) -> PolicyOutput:
     """Logprobs of ``batch``'s response tokens under ``model`` (and optionally their entropy;
     ``entropy_grad=False`` computes it outside the autograd graph, as a metric only).
 
-    Only the logits from the shortest prompt's last token onwards are computed
-    (``logits_to_keep``): a vocabulary-sized row per prompt token would cost more memory than
-    the rest of the pass on long prompts.
+    Only the response tokens' positions reach the output layer, ``chunk_size`` at a time
+    (:func:`lightning_mem.logits.score_tokens`): no ``[tokens, vocab]`` tensor beyond one chunk is
+    alive, and backward recomputes a chunk's logits. ``with_hidden`` returns the final hidden states
+    at the same positions (a shared value head reads them), without asking the model for every
+    layer's output.
     """
-    first = int(batch.prompt_lengths.min()) - 1
-    keep = batch.input_ids.shape[1] - first
-    out = model(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
-        logits_to_keep=keep,
-        output_hidden_states=with_hidden,
-        use_cache=False,
+    from lightning_mem.logits import response_targets, score_tokens
+
+    n, resp_len = batch.response_ids.shape
+    positions, targets, (rows, cols) = response_targets(
+        batch.prompt_lengths, batch.response_ids, batch.response_mask, batch.input_ids.shape[1]
     )
-    resp_len = batch.response_ids.shape[1]
-    logits = gather_response(out.logits, batch.prompt_lengths, resp_len, offset=first) / temperature
-    logprobs = token_logprobs(logits, batch.response_ids)
-    entropy = None
-    if with_entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
-    hidden = gather_response(out.hidden_states[-1], batch.prompt_lengths, resp_len) if with_hidden else None
-    return PolicyOutput(logprobs, entropy, hidden)
+    scores = score_tokens(
+        model, batch.input_ids, batch.attention_mask, positions, targets, chunk_size=chunk_size,
+        temperature=temperature, with_entropy=with_entropy, entropy_grad=entropy_grad, with_hidden=with_hidden,
+    )
+
+    def response_aligned(values: Tensor | None) -> Tensor | None:
+        # Back to [n, R] (or [n, R, H]); padding positions hold 0 and are masked by the caller.
+        if values is None:
+            return None
+        out = values.new_zeros((n, resp_len, *values.shape[1:]))
+        return out.index_put((rows, cols), values)
+
+    return PolicyOutput(response_aligned(scores.logprobs), response_aligned(scores.entropy), response_aligned(scores.hidden))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -142,6 +142,42 @@ class Snapshot(ppo.PPOModule):
         super().on_fit_start()
 
 
+class OldLogprobPass(ppo.PPOModule):
+    """Counts the actor's forward passes, and can force the separate old-logprob pass."""
+
+    force_old_pass = False
+    actor_passes = 0
+
+    @property
+    def on_policy(self) -> bool:
+        return False if self.force_old_pass else super().on_policy
+
+    def _policy(self, model, mb, **kwargs):
+        self.actor_passes += model is self.actor
+        return super()._policy(model, mb, **kwargs)
+
+
+def test_on_policy_update_skips_the_old_logprob_pass_and_is_unchanged(tmp_path):
+    """ppo_epochs 1 x num_mini_batches 1: the update's own (detached) log-probs are the old ones, so
+    the score phase runs no actor pass, and the update (plain SGD) and the logged KL are the same."""
+    sgd = lambda params: torch.optim.SGD(params, lr=1.0)  # noqa: E731
+    runs = {}
+    for forced in (False, True):
+        cls = type("Forced" if forced else "Skipping", (OldLogprobPass,), {"force_old_pass": forced})
+        module, _ = fit(
+            tmp_path / str(forced), cls, optimizer=sgd, advantage_estimator="grpo", grpo=GRPOConfig(group_size=4),
+            batch_size=4, kl=KLConfig(coef=0.05, estimator="k3", in_reward=False),
+            ppo=PPOConfig(ppo_epochs=1, num_mini_batches=1, max_grad_norm=None, max_tokens_per_microbatch=256),
+        )
+        runs[forced] = module
+    skipping, forced = runs[False], runs[True]
+    assert skipping.on_policy and skipping.actor_passes < forced.actor_passes
+    for (name, p), q in zip(skipping.actor.named_parameters(), forced.actor.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5, msg=name)
+    kl = {f: read_metric(tmp_path / str(f), "kl")[0] for f in (False, True)}
+    assert kl[False] == pytest.approx(kl[True], abs=1e-6)
+
+
 # -- variants -----------------------------------------------------------------------------------
 
 

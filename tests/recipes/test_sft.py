@@ -159,3 +159,68 @@ def test_fsdp2_config_trains_on_two_ranks_and_exports(tmp_path):
     assert (tmp_path / "checkpoints" / "last.ckpt").exists()  # a sharded checkpoint folder
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
     assert sum(p.numel() for p in model.parameters()) == 3_059_456  # full, unsharded weights
+
+
+# -- the loss is a token mean over the optimizer step, whatever the split -------------------------
+
+
+def _uneven_rows(path):
+    """16 rows of one token length whose completions (the scored tokens) run from 2 to 32 digits:
+    micro-batches of them carry very different numbers of label tokens."""
+    rows = []
+    for i in range(16):
+        completion = 1 + (i * 7) % 31
+        rows.append({"prompt": "1" * (40 - completion), "completion": "2" * completion})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_sft_step_is_a_token_mean_whatever_the_micro_batches_and_ranks(tmp_path):
+    """One SGD step (lr 1, so weights move by exactly the gradient) over the same 16 rows: one
+    micro-batch of 1024 tokens; four of 256 accumulated; and two ranks of two 256-token micro-
+    batches each (FSDP2) all write the same weights."""
+    from safetensors.torch import load_file
+
+    from lightning_mem.data import SFTDataModule
+    from lightning_mem.models import load_causal_lm, load_tokenizer
+
+    start = tmp_path / "start"  # one set of random weights that every run loads
+    torch.manual_seed(0)
+    load_causal_lm(str(REPO / "assets" / "tiny-llama")).save_pretrained(start)
+    load_tokenizer(str(REPO / "assets" / "tiny-llama")).save_pretrained(start)
+    data = _uneven_rows(tmp_path / "rows.jsonl")
+    dm = SFTDataModule(str(data), tokenizer=str(start), max_length=64, max_tokens_per_batch=64)
+    dm.setup()
+    lengths, labels = set(dm.train_set.lengths), dm.train_set.label_tokens
+    assert len(lengths) == 1 and max(labels) > 4 * min(labels)  # equal lengths, very unequal label counts
+    length = lengths.pop()
+    same = [
+        f"--model.name_or_path={start}", f"--data.train_file={data}", "--data.val_file=null", "--trainer.max_steps=1",
+        "--model.optimizer.class_path=torch.optim.SGD", "--model.optimizer.init_args.lr=1.0",
+        "--model.lr_scheduler=null", "--trainer.gradient_clip_val=null", "--trainer.logger=false",
+        "--trainer.callbacks=[]", "--model.logits_chunk_size=7",
+    ]
+    runs = {
+        "one_micro_batch": ("tiny_cpu", 16 * length, 1, "null"),
+        "four_accumulated": ("tiny_cpu", 4 * length, 4, "3"),
+        "two_ranks": ("tiny_cpu_fsdp2", 4 * length, 2, "5"),
+    }
+    weights = {}
+    for name, (config, budget, accumulate, chunk) in runs.items():
+        root = tmp_path / name
+        result = run_recipe(
+            "sft", "fit", "--config", str(REPO / "configs" / "sft" / f"{config}.yaml"), *same,
+            f"--data.max_tokens_per_batch={budget}", f"--trainer.accumulate_grad_batches={accumulate}",
+            f"--model.logits_chunk_size={chunk}", f"--trainer.default_root_dir={root}",
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        weights[name] = load_file(root / "export" / "model.safetensors")
+    initial = load_file(start / "model.safetensors")
+    reference = {k: v - initial[k] for k, v in weights["one_micro_batch"].items()}  # the update itself
+    assert sum(bool(d.any()) for d in reference.values()) > len(reference) // 2
+    for name in ("four_accumulated", "two_ranks"):
+        for key, update in reference.items():
+            # Relative to the update's size (SGD at lr 1 moves weights by up to ~3; fp32 sums in
+            # another order differ by ~1e-7 of that). A per-micro-batch mean is off by 10-50 %.
+            error = float((weights[name][key] - initial[key] - update).norm() / update.norm().clamp(min=1e-12))
+            assert error <= 1e-6, (name, key, error)

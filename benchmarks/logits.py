@@ -1,0 +1,133 @@
+"""The logits path, chunked vs unchunked: exact bytes at a real vocabulary, and tokens/s.
+
+    python benchmarks/logits.py                 # both tables, CPU (about a minute)
+    python benchmarks/logits.py --skip-speed    # bytes only
+
+Bytes: the tiny Llama architecture with Qwen2.5's vocabulary (151,936), 4,096 scored tokens, run on
+fake tensors under torch's MemTracker (exact per-category bytes, no real memory). The figure is
+the peak of tracked bytes above the weights, as a multiple of one micro-batch's bf16 logits
+(4,096 x 151,936 x 2 B = 1.16 GiB), for an SFT step (forward + backward), the PPO score pass
+(no gradients) and a PPO train micro-batch (entropy as a metric, hidden states for a value head).
+
+Speed: SFT training steps (forward + backward + AdamW) of the shipped tiny model on the shipped
+arithmetic data, tokens/s, chunked vs unchunked, on whatever device runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from lightning_mem.logits import next_token_targets, score_tokens  # noqa: E402
+
+VOCAB, SCORED = 151_936, 4096
+
+
+def _big_vocab_model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=32, max_position_embeddings=2048,
+    )
+    return LlamaForCausalLM(config)
+
+
+def _inputs(rows: int, width: int, unscored: int) -> list[torch.Tensor]:
+    ids = torch.randint(0, VOCAB, (rows, width))
+    labels = ids.clone()
+    labels[:, :unscored] = -100
+    positions, targets = next_token_targets(ids, labels)
+    assert positions.numel() == SCORED
+    return [ids, torch.ones_like(ids), positions, targets]
+
+
+def peak_multiple(kind: str, chunk_size: int | None) -> float:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    real = _inputs(4, 1025, 0) if kind == "sft" else _inputs(4, 1056, 32)
+    mode = FakeTensorMode()
+    with mode:
+        model = _big_vocab_model()
+        ids, mask, positions, targets = [mode.from_tensor(t) for t in real]
+        tracker = MemTracker()
+        tracker.track_external(model)
+        with tracker:
+            if kind == "score":
+                with torch.no_grad():
+                    score_tokens(model, ids, mask, positions, targets, chunk_size=chunk_size)
+            else:
+                train = kind == "ppo_train"
+                out = score_tokens(model, ids, mask, positions, targets, chunk_size=chunk_size,
+                                   with_entropy=train, entropy_grad=False, with_hidden=train)
+                loss = -out.logprobs.sum()
+                if train:
+                    loss = loss + out.hidden.float().square().mean()
+                loss.backward()
+    peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
+    weights = sum(v for k, v in peak.items() if k != "Total" and getattr(k, "value", "") in ("Parameter", "Buffer"))
+    return (peak["Total"] - weights) / (SCORED * VOCAB * 2)
+
+
+def sft_tokens_per_second(chunk_size: int | None, steps: int, device: str) -> float:
+    from lightning_mem.data import SFTDataModule
+    from lightning_mem.models import load_causal_lm
+
+    torch.manual_seed(0)
+    tiny = str(ROOT / "assets" / "tiny-llama")
+    model = load_causal_lm(tiny).to(device).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = SFTDataModule(str(ROOT / "data" / "arithmetic" / "train.jsonl"), tokenizer=tiny, max_length=64,
+                         max_tokens_per_batch=1024)
+    data.setup()
+    loader = iter(data.train_dataloader())
+    times, tokens = [], 0
+    for step in range(steps + 3):
+        batch = {k: v.to(device) for k, v in next(loader).items() if k != "step_label_tokens"}
+        start = time.perf_counter()
+        positions, targets = next_token_targets(batch["input_ids"], batch["labels"])
+        out = score_tokens(model, batch["input_ids"], batch["attention_mask"], positions, targets, chunk_size=chunk_size)
+        (-out.logprobs.sum() / targets.numel()).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if step >= 3:  # warm-up steps left out
+            times.append(time.perf_counter() - start)
+            tokens += int(batch["attention_mask"].sum())
+    return tokens / sum(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--chunk-size", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--rounds", type=int, default=3, help="speed rounds, alternating; the median is reported")
+    parser.add_argument("--skip-speed", action="store_true")
+    args = parser.parse_args()
+    print(f"| pass | unchunked | chunked ({args.chunk_size}) |\n|---|---|---|")
+    for kind in ("sft", "score", "ppo_train"):
+        print(f"| {kind} | {peak_multiple(kind, None):.2f}x | {peak_multiple(kind, args.chunk_size):.2f}x |")
+    if args.skip_speed:
+        return
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    speeds: dict[str, list[float]] = {"unchunked": [], "chunked": []}
+    for _ in range(args.rounds):
+        speeds["unchunked"].append(sft_tokens_per_second(None, args.steps, device))
+        speeds["chunked"].append(sft_tokens_per_second(args.chunk_size, args.steps, device))
+    med = {k: statistics.median(v) for k, v in speeds.items()}
+    print(f"\nSFT tokens/s on {device} (tiny model, median of {args.rounds}): unchunked {med['unchunked']:.0f},"
+          f" chunked {med['chunked']:.0f} ({med['chunked'] / med['unchunked']:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()
