@@ -7,7 +7,7 @@ memory about the same. The same packer serves the data loaders here and the PPO 
 
 from __future__ import annotations
 
-import math
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -54,7 +54,9 @@ def split_batches_to_multiple(batches: list[list[int]], multiple: int) -> list[l
     """Split the largest batches in two until the count is a multiple of ``multiple``.
 
     Every rank must run the same number of steps (collectives would hang otherwise); splitting keeps
-    every sample, where dropping the remainder would lose data.
+    every sample, where dropping the remainder would lose data. When every batch already holds a
+    single sample and the count is still no multiple (fewer samples than ranks, or only samples
+    near the budget), the result stays short: :func:`pad_batches_to_multiple` finishes the job.
     """
     batches = [list(b) for b in batches]
     while len(batches) % multiple:
@@ -64,7 +66,22 @@ def split_batches_to_multiple(batches: list[list[int]], multiple: int) -> list[l
         i = max(splittable, key=lambda j: len(batches[j]))
         half = len(batches[i]) // 2
         batches[i : i + 1] = [batches[i][:half], batches[i][half:]]
-    return batches[: len(batches) - len(batches) % multiple]
+    return batches
+
+
+def pad_batches_to_multiple(batches: list[list[int]], multiple: int, lengths: Sequence[int]) -> list[list[int]]:
+    """Append repeats of the cheapest batches until the count is a multiple of ``multiple``.
+
+    The padding rule for what splitting cannot fix: every sample is still served once per epoch,
+    and at most ``multiple - 1`` single-sample batches (the shortest samples) are served a second
+    time, so that every rank runs the same number of steps.
+    """
+    missing = -len(batches) % multiple
+    if not missing or not batches:
+        return [list(b) for b in batches]
+    cheapest = sorted(range(len(batches)), key=lambda i: (padded_tokens([lengths[j] for j in batches[i]]), i))
+    extra = [list(batches[cheapest[k % len(cheapest)]]) for k in range(missing)]
+    return [list(b) for b in batches] + extra
 
 
 class MicroBatch(list):
@@ -82,7 +99,10 @@ class TokenBudgetSampler(DistributedSampler):
     similar length grouped within windows of ``sort_window``). The packing is fixed once, so every
     epoch has the same number of steps; each epoch reshuffles the batch order (``set_epoch``, which
     Lightning calls). Batches go round-robin to ranks, so ranks get the same step count and similar
-    token loads.
+    token loads. Every sample is served exactly once per epoch across ranks; only when the batch
+    count cannot be made a multiple of the rank count by splitting batches (every batch is then a
+    single sample) are the shortest samples served a second time, with a warning
+    (``num_padding_batches`` says how many).
 
     ``position_fn``, when set, returns how many batches this rank has already consumed in the whole
     run; each new iterator then starts from there (epoch = position // len, skipping the rest).
@@ -99,6 +119,9 @@ class TokenBudgetSampler(DistributedSampler):
     Use it as ``DataLoader(dataset, sampler=sampler, batch_size=None)`` with a dataset whose
     ``__getitem__`` takes a list of indices.
     """
+
+    #: Batches served a second time per epoch (see :func:`pad_batches_to_multiple`).
+    num_padding_batches: int = 0
 
     def __init__(
         self,
@@ -145,7 +168,21 @@ class TokenBudgetSampler(DistributedSampler):
             for start in range(0, len(order), self.sort_window):
                 window = sorted(order[start : start + self.sort_window], key=lambda i: -self.lengths[i])
                 batches += pack_by_token_budget(window, self.lengths, self.max_tokens)
-        return split_batches_to_multiple(batches, self.num_replicas)
+        batches = split_batches_to_multiple(batches, self.num_replicas)
+        planned = len(batches)
+        batches = pad_batches_to_multiple(batches, self.num_replicas, self.lengths)
+        #: Batches served twice per epoch so that every rank gets the same step count (see
+        #: :func:`pad_batches_to_multiple`); 0 unless there are fewer samples than ranks or every
+        #: batch is a single sample.
+        self.num_padding_batches = len(batches) - planned
+        if self.num_padding_batches and self.rank == 0:
+            warnings.warn(
+                f"TokenBudgetSampler: {planned} batches cannot be split evenly over {self.num_replicas} ranks"
+                f" (each holds one sample), so {self.num_padding_batches} of the shortest samples are served"
+                " twice per epoch to give every rank the same step count",
+                stacklevel=2,
+            )
+        return batches
 
     def _epoch_order(self, epoch: int) -> list[list[int]]:
         """Every rank's batches of ``epoch`` in order; rank ``r`` takes ``[r::num_replicas]``."""
@@ -180,7 +217,7 @@ class TokenBudgetSampler(DistributedSampler):
         return iter(_with_weight(batches[i], step_weights[i]) for i in range(skip, len(batches)))
 
     def __len__(self) -> int:
-        return math.ceil(len(self.batches) / self.num_replicas)
+        return len(self.batches) // self.num_replicas
 
     def padding_efficiency(self) -> float:
         """Real tokens / padded tokens over the plan: 1.0 means no padding at all."""

@@ -22,6 +22,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from lightning_mem.checkpointing import staged_directory
 from lightning_mem.export import gather_full_state_dict
 from lightning_mem.models import check_model_source, has_weights, load_causal_lm, load_tokenizer, resolve_dtype
 from lightning_mem.quantization import (
@@ -244,14 +245,14 @@ def export_adapter(
     """
     state = trainable_state_dict(trainer, model)
     if state is not None:
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        # save_embedding_layers=False: the vocabulary is never resized here, and "auto" would ask
-        # the hub about the base's config.
-        model.save_pretrained(out, state_dict=state, safe_serialization=True, save_embedding_layers=False)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(out)
-        (out / BASE_SIDECAR).write_text(json.dumps(base, indent=2, sort_keys=True) + "\n")
+        # Written beside out_dir and renamed into place: a failure leaves no half-written adapter.
+        with staged_directory(out_dir) as out:
+            # save_embedding_layers=False: the vocabulary is never resized here, and "auto" would ask
+            # the hub about the base's config.
+            model.save_pretrained(out, state_dict=state, safe_serialization=True, save_embedding_layers=False)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(out)
+            (out / BASE_SIDECAR).write_text(json.dumps(base, indent=2, sort_keys=True) + "\n")
     trainer.strategy.barrier("export_adapter")
 
 

@@ -15,12 +15,18 @@ One training step is one PPO iteration on a batch of prompts:
 
 Where each model and optimizer state lives in each phase is the YAML's ``model.memory_plan``
 (:mod:`lightning_mem.rl.memory_plan`); strategy, precision, checkpointing and offload callbacks
-are the trainer's. This file is only the algorithm. Lightning's ``global_step`` counts optimizer
-steps (``ppo_epochs x num_mini_batches`` per iteration); the loggers' step is the iteration.
+are the trainer's. This file is only the algorithm.
+
+Steps: ``trainer.max_steps`` (like ``global_step`` and ``checkpoint.every_n_train_steps``) counts
+optimizer steps, not PPO iterations: each iteration makes ``ppo_epochs x num_mini_batches`` updates,
+and with a separate critic each update steps two optimizers, so an iteration is
+``ppo_epochs x num_mini_batches x 2`` steps (x 1 for GRPO or a shared critic). The loggers' step is
+the iteration. A learning-rate schedule without ``total_steps`` spans the run.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -34,10 +40,11 @@ from torch import Tensor, nn
 
 from lightning_mem.cli import RecipeCLI
 from lightning_mem.data import PromptDataModule, row_to_prompt_messages
-from lightning_mem.export import export_hf
+from lightning_mem.export import export_hf, export_main
 from lightning_mem.lora import LoraSettings, apply_lora, check_lora_targets, meta_model
 from lightning_mem.models import check_model_source, load_causal_lm, load_tokenizer, resolve_dtype
 from lightning_mem.optim import param_groups, warn_if_paged_on_cpu
+from lightning_mem.schedules import build_lr_scheduler, check_schedule
 from lightning_mem.rl.algorithms import (
     AdaptiveKLController,
     FixedKLController,
@@ -92,6 +99,9 @@ class PPOModule(LightningModule):
         export_dir: where the trained actor and tokenizer are written (HF format) at the end of
             fit, relative to ``trainer.default_root_dir``; None skips it.
     """
+
+    #: Config keys of the optimizers ``configure_optimizers`` returns, in order (for resume warnings).
+    optimizer_config_keys = ("model.optimizer", "model.critic_optimizer")
 
     def __init__(
         self,
@@ -207,6 +217,12 @@ class PPOModule(LightningModule):
                 " shards every model and owns where its shards live. Keep them 'device' in the plan and use the"
                 " strategy's `cpu_offload` instead."
             )
+        check_schedule(self.lr_scheduler_factory, self.trainer, **self._schedule_steps())
+        # The data are loaded (the datamodule's setup runs first), the models are not: a row the
+        # reward rule cannot score fails now rather than minutes into the first rollout.
+        train_set = getattr(self.trainer.datamodule, "train_set", None)
+        if self.reward_fn is not None and train_set is not None:
+            self.reward_fn.check_rows(train_set.rows, source=str(getattr(self.trainer.datamodule, "train_path", "data")))
 
     def configure_model(self) -> None:
         if self.actor is not None:
@@ -251,7 +267,18 @@ class PPOModule(LightningModule):
             warn_if_paged_on_cpu(optimizer)
         if self.lr_scheduler_factory is None:
             return optimizers
-        return optimizers, [{"scheduler": self.lr_scheduler_factory(o), "interval": "step"} for o in optimizers]
+        return optimizers, [
+            {"scheduler": build_lr_scheduler(self.lr_scheduler_factory, o, self.trainer, **self._schedule_steps()),
+             "interval": "step"}
+            for o in optimizers
+        ]
+
+    def _schedule_steps(self) -> dict[str, int]:
+        # Each scheduler steps once per mini-batch update; global_step (what max_steps counts)
+        # counts every optimizer's step, so a separate critic doubles it.
+        separate_critic = self.use_critic and not self.shared_critic
+        return {"steps_per_batch": self.ppo.ppo_epochs * self.ppo.num_mini_batches,
+                "optimizers": 2 if separate_critic else 1}
 
     def on_fit_start(self) -> None:
         optimizers = self._optimizers()
@@ -510,7 +537,10 @@ class PPOModule(LightningModule):
             self.memory.restore()
         if self.hparams.export_dir is None:
             return
-        out = Path(self.trainer.default_root_dir) / self.hparams.export_dir
+        self.export(Path(self.trainer.default_root_dir) / self.hparams.export_dir)
+
+    def export(self, out: Path) -> None:
+        """Write the actor and tokenizer to ``out`` in HF format (also ``python -m recipes.ppo export``)."""
         export_hf(self.trainer, self.actor, self.tokenizer, out)
         rank_zero_info(f"exported the actor and tokenizer to {out}")
 
@@ -555,6 +585,9 @@ def main(args: list[str] | None = None) -> RecipeCLI:
     # holds the weights after the step's updates, which is the state a resume continues from.
     warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
     warnings.filterwarnings("ignore", message=r"Using ModelCheckpoint with manual optimization")
+    argv = sys.argv[1:] if args is None else list(args)
+    if argv[:1] == ["export"]:  # from a checkpoint; not a Trainer subcommand
+        return export_main(PPOCLI, PPOModule, PromptDataModule, argv[1:])
     return PPOCLI(PPOModule, PromptDataModule, args=args, save_config_kwargs={"overwrite": True})
 
 

@@ -32,6 +32,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_mem.cli import RecipeCLI
 from lightning_mem.data import SFTDataModule
+from lightning_mem.export import export_main
 from lightning_mem.lora import LoraSettings, apply_lora, base_record, merge_main, saved_base
 from lightning_mem.models import count_parameters
 from lightning_mem.strategies.device_map import DeviceMapStrategy
@@ -116,6 +117,7 @@ class QLoRAModule(SFTModule):
         check_placement(device_map, max_memory, offload_folder)
 
     def setup(self, stage: str) -> None:
+        super().setup(stage)
         # Before the base is loaded: a device_map spreads it over devices (and host, and disk),
         # which Lightning's usual strategies would undo by moving the whole module to one device.
         if self.hparams.device_map is not None and not isinstance(self.trainer.strategy, DeviceMapStrategy):
@@ -179,6 +181,8 @@ def main(args: list[str] | None = None) -> RecipeCLI | Path:
     # `merge` is not a Trainer subcommand, so it is dispatched before LightningCLI sees argv.
     if argv[:1] == ["merge"]:
         return merge_main(argv[1:], prog="python -m recipes.qlora merge")
+    if argv[:1] == ["export"]:
+        return export_main(RecipeCLI, QLoRAModule, SFTDataModule, argv[1:])
     return RecipeCLI(QLoRAModule, SFTDataModule, args=args, save_config_kwargs={"overwrite": True})
 
 

@@ -22,6 +22,9 @@ class ExactAnswerReward(RewardFunction):
     def __init__(self, answer_key: str = "answer") -> None:
         self.answer_key = answer_key
 
+    def required_keys(self) -> list[str]:
+        return [self.answer_key]
+
     def _answer(self, row: dict[str, Any]) -> str:
         if self.answer_key not in row:
             raise KeyError(f"{row.get('_where', 'a prompt row')}: no `{self.answer_key}` for the reward to check against")

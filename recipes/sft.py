@@ -4,6 +4,8 @@
     python -m recipes.sft fit --config configs/sft/tiny_cpu.yaml --ckpt_path last   # resume
     python -m recipes.sft fit --config configs/sft/tiny_cpu_lora.yaml               # LoRA adapters
     python -m recipes.sft merge --adapter runs/sft/tiny_cpu_lora/export --out runs/sft/tiny_cpu_lora/merged
+    python -m recipes.sft export --config configs/sft/tiny_cpu.yaml \
+        --ckpt_path runs/sft/tiny_cpu/checkpoints/last.ckpt --out runs/sft/tiny_cpu/export_last
 
 The memory plan (strategy, precision, checkpointing, offload, optimizer) lives in the YAML; this
 file is the algorithm: next-token cross-entropy on the assistant's tokens, as a token mean over
@@ -25,7 +27,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_mem.cli import RecipeCLI
 from lightning_mem.data import SFTDataModule
-from lightning_mem.export import export_hf
+from lightning_mem.export import export_hf, export_main
 from lightning_mem.logits import next_token_targets, score_tokens
 from lightning_mem.lora import (
     LoraSettings,
@@ -41,6 +43,7 @@ from lightning_mem.lora import (
 )
 from lightning_mem.models import check_model_source, load_causal_lm, load_tokenizer, resolve_dtype
 from lightning_mem.optim import param_groups, warn_if_paged_on_cpu
+from lightning_mem.schedules import build_lr_scheduler, check_schedule
 
 
 def _adamw(params: Any) -> torch.optim.Optimizer:
@@ -59,7 +62,9 @@ class SFTModule(LightningModule):
         optimizer: any optimizer class from YAML (``torch.optim.AdamW``,
             ``bitsandbytes.optim.PagedAdamW8bit``...); it sees trainable parameters only, with no
             weight decay on norms and biases.
-        lr_scheduler: optional, stepped every optimizer step.
+        lr_scheduler: optional, stepped every optimizer step. Leave ``total_steps`` out of
+            ``lightning_mem.schedules.WarmupCosineLR``'s init_args and it spans the run
+            (``trainer.max_steps``, or the optimizer steps of ``max_epochs``).
         logits_chunk_size: label tokens per chunk through the output layer
             (:mod:`lightning_mem.logits`): at most one chunk's ``[tokens, vocab]`` logits are
             alive in forward or backward, and only label positions are projected. None or 0:
@@ -108,6 +113,10 @@ class SFTModule(LightningModule):
         self.optimizer_factory = optimizer
         self.lr_scheduler_factory = lr_scheduler
         self.model: torch.nn.Module | None = None
+
+    def setup(self, stage: str) -> None:
+        # The data are loaded, the model is not: a schedule that cannot fit the run fails now.
+        check_schedule(self.lr_scheduler_factory, self.trainer)
 
     # -- model -------------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -176,7 +185,8 @@ class SFTModule(LightningModule):
         warn_if_paged_on_cpu(optimizer)
         if self.lr_scheduler_factory is None:
             return optimizer
-        scheduler = self.lr_scheduler_factory(optimizer)
+        # total_steps left out of the YAML: the schedule spans the trainer's run.
+        scheduler = build_lr_scheduler(self.lr_scheduler_factory, optimizer, self.trainer)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # -- checkpoints: with adapters, the trainable tensors only ---------------------------------
@@ -199,7 +209,11 @@ class SFTModule(LightningModule):
     def on_fit_end(self) -> None:
         if self.hparams.export_dir is None:
             return
-        out = Path(self.trainer.default_root_dir) / self.hparams.export_dir
+        self.export(Path(self.trainer.default_root_dir) / self.hparams.export_dir)
+
+    def export(self, out: Path) -> None:
+        """Write the model (with ``lora``: the peft adapter) and tokenizer to ``out`` (also
+        ``python -m recipes.sft export``)."""
         tokenizer = load_tokenizer(self.hparams.name_or_path, trust_remote_code=self.hparams.trust_remote_code)
         if self.lora is not None:
             export_adapter(self.trainer, self.model, tokenizer, out, base=self.adapter_base_record())
@@ -214,6 +228,9 @@ def main(args: list[str] | None = None) -> RecipeCLI | Path:
     # `merge` is not a Trainer subcommand, so it is dispatched before LightningCLI sees argv.
     if argv[:1] == ["merge"]:
         return merge_main(argv[1:], prog="python -m recipes.sft merge")
+    # `export` (from a checkpoint) is not a Trainer subcommand: dispatched before LightningCLI.
+    if argv[:1] == ["export"]:
+        return export_main(RecipeCLI, SFTModule, SFTDataModule, argv[1:])
     return RecipeCLI(SFTModule, SFTDataModule, args=args, save_config_kwargs={"overwrite": True})
 
 

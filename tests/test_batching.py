@@ -47,3 +47,67 @@ def test_epochs_reshuffle_deterministically_and_skip_resumes():
 def test_exactly_one_of_budget_and_batch_size():
     with pytest.raises(ValueError, match="exactly one"):
         TokenBudgetSampler([1, 2], max_tokens=8, batch_size=2)
+
+
+def test_issue_example_serves_every_sample():
+    # Three samples that each fill the budget cannot go 2 + 1 to two ranks without one rank
+    # idling: the third used to be dropped; now the shortest is served a second time.
+    served = [list(TokenBudgetSampler([8000, 7000, 6000], max_tokens=8192, num_replicas=2, rank=r, shuffle=False))
+              for r in range(2)]
+    assert len(served[0]) == len(served[1]) == 2
+    flat = sorted(i for batches in served for b in batches for i in b)
+    assert flat == [0, 1, 2, 2]
+
+
+def test_property_every_sample_served_once_per_epoch_equal_steps():
+    # A seeded random search over lengths, budgets, batch sizes, rank counts and epochs.
+    import random
+    import warnings
+
+    rng = random.Random(1234)
+    for case in range(400):
+        n = rng.randint(1, 60)
+        lengths = [rng.randint(1, rng.choice([8, 64, 512])) for _ in range(n)]
+        replicas = rng.randint(1, 8)
+        by_budget = rng.random() < 0.7
+        kwargs = {"max_tokens": rng.randint(1, 600)} if by_budget else {"batch_size": rng.randint(1, 9)}
+        shuffle, seed, epoch = rng.random() < 0.5, rng.randint(0, 99), rng.randint(0, 3)
+        window = rng.choice([1, 4, 512])
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            samplers = [
+                TokenBudgetSampler(lengths, num_replicas=replicas, rank=r, shuffle=shuffle, seed=seed,
+                                   sort_window=window, **kwargs)
+                for r in range(replicas)
+            ]
+        for s in samplers:
+            s.set_epoch(epoch)
+        served = [list(s) for s in samplers]
+        ctx = f"case {case}: n={n} replicas={replicas} {kwargs}"
+        assert len({len(batches) for batches in served}) == 1, ctx
+        assert all(len(batches) == len(s) for batches, s in zip(served, samplers)), ctx
+        assert all(b for batches in served for b in batches), ctx  # no empty batch
+        counts = [0] * n
+        for batches in served:
+            for b in batches:
+                for i in b:
+                    counts[i] += 1
+        pad = samplers[0].num_padding_batches
+        assert pad < replicas, ctx
+        assert all(c >= 1 for c in counts), ctx  # nobody is dropped
+        assert sum(counts) == n + pad, ctx  # exactly once, plus the documented padding
+        if pad:
+            # Padding only when splitting cannot help: every batch holds one sample.
+            assert all(len(b) == 1 for b in samplers[0].batches), ctx
+        if by_budget:
+            budget = kwargs["max_tokens"]
+            assert all(
+                len(b) == 1 or padded_tokens([lengths[i] for i in b]) <= budget for batches in served for b in batches
+            ), ctx
+        else:
+            assert all(len(b) <= kwargs["batch_size"] for batches in served for b in batches), ctx
+
+
+def test_padding_is_announced_once_on_rank_zero():
+    with pytest.warns(UserWarning, match="served twice"):
+        TokenBudgetSampler([9, 9, 9], max_tokens=10, num_replicas=2, rank=0)

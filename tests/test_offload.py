@@ -13,6 +13,8 @@ import bitsandbytes as bnb
 import pytest
 import torch
 from memtest_utils import tiny_llama
+
+from tests.helpers import HANG_GUARD_S
 from torch import nn
 
 from lightning_mem.offload import (
@@ -139,7 +141,12 @@ def test_fsdp2_dtensor_state_round_trip_and_activation_offload(tmp_path: Path) -
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for r in range(world)
     ]
-    logs = [p.communicate(timeout=240)[0] for p in procs]
+    try:
+        logs = [p.communicate(timeout=HANG_GUARD_S)[0] for p in procs]
+    finally:
+        for p in procs:  # a hung rank must not outlive the test
+            if p.poll() is None:
+                p.kill()
     assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-4000:]
     results = [json.loads((tmp_path / f"out.{r}.json").read_text()) for r in range(world)]
 

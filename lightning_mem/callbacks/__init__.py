@@ -11,6 +11,7 @@ from lightning_mem.callbacks.activation_offload import ActivationOffload, Activa
 from lightning_mem.callbacks.memory_monitor import MemoryMonitor, memory_phase
 from lightning_mem.callbacks.optimizer_in_backward import OptimizerInBackward
 from lightning_mem.callbacks.optimizer_state_offload import OptimizerStateOffload
+from lightning_mem.callbacks.progress import StepProgressBar, StepRichProgressBar
 
 __all__ = [
     "ActivationCheckpointing",
@@ -20,5 +21,7 @@ __all__ = [
     "MemoryMonitor",
     "OptimizerInBackward",
     "OptimizerStateOffload",
+    "StepProgressBar",
+    "StepRichProgressBar",
     "memory_phase",
 ]

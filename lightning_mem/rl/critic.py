@@ -34,7 +34,10 @@ class ValueHead(nn.Module):
 
     def forward(self, hidden: Tensor) -> Tensor:
         # The head runs in its own dtype (fp32 by default) whatever the backbone computes in.
-        return self.summary(hidden.to(self.summary.weight.dtype)).squeeze(-1)
+        # NOTE: a fresh tensor, not the view `squeeze` gives: FSDP2 hooks the unit's output for
+        # backward, and an in-place op on a returned view would silently drop that hook (FSDP2
+        # warns on every forward). The copy is one value per token.
+        return self.summary(hidden.to(self.summary.weight.dtype)).squeeze(-1).clone()
 
 
 class ValueModel(nn.Module):

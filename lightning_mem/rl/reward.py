@@ -21,8 +21,25 @@ class RewardFunction:
     """Base class of rule-based rewards, selected in YAML by ``class_path``.
 
     Subclasses implement :meth:`score`; the recipe calls it once per rollout batch, on every
-    rank, with that rank's samples.
+    rank, with that rank's samples. A rule that reads keys of the data rows names them in
+    :meth:`required_keys`, so that a missing key fails when the data load, before any model does.
     """
+
+    def required_keys(self) -> Sequence[str]:
+        """The row keys :meth:`score` reads (e.g. ``["answer"]``); checked on every row up front."""
+        return ()
+
+    def check_rows(self, rows: Sequence[dict[str, Any]], source: str = "the prompt data") -> None:
+        """Raise naming the first row (file and line) that lacks a :meth:`required_keys` key."""
+        keys = list(self.required_keys())
+        for row in rows:
+            missing = [k for k in keys if k not in row]
+            if missing:
+                where = row.get("_where", f"a row of {source}")
+                raise ValueError(
+                    f"{where}: no `{missing[0]}`, which the reward {type(self).__name__} needs"
+                    f" (it reads {keys}; {sum(any(k not in r for k in keys) for r in rows)} of {len(rows)} rows lack one)"
+                )
 
     def score(self, prompts: list[str], responses: list[str], rows: list[dict[str, Any]]) -> Sequence[float]:
         """One score per response. ``responses`` are decoded without special tokens; ``rows`` are

@@ -4,13 +4,13 @@
 written for the user: the LightningModule needs no ``configure_model`` and no
 ``fully_shard``. In ``setup`` the strategy
 
-1. finds the HF models the module holds (``_models_to_shard``),
+1. finds the HF models the module holds (``models_to_shard``),
 2. per model, applies activation checkpointing to its blocks
-   (``_apply_activation_checkpointing``) and shards each block, then the model's root
-   (``_shard_module``, with ``_mixed_precision_policy`` and ``_offload_policy``),
+   (``apply_activation_checkpointing``) and shards each block, then the model's root
+   (``shard_module``, with ``mixed_precision_policy`` and ``offload_policy``),
 3. shards any other module holding parameters (a value head) as a unit of its own,
 4. materializes what was created on the meta device: params on the host when offloading,
-   on the device otherwise (``_materialize``, ``_initialize_weights``),
+   on the device otherwise (``materialize``, ``initialize_weights``),
 5. moves what FSDP does not own (buffers) to the device and builds the optimizers.
 
 Each step is a small method a subclass may override; see docs/fsdp2.md.
@@ -18,8 +18,10 @@ Each step is a small method a subclass may override; see docs/fsdp2.md.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import torch
@@ -33,6 +35,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
+from lightning_mem.checkpointing import AtomicCheckpointIO, remove_versioned, switch_link, version_dir
 from lightning_mem.strategies import shard_plan
 from lightning_mem.strategies.consolidate import full_state_dict
 
@@ -40,6 +43,15 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+
+#: Default process-group timeout (seconds): short enough that a hung rank does not hold every node
+#: for Lightning's 30 minutes, long enough for rank 0 to write an 8B bf16 export (16 GB: under 3
+#: minutes at 100 MB/s) while the others wait at a barrier.
+DEFAULT_TIMEOUT_S = 600.0
+
+#: Written last into a sharded checkpoint folder, holding its global step: a folder without it
+#: (or with another step than its metadata) is the remains of an interrupted save.
+COMPLETE_MARKER = "COMPLETE"
 
 # Spellings accepted for `param_dtype` / `reduce_dtype` (YAML gives strings).
 _DTYPES: dict[str, torch.dtype] = {
@@ -123,10 +135,38 @@ class FSDP2Strategy(ModelParallelStrategy):
             1 (the default) means pure FSDP.
         save_distributed_checkpoint: ``True`` saves one shard per rank (a folder);
             ``False`` gathers full weights and optimizer state into one file on rank 0.
-        process_group_backend, timeout: as for ``ModelParallelStrategy``.
+        process_group_backend: as for ``ModelParallelStrategy`` (gloo on CPU, nccl on GPU).
+        timeout: how long a collective waits for the other ranks before the run fails, in
+            seconds (or a ``timedelta``). A rank that hangs (a stuck data read, SIGSTOP, a dead
+            node) then stops every rank after this long instead of Lightning's 30 minutes. It
+            must exceed the longest time one rank works while the others wait at a collective:
+            rank 0 writing an export or a full (non-sharded) checkpoint of a large model; raise
+            it for 70B-scale exports to slow disks.
+
+    Checkpoints: a sharded checkpoint ``<name>.ckpt`` is a symlink to the folder of its latest
+    complete save, ``<name>.ckpt.step<N>.<id>``; each save writes a new folder and then swaps the
+    link atomically, keeping the previous folder (resume from it by passing its path). A folder
+    whose save did not finish lacks its completion marker and is refused on load.
     """
 
     strategy_name = "fsdp2"
+
+    #: The overridable steps' former (underscore) names; a subclass still overriding one would be
+    #: silently ignored, so defining it is an error that names the new method.
+    _RENAMED_STEPS = {
+        f"_{name}": name
+        for name in ("models_to_shard", "blocks_to_shard", "apply_activation_checkpointing", "offload_policy",
+                     "mixed_precision_policy", "shard_module", "materialize", "initialize_weights")
+    }
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        old = sorted(name for name in cls._RENAMED_STEPS if name in vars(cls))
+        if old:
+            raise TypeError(
+                f"{cls.__name__} overrides {old}: FSDP2Strategy's steps are public now; rename them to"
+                f" {[cls._RENAMED_STEPS[name] for name in old]}"
+            )
 
     def __init__(
         self,
@@ -140,7 +180,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         tensor_parallel_size: int = 1,
         save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
+        timeout: Union[float, timedelta, None] = DEFAULT_TIMEOUT_S,
     ) -> None:
         if not isinstance(cpu_offload, bool):
             raise TypeError(f"`cpu_offload` must be a bool, got {cpu_offload!r}.")
@@ -169,13 +209,20 @@ class FSDP2Strategy(ModelParallelStrategy):
                 raise ValueError(
                     f"`shard_modules` must be a non-empty list of class names, got {shard_modules!r}."
                 )
+        if timeout is not None and not isinstance(timeout, timedelta):
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+                raise ValueError(f"`timeout` must be a positive number of seconds, got {timeout!r}.")
+            timeout = timedelta(seconds=timeout)
         super().__init__(
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
-            timeout=timeout,
+            timeout=timeout if timeout is not None else default_pg_timeout,
         )
+        # Full (non-sharded) checkpoints are one file written by rank 0: write it beside the
+        # target and rename it, so a crash never leaves a truncated `last.ckpt`.
+        self.checkpoint_io = AtomicCheckpointIO()
         self._cpu_offload = cpu_offload
         self._reshard_after_forward = reshard_after_forward
         self._param_dtype = parse_dtype(param_dtype, "param_dtype")
@@ -273,16 +320,16 @@ class FSDP2Strategy(ModelParallelStrategy):
         """
         from torch.distributed.fsdp import FSDPModule
 
-        models = self._models_to_shard(module)
+        models = self.models_to_shard(module)
         self._check_shard_modules([model for _, model in models])
         for name, model in models:
             if not isinstance(model, FSDPModule):
                 self._parallelize_model(name, model)
         for name, leftover in shard_plan.unsharded_modules(module):
-            self._shard_module(leftover, reshard_after_forward=self._reshard_for(leftover))
+            self.shard_module(leftover, reshard_after_forward=self._reshard_for(leftover))
         # Every unit root, including any the user sharded in `configure_model`.
         for name, unit in shard_plan.outermost(module, lambda sub: isinstance(sub, FSDPModule)):
-            self._materialize(name, unit)
+            self.materialize(name, unit)
         self._check_no_meta(module)
 
     def _parallelize_model(self, name: str, model: nn.Module) -> None:
@@ -291,15 +338,15 @@ class FSDP2Strategy(ModelParallelStrategy):
 
         class_name = type(model).__name__
         reshard = self._reshard_for(model)
-        blocks = self._blocks_to_shard(model)
+        blocks = self.blocks_to_shard(model)
         checkpointed = set(shard_plan.checkpointed_indices(len(blocks), self._checkpoint_every))
         for index, block in enumerate(blocks):
             if isinstance(block, FSDPModule):  # sharded by the user's configure_model
                 continue
             if index in checkpointed:
-                self._apply_activation_checkpointing(block)
-            self._shard_module(block, reshard_after_forward=reshard)
-        self._shard_module(model, reshard_after_forward=reshard)
+                self.apply_activation_checkpointing(block)
+            self.shard_module(block, reshard_after_forward=reshard)
+        self.shard_module(model, reshard_after_forward=reshard)
         rank_zero_info(
             f"FSDP2Strategy: sharded `{name}` ({class_name}) as {len(blocks)} blocks + root,"
             f" {len(checkpointed)} blocks checkpointed, reshard_after_forward={reshard}."
@@ -324,7 +371,7 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     # ------------------------------------------------------------------ overridable steps
 
-    def _models_to_shard(self, module: nn.Module) -> list[tuple[str, nn.Module]]:
+    def models_to_shard(self, module: nn.Module) -> list[tuple[str, nn.Module]]:
         """Step 1: the models to shard block by block, with their attribute paths.
 
         Default: every outermost ``transformers.PreTrainedModel`` (peft models are walked
@@ -332,7 +379,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         """
         return shard_plan.find_hf_models(module)
 
-    def _blocks_to_shard(self, model: nn.Module) -> list[nn.Module]:
+    def blocks_to_shard(self, model: nn.Module) -> list[nn.Module]:
         """Step 2: the blocks of ``model`` that become FSDP units, in forward order.
 
         Default: modules whose class is named in ``shard_modules``, else in the model's
@@ -355,7 +402,7 @@ class FSDP2Strategy(ModelParallelStrategy):
             )
         return blocks
 
-    def _apply_activation_checkpointing(self, block: nn.Module) -> None:
+    def apply_activation_checkpointing(self, block: nn.Module) -> None:
         """Step 3: make ``block`` recompute its activations in backward.
 
         Default: PyTorch's composable, non-reentrant ``checkpoint``: it works through
@@ -366,7 +413,7 @@ class FSDP2Strategy(ModelParallelStrategy):
 
         checkpoint(block)
 
-    def _offload_policy(self) -> "OffloadPolicy":
+    def offload_policy(self) -> "OffloadPolicy":
         """Step 4a: where sharded parameters, gradients and the optimizer step live."""
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
@@ -376,13 +423,13 @@ class FSDP2Strategy(ModelParallelStrategy):
         # on a CPU mesh there is no host-to-device copy for it to speed up.
         return CPUOffloadPolicy(pin_memory=self.root_device.type != "cpu")
 
-    def _mixed_precision_policy(self) -> "MixedPrecisionPolicy":
+    def mixed_precision_policy(self) -> "MixedPrecisionPolicy":
         """Step 4b: the dtypes parameters are gathered in and gradients reduced in."""
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         return MixedPrecisionPolicy(param_dtype=self._param_dtype, reduce_dtype=self._reduce_dtype)
 
-    def _shard_module(self, module: nn.Module, *, reshard_after_forward: Union[bool, int, None] = None) -> None:
+    def shard_module(self, module: nn.Module, *, reshard_after_forward: Union[bool, int, None] = None) -> None:
         """Step 4: make ``module`` one FSDP unit over the data-parallel mesh.
 
         ``reshard_after_forward=None`` takes the strategy's setting; frozen models get
@@ -396,11 +443,11 @@ class FSDP2Strategy(ModelParallelStrategy):
             module,
             mesh=self.data_parallel_mesh,
             reshard_after_forward=reshard_after_forward,
-            mp_policy=self._mixed_precision_policy(),
-            offload_policy=self._offload_policy(),
+            mp_policy=self.mixed_precision_policy(),
+            offload_policy=self.offload_policy(),
         )
 
-    def _materialize(self, name: str, unit: nn.Module) -> None:
+    def materialize(self, name: str, unit: nn.Module) -> None:
         """Step 5: give meta-device tensors of a sharded ``unit`` real memory and values.
 
         Models loaded with real weights (``from_pretrained``) have no meta tensors and are
@@ -418,9 +465,9 @@ class FSDP2Strategy(ModelParallelStrategy):
                 " would have to overwrite the real ones. Create the whole model on one device."
             )
         unit.to_empty(device=torch.device("cpu") if self._cpu_offload else self.root_device)
-        self._initialize_weights(unit)
+        self.initialize_weights(unit)
 
-    def _initialize_weights(self, unit: nn.Module) -> None:
+    def initialize_weights(self, unit: nn.Module) -> None:
         """Step 5b: initial values for a freshly materialized unit.
 
         HF models inside the unit use their own init (which also recomputes rotary
@@ -486,3 +533,73 @@ class FSDP2Strategy(ModelParallelStrategy):
         See :func:`lightning_mem.strategies.full_state_dict`.
         """
         return full_state_dict(module, trainable_only=trainable_only)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Sharded: write a new version folder, mark it complete, then swap ``filepath``'s link to it.
+
+        Full (``save_distributed_checkpoint=False``): rank 0 writes one file through
+        :class:`~lightning_mem.checkpointing.AtomicCheckpointIO` (temporary file, then rename).
+        """
+        if not self._save_distributed_checkpoint:
+            path = Path(self.broadcast(str(filepath)))
+            if path.is_symlink():  # a sharded checkpoint from an earlier run of the same folder
+                if self.global_rank == 0:
+                    remove_versioned(path)
+                self.barrier("fsdp2_remove_sharded")
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        if storage_options is not None:
+            raise TypeError(f"`{type(self).__name__}.save_checkpoint` takes no `storage_options` for sharded checkpoints")
+        from lightning.fabric.strategies.model_parallel import _distributed_checkpoint_save
+        from lightning.fabric.utilities.load import _METADATA_FILENAME
+
+        # Every rank must write into the same new folder: rank 0 names it.
+        link = Path(self.broadcast(str(filepath)))
+        step = int(checkpoint.get("global_step", 0))
+        folder = version_dir(link, step, self.broadcast(uuid.uuid4().hex[:8]))
+        if self.global_rank == 0:
+            folder.mkdir(parents=True)
+        self.barrier("fsdp2_checkpoint_folder")
+        state = {"state_dict": checkpoint.pop("state_dict")}
+        state.update({f"optimizer_{i}": o for i, o in enumerate(checkpoint.pop("optimizer_states", []))})
+        _distributed_checkpoint_save(state, folder)
+        if self.global_rank == 0:
+            torch.save(checkpoint, folder / _METADATA_FILENAME)
+        self.barrier("fsdp2_checkpoint_written")  # every rank's shard is on disk
+        if self.global_rank == 0:
+            (folder / COMPLETE_MARKER).write_text(f"{step}\n")
+            switch_link(link, folder)
+        self.barrier("fsdp2_checkpoint_switched")
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if path.is_dir():
+            self.check_complete(path)
+        return super().load_checkpoint(path, weights_only=weights_only)
+
+    @staticmethod
+    def check_complete(path: Path) -> None:
+        """Raise unless the sharded checkpoint folder ``path`` was completely written (its marker
+        is there and names the step its metadata has)."""
+        from lightning.fabric.utilities.load import _METADATA_FILENAME
+
+        marker = path / COMPLETE_MARKER
+        if not marker.is_file():
+            raise RuntimeError(
+                f"The sharded checkpoint {path} is incomplete (no {COMPLETE_MARKER} marker): its save was"
+                " interrupted. Resume from the previous one (the other `*.ckpt.step*` folder beside it) instead."
+            )
+        marked = int(marker.read_text().strip() or -1)
+        meta = torch.load(path / _METADATA_FILENAME, map_location="cpu", weights_only=False)
+        if int(meta.get("global_step", -1)) != marked:
+            raise RuntimeError(
+                f"The sharded checkpoint {path} is torn: its shards were completed at step {marked} but its"
+                f" metadata says step {meta.get('global_step')}. Resume from another checkpoint."
+            )
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        # The base class would `rm -r` through the symlink and leave the version folders.
+        if self.global_rank == 0:
+            remove_versioned(filepath)

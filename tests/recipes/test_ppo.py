@@ -366,6 +366,13 @@ def test_missing_policy_checkpoint(tmp_path, no_model_load):
         _cli(tmp_path, "--model.name_or_path=./no-sft-export")
 
 
+def test_prompt_row_without_the_rewards_key_fails_before_any_model(tmp_path, no_model_load):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "1 + 1 =", "answer": "2"}\n{"prompt": "2 + 2 ="}\n')
+    with pytest.raises(ValueError, match=r"prompts.jsonl:2: no `answer`, which the reward ExactAnswerReward needs"):
+        _cli(tmp_path, f"--data.train_file={prompts}", "--data.batch_size=1")
+
+
 # -- end to end: the real CLI, SFT warm-up then PPO ---------------------------------------------
 
 

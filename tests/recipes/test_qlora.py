@@ -27,7 +27,7 @@ def _fit_args(root, *extra):
     return [
         "fit", "--config", CONFIG, f"--trainer.default_root_dir={root}", "--trainer.log_every_n_steps=1",
         "--trainer.enable_progress_bar=false", f"--trainer.max_steps={STEPS}", "--trainer.val_check_interval=12",
-        "--checkpoint.every_n_train_steps=12", f"--model.lr_scheduler.init_args.total_steps={STEPS}",
+        "--checkpoint.every_n_train_steps=12",
         "--data.max_tokens_per_batch=256", *csv_logger_args(root), *extra,
     ]  # fmt: skip
 
@@ -209,7 +209,7 @@ DISK_MAP = {
 def _placed_fit(tmp_path, *extra):
     return qlora.main([
         "fit", "--config", CONFIG, f"--trainer.default_root_dir={tmp_path}", "--trainer.max_steps=2",
-        "--trainer.enable_progress_bar=false", "--trainer.limit_val_batches=0", "--model.export_dir=null",
+        "--model.lr_scheduler.init_args.warmup_steps=1", "--trainer.enable_progress_bar=false", "--trainer.limit_val_batches=0", "--model.export_dir=null",
         f"--model.device_map={json.dumps(DISK_MAP)}", f"--model.offload_folder={tmp_path}/offload", *extra,
     ])  # fmt: skip
 

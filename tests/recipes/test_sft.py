@@ -53,7 +53,7 @@ def test_resume_from_an_epoch_end_checkpoint_equals_uninterrupted(tmp_path):
     # The 200-row val file packs into 4 batches: the step-4 checkpoint is taken on an epoch's last
     # batch, where Lightning resumes with a different epoch number; the data order must not change.
     common = [f"--data.train_file={ARITH / 'val.jsonl'}", "--checkpoint.every_n_train_steps=4",
-              "--trainer.val_check_interval=4"]
+              "--trainer.val_check_interval=4", "--model.lr_scheduler.init_args.warmup_steps=2"]
     full, part = tmp_path / "full", tmp_path / "part"
     for root, extra in ((full, ["--trainer.max_steps=8"]), (part, ["--trainer.max_steps=4"]),
                         (part, ["--trainer.max_steps=8", "--ckpt_path=last"])):
@@ -152,7 +152,7 @@ def test_fsdp2_config_trains_on_two_ranks_and_exports(tmp_path):
     result = run_recipe(
         "sft", "fit", "--config", str(REPO / "configs/sft/tiny_cpu_fsdp2.yaml"),
         f"--trainer.default_root_dir={tmp_path}", "--trainer.max_steps=6", "--trainer.log_every_n_steps=1",
-        *csv_logger_args(tmp_path),
+        "--model.lr_scheduler.init_args.warmup_steps=2", *csv_logger_args(tmp_path),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert len(read_metric(tmp_path, "train_loss")) == 6

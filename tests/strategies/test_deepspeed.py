@@ -254,11 +254,13 @@ def test_cpu_adam_keeps_groups_hyperparameters_and_scheduler() -> None:
 @pytest.fixture(scope="module")
 def cpu_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     pytest.importorskip("deepspeed")
+    from tests.helpers import HANG_GUARD_S
+
     out = tmp_path_factory.mktemp("deepspeed_cpu")
     # PYTHONPATH: the worker imports this checkout's lightning_mem, whatever is installed.
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__, str(out)]
-    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     return {"ranks": ranks}

@@ -30,10 +30,12 @@ sys.path.insert(0, str(HERE))
 
 import fsdp2_scenarios as sc  # noqa: E402
 
+from tests.helpers import HANG_GUARD_S  # noqa: E402
+
 from lightning_mem.strategies import FSDP2Strategy, full_state_dict, parse_dtype, shard_plan  # noqa: E402
 
 
-def run_worker(out: Path, spec: dict, devices: int = 2, timeout: int = 300) -> list[dict]:
+def run_worker(out: Path, spec: dict, devices: int = 2, timeout: float = HANG_GUARD_S) -> list[dict]:
     out.mkdir(parents=True)
     spec = {**spec, "out": str(out), "devices": devices}
     spec_path = out / "spec.json"
@@ -189,6 +191,9 @@ def test_hf_export_of_the_sharded_model_equals_the_single_process_weights(workdi
 def test_resume_from_sharded_checkpoint_continues_like_the_uninterrupted_run(workdir, full_run, resumed_run):
     checkpoint = workdir / "ckpt" / "epoch=0.ckpt"
     assert checkpoint.is_dir() and len(list(checkpoint.glob("*.distcp"))) == 2  # one shard per rank
+    # Written into a version folder, marked complete, then switched to through a symlink.
+    assert checkpoint.is_symlink() and os.readlink(checkpoint).startswith("epoch=0.ckpt.step")
+    assert (checkpoint / "COMPLETE").read_text().strip() == str(torch.load(checkpoint / "meta.pt")["global_step"])
     for report in resumed_run:
         # Resumed with cpu_offload=True: the checkpoint layout does not depend on placement.
         assert report["losses"] == pytest.approx(full_run[0]["losses"][3:], abs=1e-6)
@@ -277,9 +282,9 @@ def _saved_bytes_and_grads(every: int) -> tuple[int, float, dict[str, torch.Tens
     a checkpoint keeps for recomputation; each storage once, parameters excluded."""
     model = sc.tiny_llama(seed=0)
     strategy = FSDP2Strategy(activation_checkpointing=every)
-    blocks = strategy._blocks_to_shard(model)
+    blocks = strategy.blocks_to_shard(model)
     for index in shard_plan.checkpointed_indices(len(blocks), every):
-        strategy._apply_activation_checkpointing(blocks[index])
+        strategy.apply_activation_checkpointing(blocks[index])
 
     param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
@@ -363,12 +368,12 @@ def test_model_without_no_split_modules_needs_shard_modules():
     model = sc.tiny_llama(seed=0)
     model._no_split_modules = set()
     with pytest.raises(ValueError, match="declares no `_no_split_modules`.*shard_modules"):
-        FSDP2Strategy()._blocks_to_shard(model)
+        FSDP2Strategy().blocks_to_shard(model)
 
 
 def test_lora_adapters_on_the_meta_device_are_a_clear_error():
     with pytest.raises(ValueError, match="peft adapters created on the meta device.*real weights"):
-        FSDP2Strategy()._initialize_weights(sc.lora_policy().base_model.model)
+        FSDP2Strategy().initialize_weights(sc.lora_policy().base_model.model)
 
 
 def test_reshard_int_must_divide_the_data_parallel_size():
@@ -410,9 +415,9 @@ def test_registered_names_and_yaml_config():
     trainer = Trainer(accelerator="cpu", devices=2, strategy="fsdp2_cpu_offload", logger=False)
     assert isinstance(trainer.strategy, FSDP2Strategy) and trainer.strategy.cpu_offload
     # NOTE: pinned memory needs an accelerator; on CPU the policy must not pin.
-    assert trainer.strategy._offload_policy() == CPUOffloadPolicy(pin_memory=False)
+    assert trainer.strategy.offload_policy() == CPUOffloadPolicy(pin_memory=False)
     plain = Trainer(accelerator="cpu", devices=2, strategy="fsdp2", logger=False).strategy
-    assert type(plain._offload_policy()) is OffloadPolicy
+    assert type(plain.offload_policy()) is OffloadPolicy
 
     parser = ArgumentParser()
     parser.add_class_arguments(Trainer, "trainer", fail_untyped=False)
@@ -435,7 +440,7 @@ trainer:
     )
     strategy = parser.instantiate_classes(config).trainer.strategy
     assert isinstance(strategy, FSDP2Strategy)
-    policy = strategy._mixed_precision_policy()
+    policy = strategy.mixed_precision_policy()
     assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
     assert strategy._reshard_after_forward is False
     assert strategy._checkpoint_every == 2 and strategy._shard_modules == ["LlamaDecoderLayer"]
@@ -487,19 +492,94 @@ def test_documented_subclass_selects_its_own_model_and_checkpoints_only_the_mlp(
     root.ref = sc.tiny_llama(seed=1)
     strategy = example["GPTFSDP2Strategy"](activation_checkpointing=True)
 
-    models = strategy._models_to_shard(root)
+    models = strategy.models_to_shard(root)
     assert [(name, type(model).__name__) for name, model in models] == [("ref", "LlamaForCausalLM"), ("model", "GPT")]
     gpt = root.model
-    assert strategy._blocks_to_shard(gpt) == list(gpt.blocks)
-    assert len(strategy._blocks_to_shard(root.ref)) == 4  # HF models keep the default
+    assert strategy.blocks_to_shard(gpt) == list(gpt.blocks)
+    assert len(strategy.blocks_to_shard(root.ref)) == 4  # HF models keep the default
 
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     gpt(ids).sum().backward()
     plain = {name: p.grad.clone() for name, p in gpt.named_parameters()}
     gpt.zero_grad()
-    for block in strategy._blocks_to_shard(gpt):
-        strategy._apply_activation_checkpointing(block)
+    for block in strategy.blocks_to_shard(gpt):
+        strategy.apply_activation_checkpointing(block)
         assert "checkpoint" in (_get_registry(block.mlp) or {}) and not _get_registry(block.attn)
     gpt(ids).sum().backward()
     for name, p in gpt.named_parameters():
         assert torch.equal(p.grad, plain[name]), name
+
+
+# ---------------------------------------------------------------- atomic sharded checkpoints (1 process)
+
+
+def _sharded_save(strategy, path, step, value):
+    checkpoint = {"state_dict": {"w": torch.full((4,), float(value))}, "optimizer_states": [], "global_step": step}
+    strategy.save_checkpoint(checkpoint, path)
+
+
+def test_sharded_save_switches_atomically_and_keeps_the_previous_version(tmp_path):
+    from lightning_mem.checkpointing import checkpoint_versions
+
+    strategy = FSDP2Strategy()
+    link = tmp_path / "last.ckpt"
+    for step in (1, 2, 3):
+        _sharded_save(strategy, link, step, step)
+    versions = checkpoint_versions(link)
+    assert [v.name.split(".")[2] for v in versions] == ["step2", "step3"]  # current + previous
+    assert link.is_symlink() and link.resolve() == versions[1].resolve()
+    assert torch.load(link / "meta.pt")["global_step"] == 3
+    strategy.check_complete(link)
+    strategy.remove_checkpoint(link)
+    assert not link.exists() and not link.is_symlink() and checkpoint_versions(link) == []
+
+
+def test_interrupted_sharded_save_leaves_the_last_checkpoint_untouched(tmp_path, monkeypatch):
+    import lightning.fabric.strategies.model_parallel as fabric_mp
+
+    strategy = FSDP2Strategy()
+    link = tmp_path / "last.ckpt"
+    _sharded_save(strategy, link, 5, 5)
+    before = os.readlink(link)
+
+    def killed_mid_write(state, path):
+        (path / "__0_0.distcp").write_bytes(b"half a shard")
+        raise KeyboardInterrupt("killed")
+
+    monkeypatch.setattr(fabric_mp, "_distributed_checkpoint_save", killed_mid_write)
+    with pytest.raises(KeyboardInterrupt):
+        _sharded_save(strategy, link, 6, 6)
+    assert os.readlink(link) == before  # still the complete step-5 save
+    strategy.check_complete(link)
+    torn = [v for v in (tmp_path).iterdir() if v.name.startswith("last.ckpt.step6")]
+    assert len(torn) == 1
+    with pytest.raises(RuntimeError, match="incomplete"):
+        strategy.load_checkpoint(torn[0])
+
+
+def test_torn_checkpoint_with_stale_metadata_is_refused(tmp_path):
+    strategy = FSDP2Strategy()
+    link = tmp_path / "last.ckpt"
+    _sharded_save(strategy, link, 7, 7)
+    (link / "COMPLETE").write_text("8\n")  # shards of step 8 next to step 7's metadata
+    with pytest.raises(RuntimeError, match="torn"):
+        strategy.load_checkpoint(link)
+
+
+def test_timeout_is_exposed_in_seconds_with_a_short_default():
+    from datetime import timedelta
+
+    from lightning_mem.strategies.fsdp2 import DEFAULT_TIMEOUT_S
+
+    assert FSDP2Strategy()._timeout == timedelta(seconds=DEFAULT_TIMEOUT_S) < timedelta(minutes=30)
+    assert FSDP2Strategy(timeout=90)._timeout == timedelta(seconds=90)
+    with pytest.raises(ValueError, match="timeout"):
+        FSDP2Strategy(timeout=-1)
+
+
+def test_a_subclass_overriding_an_old_underscore_step_name_is_told_the_new_name():
+    with pytest.raises(TypeError, match=r"rename them to \['shard_module'\]"):
+
+        class Old(FSDP2Strategy):
+            def _shard_module(self, module, *, reshard_after_forward=None):
+                pass

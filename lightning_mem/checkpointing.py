@@ -1,0 +1,219 @@
+"""Checkpoints and exports that a crash cannot tear, and resumes that say what they ignore.
+
+* :class:`AtomicCheckpointIO` writes a single-file checkpoint beside its target and renames it
+  into place, so ``last.ckpt`` is always either the previous checkpoint or the new one, never a
+  truncated file (a full disk, a kill mid-write).
+* :func:`staged_directory` does the same for a folder (an HF export): it is written under a
+  temporary name beside the target and swapped in only when complete.
+* :func:`switch_link` / :func:`checkpoint_versions` keep sharded (folder) checkpoints as
+  versioned folders behind an atomically replaced symlink (used by ``FSDP2Strategy``).
+* :class:`ResumeCheck` warns when a resumed run keeps optimizer settings (``lr``...) from the
+  checkpoint that differ from the config.
+* :func:`find_last_checkpoint` tells ``--ckpt_path last`` where it looked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import uuid
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
+from lightning.pytorch import Callback
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+
+def _fsync_dir(path: Path) -> None:
+    # Makes the rename itself durable; not every OS lets a directory be opened (Windows).
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """``TorchCheckpointIO`` that writes ``<dir>/.<name>.tmp-<id>``, syncs it, then renames it to ``<name>``.
+
+    The temporary file is in the target's own folder, so the rename never crosses filesystems and
+    is atomic; if anything fails the target is untouched and the temporary file is removed.
+    Remote paths (``s3://``...) go to Lightning's own writer.
+    """
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"`{type(self).__name__}.save_checkpoint` takes no `storage_options`")
+        if not _is_local_file_protocol(path):
+            return super().save_checkpoint(checkpoint, path)
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        _fsync_dir(target.parent)
+
+
+@contextlib.contextmanager
+def staged_directory(target: str | Path) -> Iterator[Path]:
+    """Yield a fresh folder beside ``target``; on success it replaces ``target``, on failure it is removed.
+
+    ``target`` never holds a half-written result: until the block succeeds it keeps what it held
+    before (or does not exist). An existing ``target`` is moved aside, the new folder renamed into
+    place, and only then the old one deleted.
+    """
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.parent / f".{target.name}.partial-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    old = None
+    if target.exists() or target.is_symlink():
+        old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
+        os.replace(target, old)
+    os.replace(staging, target)
+    _fsync_dir(target.parent)
+    if old is not None:
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink(missing_ok=True)
+
+
+# -- versioned folders behind a symlink (sharded checkpoints) ---------------------------------------
+
+
+def version_dir(link: str | Path, step: int, token: str) -> Path:
+    """The folder one save of the checkpoint ``link`` writes to: ``<link>.step<step>.<token>``."""
+    link = Path(link)
+    return link.parent / f"{link.name}.step{step}.{token}"
+
+
+def checkpoint_versions(link: str | Path) -> list[Path]:
+    """Every versioned folder of ``link`` present on disk (complete or not)."""
+    link = Path(link)
+    if not link.parent.is_dir():
+        return []
+    prefix = f"{link.name}.step"
+    return sorted(p for p in link.parent.iterdir() if p.name.startswith(prefix) and p.is_dir())
+
+
+def switch_link(link: str | Path, target: str | Path, *, keep: int = 2) -> Path | None:
+    """Point ``link`` at ``target`` (a sibling folder) atomically; keep ``keep`` versions in all.
+
+    The symlink is replaced with ``os.replace``, so ``link`` always names a complete checkpoint.
+    A ``link`` that is still a plain folder (the old in-place layout) is moved aside to a version
+    of its own. Returns the previous target (kept), or None.
+    """
+    link, target = Path(link), Path(target)
+    previous: Path | None = None
+    if link.is_symlink():
+        previous = link.parent / os.readlink(link)
+    elif link.is_dir():
+        previous = link.parent / f"{link.name}.step-legacy.{uuid.uuid4().hex[:8]}"
+        os.replace(link, previous)
+    elif link.exists():
+        link.unlink()
+    tmp_link = link.parent / f".{link.name}.link-{uuid.uuid4().hex[:8]}"
+    os.symlink(target.name, tmp_link)  # relative: the folder can move as a whole
+    os.replace(tmp_link, link)
+    _fsync_dir(link.parent)
+    kept = {target.resolve()} | ({previous.resolve()} if previous is not None and keep > 1 else set())
+    for version in checkpoint_versions(link):
+        if version.resolve() not in kept:
+            shutil.rmtree(version, ignore_errors=True)
+    return previous
+
+
+def remove_versioned(link: str | Path) -> None:
+    """Remove the symlink ``link`` and every versioned folder behind it."""
+    link = Path(link)
+    for version in checkpoint_versions(link):
+        shutil.rmtree(version, ignore_errors=True)
+    if link.is_symlink() or link.is_file():
+        link.unlink()
+    elif link.is_dir():
+        shutil.rmtree(link)
+
+
+# -- resuming -----------------------------------------------------------------------------------------
+
+
+def find_last_checkpoint(dirpath: str | Path) -> Path | None:
+    """The newest ``last*.ckpt`` (file, folder or link) in ``dirpath``, as ``--ckpt_path last`` finds it."""
+    dirpath = Path(dirpath)
+    if not dirpath.is_dir():
+        return None
+    found = [p for p in dirpath.glob("last*.ckpt") if p.exists()]
+    return max(found, key=lambda p: p.stat().st_mtime) if found else None
+
+
+#: Optimizer settings compared on resume; ``lr`` is compared through ``initial_lr`` when a
+#: scheduler set one (the scheduled ``lr`` moves every step).
+_COMPARED = ("lr", "weight_decay", "betas", "eps", "momentum")
+
+
+class ResumeCheck(Callback):
+    """Warn when a resumed run's optimizers keep settings from the checkpoint that the config changed.
+
+    Lightning restores each optimizer's ``param_groups`` (and the scheduler's base rates) from the
+    checkpoint, so a new ``lr`` in the config is silently ignored. This records the configured
+    values before the restore and compares them after it.
+
+    Args:
+        keys: the config key of each optimizer, in ``configure_optimizers`` order (e.g.
+            ``["model.optimizer", "model.critic_optimizer"]``); others are named by index.
+    """
+
+    def __init__(self, keys: Sequence[str] = ()) -> None:
+        self.keys = list(keys)
+        self._configured: list[list[dict[str, Any]]] | None = None
+
+    @staticmethod
+    def _settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+        groups = []
+        for group in optimizer.param_groups:
+            values = {k: group[k] for k in _COMPARED if k in group}
+            if "initial_lr" in group:
+                values["lr"] = group["initial_lr"]
+            groups.append({k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
+        return groups
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        # Optimizers exist and hold the config's values; the checkpoint is restored after this.
+        if trainer.ckpt_path:
+            self._configured = [self._settings(o) for o in trainer.optimizers]
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if self._configured is None:
+            return
+        for index, (optimizer, configured) in enumerate(zip(trainer.optimizers, self._configured)):
+            restored = self._settings(optimizer)
+            changed = sorted({k for c, r in zip(configured, restored) for k in c if k in r and c[k] != r[k]})
+            key = self.keys[index] if index < len(self.keys) else f"optimizer {index}"
+            for name in changed:
+                before = next(r[name] for c, r in zip(configured, restored) if name in c and c[name] != r.get(name))
+                now = next(c[name] for c, r in zip(configured, restored) if name in c and c[name] != r.get(name))
+                rank_zero_warn(
+                    f"`{key}.init_args.{name}` is {now} in the config but the resumed checkpoint"
+                    f" ({trainer.ckpt_path}) has {before}; the checkpoint's value is kept. To train with the new"
+                    " value, start a new run from the exported model instead of resuming."
+                )
+        self._configured = None

@@ -1,0 +1,76 @@
+"""Warnings a user of the recipes cannot act on, silenced with the reason for each.
+
+A run should print only what asks for an action; each entry here is a message that every run of
+a recipe would print although nothing in the user's config causes or could fix it. Anything not
+listed still prints.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+#: (message regex, why it does not apply to the recipes)
+UNACTIONABLE: tuple[tuple[str, str], ...] = (
+    (
+        r"You're resuming from a checkpoint that ended before the epoch ended and your dataloader is not resumable",
+        "TokenBudgetSampler resumes by position (the batches already run), so a mid-epoch resume sees exactly"
+        " the batches an uninterrupted run would",
+    ),
+    (
+        r"Starting from v1\.9\.0, `tensorboardX` has been removed",
+        "a note about Lightning's default logger choice, printed on every run that keeps the default",
+    ),
+    (
+        r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+        "raised inside Lightning's own code under torch >= 2.10, once per rank",
+    ),
+    (
+        r"torch\.distributed\.nn\.functional\.all_gather is deprecated",
+        "raised inside Lightning's all_gather (LightningModule.all_gather) under torch 2.13, once per rank",
+    ),
+    (
+        r"`is_gradient_checkpointing` is deprecated",
+        "raised inside peft's prepare_model_for_kbit_training under transformers 5",
+    ),
+    (
+        r"Paged optimizers are not supported on CPU",
+        "bitsandbytes' duplicate of lightning_mem.optim's own warning, which names the optimizer",
+    ),
+)
+
+#: (logger, message prefix, why): log records of other libraries, dropped the same way.
+UNACTIONABLE_LOGS: tuple[tuple[str, str, str], ...] = (
+    (
+        "bitsandbytes.backends.cpu.ops",
+        "Failed to load CPU gemm_4bit_forward from kernels-community",
+        "an optional CPU kernel that bitsandbytes would download from the hub at run time; the"
+        " built-in kernel is used, with the same results",
+    ),
+)
+
+_installed = False
+
+
+class _DropPrefix(logging.Filter):
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
+def silence_unactionable_warnings() -> None:
+    """Install ignore filters for :data:`UNACTIONABLE` and :data:`UNACTIONABLE_LOGS` (process-wide, once).
+
+    Called when :mod:`lightning_mem.cli` is imported, i.e. before a recipe imports bitsandbytes.
+    """
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    for pattern, _reason in UNACTIONABLE:
+        warnings.filterwarnings("ignore", message=pattern)
+    for name, prefix, _reason in UNACTIONABLE_LOGS:
+        logging.getLogger(name).addFilter(_DropPrefix(prefix))

@@ -1,0 +1,174 @@
+"""The recipes' shared CLI: only working subcommands, early checks, safe checkpoints, clear resumes."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import recipes.ppo as ppo
+import recipes.sft as sft
+from lightning_mem.checkpointing import AtomicCheckpointIO, ResumeCheck, staged_directory
+from lightning_mem.export import export_hf
+from tests.helpers import REPO
+
+CONFIG = str(REPO / "configs" / "sft" / "tiny_cpu.yaml")
+
+
+def _sft(root, *extra):
+    return sft.main([
+        "fit", "--config", CONFIG, f"--trainer.default_root_dir={root}", "--trainer.enable_progress_bar=false",
+        "--trainer.logger=false", "--trainer.val_check_interval=null", "--trainer.limit_val_batches=0",
+        "--trainer.max_steps=2", "--model.lr_scheduler.init_args.warmup_steps=1", "--model.export_dir=null",
+        "--data.max_tokens_per_batch=256", *extra,
+    ])  # fmt: skip
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the bad input was reported")
+
+    monkeypatch.setattr(sft, "load_causal_lm", refuse)
+
+
+@pytest.mark.parametrize("main", [sft.main, ppo.main])
+@pytest.mark.parametrize("subcommand", ["test", "predict"])
+def test_subcommands_that_would_crash_are_not_offered(main, subcommand, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([subcommand, "--help"])
+    assert exit_info.value.code != 0
+    assert subcommand in capsys.readouterr().err  # "invalid choice: 'test'"
+
+
+def test_help_lists_no_top_level_optimizer(capsys):
+    with pytest.raises(SystemExit):
+        sft.main(["fit", "--help"])
+    out = capsys.readouterr().out
+    assert "--optimizer" not in out and "--lr_scheduler" not in out
+    assert "--model.optimizer" in out and "--model.lr_scheduler" in out
+
+
+def test_ppo_offers_no_validate(capsys):
+    # The PPO module has no validation step; SFT has one, so it keeps `validate`.
+    with pytest.raises(SystemExit):
+        ppo.main(["validate", "--help"])
+    assert "validate" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        sft.main(["validate", "--help"])
+    assert exit_info.value.code == 0
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("--trainer.accumulate_grad_batches=0", r"`trainer.accumulate_grad_batches` must be an int >= 1, got 0"),
+        ("--model.optimizer.init_args.lr=-0.001", r"`model.optimizer.init_args.lr` must be a finite learning rate >= 0"),
+        ("--model.lr_scheduler.init_args.warmup_steps=20", r"`model.lr_scheduler.init_args.warmup_steps`=20 is longer"),
+    ],
+)
+def test_bad_numbers_fail_before_any_model_naming_the_key(tmp_path, no_model_load, override, message):
+    with pytest.raises(ValueError, match=message):
+        _sft(tmp_path, override)
+
+
+def test_ckpt_path_last_without_a_checkpoint_warns_once_naming_the_folder(tmp_path):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cli = _sft(tmp_path, "--ckpt_path=last")
+    messages = [str(w.message) for w in caught if "last checkpoint" in str(w.message) or "last*.ckpt" in str(w.message)]
+    assert messages == [f"--ckpt_path last: no last*.ckpt in {(tmp_path / 'checkpoints').resolve()}; training starts from scratch"]
+    assert cli.trainer.global_step == 2
+    # Every recipe's single-file checkpoints are written beside the target, then renamed.
+    assert isinstance(cli.trainer.strategy.checkpoint_io, AtomicCheckpointIO)
+    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_resume_with_a_changed_lr_warns_naming_the_key(tmp_path):
+    _sft(tmp_path)
+    with pytest.warns(UserWarning, match=r"`model.optimizer.init_args.lr` is 0.002 in the config but the resumed checkpoint .* has 0.001"):
+        cli = _sft(tmp_path, "--ckpt_path=last", "--trainer.max_steps=3", "--model.optimizer.init_args.lr=0.002")
+    assert cli.trainer.global_step == 3
+
+
+def test_resume_check_is_quiet_when_nothing_changed(tmp_path):
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    check = ResumeCheck(["model.optimizer"])
+    trainer = type("T", (), {"ckpt_path": "x.ckpt", "optimizers": [optimizer]})()
+    check.on_fit_start(trainer, None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check.on_train_start(trainer, None)
+
+
+# -- atomic writes ------------------------------------------------------------------------------
+
+
+def test_checkpoint_write_failing_midway_leaves_the_previous_file(tmp_path, monkeypatch):
+    io = AtomicCheckpointIO()
+    target = tmp_path / "last.ckpt"
+    io.save_checkpoint({"step": 1}, target)
+    real_save = torch.save
+
+    def disk_full(obj, f, *args, **kwargs):
+        f.write(b"\x80\x02 half a pickle")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        io.save_checkpoint({"step": 2}, target)
+    monkeypatch.setattr(torch, "save", real_save)
+    assert torch.load(target) == {"step": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]  # no temporary file left behind
+
+
+class _FailingModel(torch.nn.Module):
+    def save_pretrained(self, out, state_dict, safe_serialization):
+        (out / "config.json").write_text("{}")
+        raise RuntimeError("disk full while writing weights")
+
+
+def test_failed_export_leaves_no_half_written_folder(tmp_path):
+    trainer = type("T", (), {"strategy": type("S", (), {"barrier": lambda self, name: None})(), "is_global_zero": True})()
+    out = tmp_path / "export"
+    with pytest.raises(RuntimeError, match="disk full"):
+        export_hf(trainer, _FailingModel(), None, out)
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+    # A previous export survives a failed one.
+    out.mkdir()
+    (out / "model.safetensors").write_text("old")
+    with pytest.raises(RuntimeError):
+        export_hf(trainer, _FailingModel(), None, out)
+    assert (out / "model.safetensors").read_text() == "old" and not (out / "config.json").exists()
+
+
+def test_staged_directory_replaces_the_target_on_success(tmp_path):
+    out = tmp_path / "export"
+    out.mkdir()
+    (out / "stale.bin").write_text("old")
+    with staged_directory(out) as staging:
+        (staging / "model.safetensors").write_text("new")
+        assert not (out / "model.safetensors").exists()  # invisible until complete
+    assert [p.name for p in out.iterdir()] == ["model.safetensors"]
+    assert [p.name for p in tmp_path.iterdir()] == ["export"]
+
+
+def test_export_from_checkpoint_rejects_what_it_cannot_read(tmp_path):
+    from lightning_mem.export import load_checkpoint_weights
+
+    module = torch.nn.Linear(2, 2)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_checkpoint_weights(module, tmp_path / "nope.ckpt")
+    (tmp_path / "zero").mkdir()
+    with pytest.raises(ValueError, match="not a sharded"):
+        load_checkpoint_weights(module, tmp_path / "zero")
+    torch.save({"weight": torch.zeros(2, 2)}, tmp_path / "plain.pt")
+    with pytest.raises(ValueError, match="not a Lightning checkpoint"):
+        load_checkpoint_weights(module, tmp_path / "plain.pt")
+    torch.save({"state_dict": {"other.weight": torch.zeros(2, 2)}}, tmp_path / "other.ckpt")
+    with pytest.raises(ValueError, match="tensors this model does not have"):
+        load_checkpoint_weights(module, tmp_path / "other.ckpt")
+    torch.save({"state_dict": {"weight": torch.ones(2, 2), "bias": torch.ones(2)}, "global_step": 7}, tmp_path / "ok.ckpt")
+    assert load_checkpoint_weights(module, tmp_path / "ok.ckpt")["global_step"] == 7
+    assert torch.equal(module.weight, torch.ones(2, 2))
