@@ -75,7 +75,7 @@ def test_malformed_jsonl_line_is_named(tmp_path):
 
 def test_row_without_messages_or_prompt_is_named(tmp_path, tokenizer):
     path = _write(tmp_path / "rows.jsonl", [json.dumps({"prompt": "a", "completion": "b"}), json.dumps({"text": "x"})])
-    with pytest.raises(DataFormatError, match=r"rows\.jsonl:2: row needs `messages` or string `prompt`.*\['text'\]"):
+    with pytest.raises(DataFormatError, match=r"rows\.jsonl:2: row needs `messages` or `prompt` and `completion`.*\['text'\]"):
         tokenize_rows(read_rows(path), tokenizer, 32)
 
 
