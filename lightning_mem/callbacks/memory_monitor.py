@@ -323,6 +323,7 @@ def _plot_timeline(rows: list[dict[str, Any]], metrics: list[str], path: Path) -
     # The object API with the Agg canvas: no pyplot, so no global backend is switched.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
 
     panels = [(title, [m for m in names if m in metrics]) for title, names in
               (("device", _DEVICE_METRICS), ("host", _HOST_METRICS))]
@@ -352,11 +353,11 @@ def _plot_timeline(rows: list[dict[str, Any]], metrics: list[str], path: Path) -
         for r in phase_rows:
             top.annotate(r["phase"], xy=((r["start_s"] + r["time_s"]) / 2, 1.0), xycoords=("data", "axes fraction"),
                          ha="center", va="bottom", fontsize="x-small", color=colors[r["phase"]], rotation=90)
-    for name, color in colors.items():
-        top.axvspan(0, 0, color=color, alpha=0.4, label=f"phase: {name}")
+    phase_patches = [Patch(color=color, alpha=0.4, label=f"phase: {name}") for name, color in colors.items()]
     for ax in axes:
-        if ax.has_data():
-            ax.legend(loc="lower right", fontsize="small", ncol=2)
+        handles = ax.get_legend_handles_labels()[0] + (phase_patches if ax is top else [])
+        if handles:
+            ax.legend(handles=handles, loc="lower right", fontsize="small", ncol=2)
     axes[-1].set_xlabel("seconds since fit start")
     fig.suptitle("memory per training step" + (" and phase" if phase_rows else ""))
     fig.savefig(path, dpi=100)
