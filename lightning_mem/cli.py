@@ -74,7 +74,8 @@ def resolve_input_path(value: str, key: str, dirs: list[Path], *, may_be_hub_id:
     if may_be_hub_id and _looks_like_hub_id(value):
         return value
     tried = ", ".join(str(d) for d in dirs)
-    raise FileNotFoundError(f"`{key}`: {value!r} does not exist; a relative path is looked for under: {tried}")
+    what = "model path" if may_be_hub_id else "data file"
+    raise FileNotFoundError(f"`{key}`: {what} {value!r} does not exist; a relative path is looked for under: {tried}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -58,7 +58,8 @@ class SFTModule(LightningModule):
         super().__init__()
         check_model_source(name_or_path)  # fail before anything is loaded
         resolve_dtype(dtype, key="model.dtype")
-        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
+        # logger=False: the CLI logs the whole resolved config (lightning_mem.cli.RunConfigCallback).
+        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"], logger=False)
         self.optimizer_factory = optimizer
         self.lr_scheduler_factory = lr_scheduler
         self.model: torch.nn.Module | None = None

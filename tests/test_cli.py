@@ -72,7 +72,7 @@ def test_missing_relative_path_names_the_key_and_every_folder_tried(tmp_path, el
     with pytest.raises(FileNotFoundError) as err:
         _parse("sft", "--config", str(config))
     message = str(err.value)
-    assert message.startswith("`data.train_file`: 'nope.jsonl' does not exist; a relative path is looked for under:")
+    assert message.startswith("`data.train_file`: data file 'nope.jsonl' does not exist; a relative path is looked for under:")
     assert str(config.parent) in message and str(elsewhere) in message
 
 
@@ -82,7 +82,7 @@ def test_a_hub_id_for_the_model_is_left_alone():
     from lightning_mem.cli import resolve_input_path
 
     assert resolve_input_path("Qwen/Qwen2.5-0.5B", "model.name_or_path", dirs, may_be_hub_id=True) == "Qwen/Qwen2.5-0.5B"
-    with pytest.raises(FileNotFoundError, match="`model.name_or_path`: './my-model' does not exist"):
+    with pytest.raises(FileNotFoundError, match="`model.name_or_path`: model path './my-model' does not exist"):
         resolve_input_path("./my-model", "model.name_or_path", dirs, may_be_hub_id=True)
 
 
@@ -134,6 +134,8 @@ def test_run_folder_holds_config_memory_files_and_all_hyperparameters_csv(tmp_pa
     assert hparams["model.optimizer.init_args.lr"] == 0.001 and hparams["model.optimizer.class_path"] == "torch.optim.AdamW"
     assert hparams["model.lr_scheduler.init_args.warmup_steps"] == 20
     assert hparams["trainer.max_steps"] == 2 and hparams["checkpoint.every_n_train_steps"] == 200
+    # Once each, under its section: the module's own arguments are not logged a second time bare.
+    assert hparams["model.name_or_path"] == str(TINY_MODEL) and "name_or_path" not in hparams
     assert yaml.safe_load((run / "config.yaml").read_text())["trainer"]["max_steps"] == 2
 
 
