@@ -84,7 +84,7 @@ def test_missing_file_names_the_key(tmp_path):
         check_data_file(tmp_path / "nope.jsonl", key="data.train_file")
 
 
-def test_parquet_rows_read_through_datasets(tmp_path, tokenizer):
+def test_parquet_rows_are_read(tmp_path, tokenizer):
     import datasets
 
     datasets.Dataset.from_list([{"prompt": "2 + 2 =", "completion": "4"}]).to_parquet(str(tmp_path / "d.parquet"))
