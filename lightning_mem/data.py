@@ -473,6 +473,10 @@ class DataSource:
         return rename_columns(rows, self.columns)
 
 
+def _has_splits(path: Path) -> bool:
+    return (path / "dataset_dict.json").is_file()
+
+
 def data_source(
     train_file: str | None,
     val_file: str | None = None,
@@ -494,12 +498,12 @@ def data_source(
         raise ValueError(f"`data.dataset` must be a hub id such as 'trl-lib/Capybara', got {dataset!r}")
     train_path = check_data_file(train_file, key="data.train_file") if train_file is not None else None
     val_path = check_data_file(val_file, key="data.val_file") if val_file else None
-    if val_split is not None and val_path is None and train_path is not None and not train_path.is_dir():
+    if val_split is not None and val_path is None and train_path is not None and not _has_splits(train_path):
         raise ValueError(
             "`data.val_split` picks a split of `data.dataset` or of a save_to_disk DatasetDict folder;"
-            f" `data.train_file` {str(train_path)!r} is a single file: set `data.val_file` instead"
+            f" `data.train_file` {str(train_path)!r} has no splits: set `data.val_file` instead"
         )
-    if val_path is not None and val_path.is_dir() and (val_path / "dataset_dict.json").is_file() and val_split is None:
+    if val_path is not None and _has_splits(val_path) and val_split is None:
         raise ValueError(f"`data.val_split`: `data.val_file` {str(val_path)!r} is a DatasetDict folder; name its split")
     return DataSource(train_path, val_path, dataset, subset, train_split, val_split, check_columns(columns))
 

@@ -68,10 +68,14 @@ def test_save_to_disk_datasetdict_uses_the_named_splits(tmp_path, reference):
         _sft(train_file=str(folder), train_split="dev")
 
 
-def test_val_split_of_a_single_file_names_the_key(tmp_path):
+def test_val_split_of_a_source_without_splits_names_the_key(tmp_path):
+    import datasets
+
     path = _jsonl(tmp_path / "rows.jsonl", ROWS)
-    with pytest.raises(ValueError, match=r"`data.val_split` picks a split .* set `data.val_file` instead"):
-        SFTDataModule(train_file=str(path), tokenizer=str(TINY_MODEL), val_split="validation")
+    datasets.Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "ds"))  # one Dataset: no splits either
+    for source in (path, tmp_path / "ds"):
+        with pytest.raises(ValueError, match=r"`data.val_split` picks a split .* has no splits: set `data.val_file`"):
+            SFTDataModule(train_file=str(source), tokenizer=str(TINY_MODEL), val_split="validation")
 
 
 # -- hub ids: the real call is datasets.load_dataset(id, name=subset, split=split) ------------------
