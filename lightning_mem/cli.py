@@ -1,25 +1,36 @@
-"""The LightningCLI shared by the recipes: a checkpoint section whose folder follows the run's root.
+"""The LightningCLI shared by the recipes.
 
-``checkpoint.dirpath`` is derived from ``trainer.default_root_dir`` so that moving a run (one
-override on the command line) moves its checkpoints too, and ``--ckpt_path last`` finds them.
+- a ``checkpoint`` section whose folder follows the run's root: ``checkpoint.dirpath`` is derived
+  from ``trainer.default_root_dir`` so that moving a run (one override on the command line) moves
+  its checkpoints too, and ``--ckpt_path last`` finds them;
+- the default logger is a CSVLogger under ``trainer.default_root_dir`` (``<root>/logs/version_N``),
+  whatever else is installed (Lightning's own default switches to TensorBoard when it is);
+- the resolved config (``config.yaml``) goes to the logger's run folder
+  (:func:`lightning_mem.run_dir.run_dir`), and every setting reaches the logger as a hyperparameter;
+- relative input paths in a config file (data files, model folders) are found from the config
+  file, not from wherever the command runs (:func:`resolve_input_path`);
+- ``--ckpt_path`` naming an empty or non-checkpoint file fails before any model is loaded.
 """
 
 from __future__ import annotations
 
 import math
+import zipfile
 from pathlib import Path
 from typing import Any
 
+import yaml
 from lightning.pytorch import LightningModule
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar, TQDMProgressBar
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from lightning.pytorch.loggers import Logger
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_mem.callbacks.progress import StepProgressBar, StepRichProgressBar
 from lightning_mem.checkpointing import AtomicCheckpointIO, ResumeCheck, find_last_checkpoint
 from lightning_mem.quiet import silence_unactionable_warnings
-
+from lightning_mem.run_dir import run_dir
 
 # Before a recipe imports bitsandbytes (it logs at import): recipes import this module first.
 silence_unactionable_warnings()
@@ -27,6 +38,147 @@ silence_unactionable_warnings()
 
 def _checkpoint_dir(default_root_dir: str | None) -> str:
     return f"{default_root_dir or '.'}/checkpoints"
+
+
+# ---------------------------------------------------------------------------------------------
+# Relative paths in config files
+# ---------------------------------------------------------------------------------------------
+
+
+def project_root(start: Path) -> Path | None:
+    """The nearest folder at or above ``start`` that holds ``pyproject.toml`` or ``.git``."""
+    for folder in (start, *start.parents):
+        if (folder / "pyproject.toml").is_file() or (folder / ".git").exists():
+            return folder
+    return None
+
+
+def search_dirs(config_files: list[Path]) -> list[Path]:
+    """Where a relative input path is looked for, in order: each config file's folder (the last
+    file given first), the project root above it, then the current directory."""
+    dirs: list[Path] = []
+    for config in reversed(config_files):
+        folder = config.resolve().parent
+        dirs += [folder] + ([root] if (root := project_root(folder)) else [])
+    dirs.append(Path.cwd())
+    return list(dict.fromkeys(dirs))  # in order, without repeats
+
+
+def _looks_like_hub_id(value: str) -> bool:
+    return not value.startswith((".", "/", "~")) and value.count("/") == 1
+
+
+def resolve_input_path(value: str, key: str, dirs: list[Path], *, may_be_hub_id: bool = False) -> str:
+    """An absolute path for a relative ``value`` found under one of ``dirs``.
+
+    Absolute paths are returned as they are. A hub id (``org/name``, where ``may_be_hub_id``) that
+    exists in none of ``dirs`` is returned as it is; any other value found nowhere is an error
+    naming the key and every folder tried.
+    """
+    path = Path(value).expanduser()
+    if path.is_absolute():
+        return value
+    for folder in dirs:
+        if (folder / path).exists():
+            return str(folder / path)
+    if may_be_hub_id and _looks_like_hub_id(value):
+        return value
+    tried = ", ".join(str(d) for d in dirs)
+    what = "model path" if may_be_hub_id else "data file"
+    raise FileNotFoundError(f"`{key}`: {what} {value!r} does not exist; a relative path is looked for under: {tried}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The resolved config and the hyperparameters, in the run's folder and logger
+# ---------------------------------------------------------------------------------------------
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"model": {"optimizer": {"init_args": {"lr": 1e-3}}}}`` -> ``{"model.optimizer.init_args.lr": 1e-3}``;
+    lists of mappings (callbacks) are numbered, other lists kept whole."""
+    if isinstance(tree, dict):
+        out: dict[str, Any] = {}
+        for k, v in tree.items():
+            out.update(flatten(v, f"{prefix}{k}."))
+        return out
+    if isinstance(tree, list) and any(isinstance(v, dict) for v in tree):
+        out = {}
+        for i, v in enumerate(tree):
+            out.update(flatten(v, f"{prefix}{i}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+class RunConfigCallback(SaveConfigCallback):
+    """Write ``config.yaml`` into the logger's run folder and log every setting as a hyperparameter.
+
+    Lightning's own callback writes to ``trainer.log_dir``, which for MLflow and W&B is a folder
+    shared by all runs; and a LightningModule's ``save_hyperparameters`` reaches the logger with
+    the module's arguments only. Here the logger gets the whole resolved config, flattened to
+    dotted keys (``data.max_length``, ``model.optimizer.init_args.lr``, ``trainer.max_steps``, ...).
+    """
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if self.already_saved:
+            return
+        folder = run_dir(trainer)  # collective: every rank calls it
+        path = folder / self.config_filename
+        if not self.overwrite and trainer.strategy.broadcast(trainer.is_global_zero and path.is_file()):
+            raise RuntimeError(f"{path} exists: a previous run's config would be overwritten")
+        if trainer.is_global_zero:
+            folder.mkdir(parents=True, exist_ok=True)
+            self.parser.save(self.config, str(path), skip_none=False, overwrite=True, multifile=self.multifile)
+            self.save_config(trainer, pl_module, stage)
+            self.already_saved = True
+        self.already_saved = trainer.strategy.broadcast(self.already_saved)
+
+    def save_config(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        hparams = self.hyperparameters()
+        for logger in trainer.loggers:
+            if isinstance(logger, Logger):
+                logger.log_hyperparams(hparams)
+
+    def hyperparameters(self) -> dict[str, Any]:
+        """The resolved config as flat ``section.key`` hyperparameters (the config files' paths left out)."""
+        tree = yaml.safe_load(self.parser.dump(self.config, skip_none=False, skip_validation=True)) or {}
+        tree.pop("config", None)
+        return flatten(tree)
+
+
+# ---------------------------------------------------------------------------------------------
+# --ckpt_path
+# ---------------------------------------------------------------------------------------------
+
+
+def check_checkpoint_path(ckpt_path: str | None) -> None:
+    """Fail, naming the file, when ``--ckpt_path`` is a missing, empty or non-checkpoint file.
+
+    Keywords (``last``, ``best``, ``hpc``, ``registry...``) are left to Lightning; a folder (a
+    sharded FSDP2 or DeepSpeed checkpoint) must not be empty.
+    """
+    if ckpt_path is None or ckpt_path in ("last", "best", "hpc") or str(ckpt_path).startswith("registry"):
+        return
+    path = Path(ckpt_path).expanduser()
+    if "://" in str(ckpt_path):
+        return  # a remote URL: fsspec reads it
+    if not path.exists():
+        raise FileNotFoundError(f"`ckpt_path`: {str(ckpt_path)!r} does not exist (relative to {Path.cwd()})")
+    if path.is_dir():
+        if not any(path.iterdir()):
+            raise ValueError(f"`ckpt_path`: {str(ckpt_path)!r} is an empty folder, not a checkpoint")
+        return
+    if path.stat().st_size == 0:
+        raise ValueError(f"`ckpt_path`: {str(ckpt_path)!r} is empty (0 bytes); it is not a checkpoint (a run killed while writing it?)")
+    if not zipfile.is_zipfile(path):
+        raise ValueError(
+            f"`ckpt_path`: {str(ckpt_path)!r} is not a PyTorch checkpoint (torch.save writes a zip archive; this"
+            " file is not one: truncated, or another kind of file)"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# The CLI
+# ---------------------------------------------------------------------------------------------
 
 
 class RecipeCLI(LightningCLI):
@@ -40,12 +192,20 @@ class RecipeCLI(LightningCLI):
     #: Recipes whose datamodule loads a tokenizer link it to the model's path.
     link_tokenizer = True
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    #: Keys holding input paths: relative values in a config file are looked for from the config
+    #: file (see :func:`search_dirs`). Outputs (``trainer.default_root_dir``, ``export_dir``) stay
+    #: relative to the current directory, as in any Lightning run.
+    input_path_keys = ("data.train_file", "data.val_file")
+    #: The same for keys that may also hold a hub id (``org/name``).
+    model_path_keys = ("model.name_or_path", "data.tokenizer", "model.reward_model.name_or_path",
+                       "model.critic.name_or_path")
+
+    def __init__(self, *args: Any, save_config_callback: Any = RunConfigCallback, **kwargs: Any) -> None:
         # LightningCLI's own --optimizer would build an optimizer over the module's parameters
         # before configure_model has created any (an empty parameter list).
         kwargs.setdefault("auto_configure_optimizers", False)
         silence_unactionable_warnings()
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, save_config_callback=save_config_callback, **kwargs)
 
     def subcommands(self) -> dict[str, set[str]]:  # type: ignore[override]
         # No recipe has a test_step or predict_step: those subcommands could only crash.
@@ -63,7 +223,39 @@ class RecipeCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         super().before_instantiate_classes()
-        check_numbers(self.config.get(str(self.subcommand), self.config))
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        self._resolve_input_paths(config)
+        self._default_logger(config)
+        check_numbers(config)
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        super().parse_arguments(parser, args)
+        # Checked here: LightningCLI reads the checkpoint's hyperparameters right after parsing,
+        # and torch.load's errors name neither the file nor the option.
+        subcommand = self.config.get("subcommand")
+        if subcommand:
+            check_checkpoint_path(self.config[subcommand].get("ckpt_path"))
+
+    def _resolve_input_paths(self, config: Any) -> None:
+        files = [Path(p.absolute if hasattr(p, "absolute") else p) for p in (config.get("config") or [])]
+        if not files:
+            return  # all from the command line: relative to the current directory, as a shell user expects
+        dirs = search_dirs(files)
+        for key in (*self.input_path_keys, *self.model_path_keys):
+            value = _get(config, key)
+            if isinstance(value, str) and value:
+                config[key] = resolve_input_path(value, key, dirs, may_be_hub_id=key in self.model_path_keys)
+
+    @staticmethod
+    def _default_logger(config: Any) -> None:
+        # Lightning's default (logger=None/True) is TensorBoard when tensorboard is importable and CSV
+        # otherwise: the run's files would move with what happens to be installed.
+        if config.trainer.get("logger") in (None, True):
+            root = config.trainer.get("default_root_dir") or "."
+            config.trainer.logger = {
+                "class_path": "lightning.pytorch.loggers.CSVLogger",
+                "init_args": {"save_dir": root, "name": "logs"},
+            }
 
     def before_fit(self) -> None:
         config = self.config_init["fit"]
@@ -120,3 +312,10 @@ def check_numbers(config: Any) -> None:
                 raise ValueError(f"`{key}` must be a finite learning rate >= 0, got {node!r}")
 
     walk(flat, "")
+
+
+def _get(config: Any, key: str) -> Any:
+    try:
+        return config[key]
+    except (KeyError, TypeError, AttributeError):
+        return None

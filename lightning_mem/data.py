@@ -1,13 +1,16 @@
 """Instruction data: read chat or prompt/completion rows, format them with the tokenizer's chat
 template, mask the loss to the assistant's tokens, truncate, and batch by token budget.
 
-Row shapes accepted (JSONL, JSON or Parquet):
+Sources: JSONL, JSON or Parquet files, folders written by ``datasets``' ``save_to_disk``, and
+Hugging Face hub datasets (``datasets.load_dataset``). Row shapes accepted (mixed freely):
 
 - ``{"messages": [{"role": "user", "content": ...}, {"role": "assistant", "content": ...}, ...]}``:
   the loss covers every assistant turn.
-- ``{"prompt": ..., "completion": ...}`` (optionally ``"system"``): the loss covers the completion.
+- ``{"prompt": ..., "completion": ...}`` (optionally ``"system"``), each a string or, as in TRL's
+  conversational format, a list of messages: the loss covers the completion's assistant turns.
 
-Other keys (e.g. ``answer`` for a reward rule) are carried along untouched.
+A column mapping (``columns: {prompt: question}``) renames other datasets' fields. Other keys
+(e.g. ``answer`` for a reward rule) are carried along untouched.
 """
 
 from __future__ import annotations
@@ -40,9 +43,24 @@ class DataFormatError(ValueError):
 # ---------------------------------------------------------------------------------------------
 
 
+def is_saved_dataset(path: Path) -> bool:
+    """A folder written by ``datasets``' ``save_to_disk`` (a Dataset or a DatasetDict)."""
+    return (path / "dataset_dict.json").is_file() or ((path / "state.json").is_file() and (path / "dataset_info.json").is_file())
+
+
 def check_data_file(path: str | Path, *, key: str) -> Path:
-    """Fail early, naming the config key, when a data file is missing or of an unknown format."""
+    """Fail early, naming the config key, when a data file is missing or of an unknown format.
+
+    A folder is accepted when ``datasets`` wrote it with ``save_to_disk``.
+    """
     p = Path(path).expanduser()
+    if p.is_dir():
+        if is_saved_dataset(p):
+            return p
+        raise DataFormatError(
+            f"`{key}`: {str(path)!r} is a directory, not a data file; a folder must be a `datasets` save_to_disk"
+            " folder (with dataset_info.json and state.json, or dataset_dict.json)"
+        )
     if not p.is_file():
         raise FileNotFoundError(f"`{key}`: data file {str(path)!r} does not exist")
     if p.suffix not in _FORMATS:
@@ -50,56 +68,194 @@ def check_data_file(path: str | Path, *, key: str) -> Path:
     return p
 
 
-def read_rows(path: str | Path) -> list[dict[str, Any]]:
-    """Read a JSONL file ourselves (so a bad line is reported by number), other formats via `datasets`."""
-    p = Path(path)
-    if p.suffix == ".jsonl":
-        rows = []
-        with p.open() as f:
-            for lineno, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise DataFormatError(f"{p}:{lineno}: not valid JSON ({err.msg})") from None
-                if not isinstance(row, dict):
-                    raise DataFormatError(f"{p}:{lineno}: expected a JSON object, got {type(row).__name__}")
-                row["_where"] = f"{p}:{lineno}"
-                rows.append(row)
-        return rows
+def _clean(value: Any) -> Any:
+    # Arrow gives every row every column of the file (None where a row had none) and every message
+    # every key any message had: drop the Nones so that a `messages` row mixed with
+    # prompt/completion rows reads as the row that was written.
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_clean(v) for v in value]
+    return value
+
+
+def _record(row: Any, where: str) -> dict[str, Any]:
+    if not isinstance(row, dict):
+        raise DataFormatError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    return {**_clean(row), "_where": where}
+
+
+def _decode(data: bytes, p: Path, line_offset: int = 0) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = line_offset + data[: err.start].count(b"\n") + 1
+        raise DataFormatError(f"{p}:{line}: not valid UTF-8 (byte {data[err.start]:#04x}); save the file as UTF-8") from None
+
+
+def _read_jsonl(p: Path) -> list[dict[str, Any]]:
+    rows = []
+    with p.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            line = _decode(raw, p, lineno - 1)
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataFormatError(f"{p}:{lineno}: not valid JSON ({err.msg})") from None
+            rows.append(_record(row, f"{p}:{lineno}"))
+    return rows
+
+
+def _read_json(p: Path) -> list[dict[str, Any]]:
+    # Read here rather than through Arrow: rows of different shapes (messages and prompt/completion,
+    # string and conversational prompts) would otherwise be forced into one schema.
+    text = _decode(p.read_bytes(), p)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        if err.msg == "Extra data" and text.lstrip().startswith("{"):
+            return _read_jsonl(p)  # JSON Lines under a .json name, as `datasets` accepts
+        raise DataFormatError(f"{p}:{err.lineno}:{err.colno}: not valid JSON ({err.msg})") from None
+    if isinstance(data, dict) and len(data) == 1 and isinstance(next(iter(data.values())), list):
+        data = next(iter(data.values()))  # {"data": [...]}: one top-level list of rows
+    if not isinstance(data, list):
+        raise DataFormatError(f"{p}: expected a JSON array of row objects, got {type(data).__name__}")
+    return [_record(row, f"{p}:row {i}") for i, row in enumerate(data)]
+
+
+def _read_parquet(p: Path) -> list[dict[str, Any]]:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(p)
+    except Exception as err:  # pyarrow's messages do not name the file
+        raise DataFormatError(f"{p}: not a readable Parquet file ({err})") from None
+    return [_record(row, f"{p}:row {i}") for i, row in enumerate(table.to_pylist())]
+
+
+def _read_saved(p: Path, split: str | None, split_key: str) -> list[dict[str, Any]]:
     import datasets
 
-    table = datasets.load_dataset(_FORMATS[p.suffix], data_files=str(p), split="train")
-    return [dict(row, _where=f"{p}:row {i}") for i, row in enumerate(table)]
+    try:
+        data = datasets.load_from_disk(str(p))
+    except Exception as err:
+        raise DataFormatError(f"{p}: not a readable `datasets` save_to_disk folder ({err})") from None
+    if isinstance(data, datasets.DatasetDict):
+        if split not in data:
+            raise DataFormatError(f"`{split_key}`: {p} holds the splits {sorted(data)}, not {split!r}")
+        data, where = data[split], f"{p}[{split}]"
+    else:
+        where = str(p)
+    return [_record(row, f"{where}:row {i}") for i, row in enumerate(data)]
 
 
-def check_messages(messages: Any, where: str) -> None:
+def read_rows(path: str | Path, *, split: str | None = "train", split_key: str = "data.train_split") -> list[dict[str, Any]]:
+    """Rows of a JSONL, JSON or Parquet file, or of a ``save_to_disk`` folder (``split`` of a
+    DatasetDict). Each row gets ``_where`` (file and line or row number) for error messages."""
+    p = Path(path)
+    if p.is_dir():
+        return _read_saved(p, split, split_key)
+    if p.suffix == ".jsonl":
+        return _read_jsonl(p)
+    if p.suffix == ".json":
+        return _read_json(p)
+    return _read_parquet(p)
+
+
+def read_hub_rows(dataset: str, *, subset: str | None, split: str, key: str = "data.dataset") -> list[dict[str, Any]]:
+    """Rows of a Hugging Face hub dataset: ``datasets.load_dataset(dataset, name=subset, split=split)``.
+
+    Downloads go to the ``datasets`` cache (``HF_DATASETS_CACHE``); offline, the cache is used.
+    """
+    import datasets
+
+    try:
+        data = datasets.load_dataset(dataset, name=subset, split=split)
+    except Exception as err:
+        raise DataFormatError(f"`{key}`: could not load {dataset!r} (subset={subset!r}, split={split!r}): {err}") from None
+    where = f"{dataset}" + (f"/{subset}" if subset else "") + f"[{split}]"
+    return [_record(row, f"{where}:row {i}") for i, row in enumerate(data)]
+
+
+def rename_columns(rows: list[dict[str, Any]], columns: dict[str, str] | None, *, key: str = "data.columns") -> list[dict[str, Any]]:
+    """Give the dataset's fields the names this module reads: ``{prompt: question}`` moves each
+    row's ``question`` to ``prompt``. A row without a mapped field is an error naming it."""
+    if not columns:
+        return rows
+    out = []
+    for row in rows:
+        row = dict(row)
+        for ours, theirs in columns.items():
+            if theirs not in row:
+                keys = sorted(k for k in row if k != "_where")
+                raise DataFormatError(
+                    f"`{key}.{ours}`: {row.get('_where', 'row')} has no field {theirs!r}; it has {keys}"
+                )
+            row[ours] = row.pop(theirs)
+        out.append(row)
+    return out
+
+
+def check_columns(columns: Any, *, key: str = "data.columns") -> dict[str, str] | None:
+    if columns is None:
+        return None
+    if not isinstance(columns, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in columns.items()):
+        raise ValueError(f"`{key}` must map field names this module reads to the dataset's names, e.g. {{prompt: question}}; got {columns!r}")
+    return dict(columns)
+
+
+def check_messages(messages: Any, where: str, field: str = "messages") -> None:
     """A non-empty list of ``{"role": str, "content": str}``, or an error naming the row."""
     if not isinstance(messages, list) or not messages:
-        raise DataFormatError(f"{where}: `messages` must be a non-empty list")
+        raise DataFormatError(f"{where}: `{field}` must be a non-empty list")
     for m in messages:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise DataFormatError(f"{where}: each message needs string `role` and `content`, got {m!r}")
+            raise DataFormatError(f"{where}: each message in `{field}` needs string `role` and `content`, got {m!r}")
 
 
-def row_to_messages(row: dict[str, Any]) -> list[dict[str, str]]:
-    """Normalise a row to chat messages, or raise naming the row's file and line."""
+def _as_messages(value: Any, role: str, where: str, field: str) -> list[dict[str, str]]:
+    # A string prompt is one user turn, a string completion one assistant turn; a list is TRL's
+    # conversational form.
+    if isinstance(value, str):
+        return [{"role": role, "content": value}]
+    check_messages(value, where, field)
+    return value
+
+
+def _system(row: dict[str, Any], messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    if row.get("system") and messages[0]["role"] != "system":
+        return [{"role": "system", "content": row["system"]}]
+    return []
+
+
+def row_to_conversation(row: dict[str, Any]) -> tuple[list[dict[str, str]], int]:
+    """``(messages, first)``: the conversation, and the index of its first message the loss may
+    cover (assistant turns from there on are learned). Raises naming the row's file and line."""
     where = row.get("_where", "row")
     if "messages" in row:
         messages = row["messages"]
         check_messages(messages, where)
         if not any(m["role"] == "assistant" for m in messages):
             raise DataFormatError(f"{where}: `messages` has no assistant turn to learn from")
-        return messages
-    if isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str):
-        messages = [{"role": "system", "content": row["system"]}] if row.get("system") else []
-        return messages + [
-            {"role": "user", "content": row["prompt"]},
-            {"role": "assistant", "content": row["completion"]},
-        ]
+        return messages, 0
+    if isinstance(row.get("prompt"), (str, list)) and isinstance(row.get("completion"), (str, list)):
+        prompt = _as_messages(row["prompt"], "user", where, "prompt")
+        completion = _as_messages(row["completion"], "assistant", where, "completion")
+        if not any(m["role"] == "assistant" for m in completion):
+            raise DataFormatError(f"{where}: `completion` has no assistant turn to learn from")
+        prompt = _system(row, prompt) + prompt
+        return prompt + completion, len(prompt)
     keys = sorted(k for k in row if k != "_where")
-    raise DataFormatError(f"{where}: row needs `messages` or string `prompt` and `completion`; it has keys {keys}")
+    raise DataFormatError(
+        f"{where}: row needs `messages` or `prompt` and `completion` (strings or lists of messages); it has keys {keys}"
+    )
+
+
+def row_to_messages(row: dict[str, Any]) -> list[dict[str, str]]:
+    """Normalise a row to chat messages, or raise naming the row's file and line."""
+    return row_to_conversation(row)[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -107,8 +263,11 @@ def row_to_messages(row: dict[str, Any]) -> list[dict[str, str]]:
 # ---------------------------------------------------------------------------------------------
 
 
-def render_with_spans(messages: list[dict[str, str]], tokenizer: Any) -> tuple[str, list[tuple[int, int]]]:
-    """Render a conversation to text and return the character spans of the assistant turns.
+def render_with_spans(
+    messages: list[dict[str, str]], tokenizer: Any, first: int = 0
+) -> tuple[str, list[tuple[int, int]]]:
+    """Render a conversation to text and return the character spans of the assistant turns
+    from ``messages[first]`` on (earlier turns, e.g. a conversational prompt's history, are context).
 
     With a chat template, the span of assistant turn i runs from the end of the rendering of
     ``messages[:i]`` with a generation prompt to the end of the rendering of ``messages[:i+1]``,
@@ -123,7 +282,7 @@ def render_with_spans(messages: list[dict[str, str]], tokenizer: Any) -> tuple[s
         text = render(messages, False)
         spans = []
         for i, m in enumerate(messages):
-            if m["role"] != "assistant":
+            if m["role"] != "assistant" or i < first:
                 continue
             start, end = len(render(messages[:i], True)), len(render(messages[: i + 1], False))
             if not text.startswith(render(messages[: i + 1], False)):
@@ -132,12 +291,13 @@ def render_with_spans(messages: list[dict[str, str]], tokenizer: Any) -> tuple[s
         return text, spans
     text, spans = "", []
     eos = tokenizer.eos_token or ""
-    for m in messages:
+    for i, m in enumerate(messages):
         if m["role"] == "assistant":
             text += "assistant: "
             start = len(text)
             text += m["content"] + eos
-            spans.append((start, len(text)))
+            if i >= first:
+                spans.append((start, len(text)))
             text += "\n"
         else:
             text += f"{m['role']}: {m['content']}\n"
@@ -168,15 +328,16 @@ class TokenizeStats:
 
 
 def tokenize_example(
-    messages: list[dict[str, str]], tokenizer: Any, max_length: int
+    messages: list[dict[str, str]], tokenizer: Any, max_length: int, first: int = 0
 ) -> tuple[dict[str, list[int]] | None, bool]:
-    """Token ids and labels (-100 outside assistant spans), truncated to ``max_length``.
+    """Token ids and labels (-100 outside the assistant spans from ``messages[first]`` on),
+    truncated to ``max_length``.
 
     Returns ``(example or None if nothing is left to learn, was_truncated)``.
     """
     if not getattr(tokenizer, "is_fast", False):
         raise TypeError("a fast (Rust) tokenizer is required: loss masking uses its offset mapping")
-    text, spans = render_with_spans(messages, tokenizer)
+    text, spans = render_with_spans(messages, tokenizer, first)
     has_template = bool(getattr(tokenizer, "chat_template", None))
     # A chat template writes its own special tokens (bos included); plain text gets the tokenizer's.
     enc = tokenizer(text, add_special_tokens=not has_template, return_offsets_mapping=True)
@@ -199,7 +360,8 @@ def tokenize_rows(
     examples = []
     for row in rows:
         stats.rows += 1
-        example, truncated = tokenize_example(row_to_messages(row), tokenizer, max_length)
+        messages, first = row_to_conversation(row)
+        example, truncated = tokenize_example(messages, tokenizer, max_length, first)
         stats.truncated += truncated
         if example is None:
             stats.dropped += 1
@@ -279,6 +441,96 @@ def resume_where_stopped(sampler: TokenBudgetSampler, trainer: Any) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# Where the rows come from
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DataSource:
+    """A datamodule's rows: local files or ``save_to_disk`` folders, or a Hugging Face hub dataset.
+
+    Built by :func:`data_source`, which checks the settings (naming their keys) without reading data.
+    """
+
+    train_file: Path | None = None
+    val_file: Path | None = None
+    dataset: str | None = None
+    subset: str | None = None
+    train_split: str = "train"
+    val_split: str | None = None
+    columns: dict[str, str] | None = None
+
+    @property
+    def has_val(self) -> bool:
+        return self.val_file is not None or self.val_split is not None
+
+    def describe(self, which: str) -> str:
+        path = self.train_file if which == "train" else self.val_file
+        if path is not None:
+            return str(path)
+        split = self.train_split if which == "train" else self.val_split
+        return f"{self.dataset}" + (f"/{self.subset}" if self.subset else "") + f"[{split}]"
+
+    def rows(self, which: str = "train") -> list[dict[str, Any]]:
+        """Read the ``"train"`` or ``"val"`` rows, with ``columns`` applied."""
+        if which == "train":
+            if self.train_file is not None:
+                rows = read_rows(self.train_file, split=self.train_split, split_key="data.train_split")
+            else:
+                rows = read_hub_rows(self.dataset, subset=self.subset, split=self.train_split)
+        elif self.val_file is not None:
+            rows = read_rows(self.val_file, split=self.val_split, split_key="data.val_split")
+        elif self.train_file is not None:
+            rows = read_rows(self.train_file, split=self.val_split, split_key="data.val_split")
+        else:
+            rows = read_hub_rows(self.dataset, subset=self.subset, split=self.val_split)
+        return rename_columns(rows, self.columns)
+
+
+def _has_splits(path: Path) -> bool:
+    return (path / "dataset_dict.json").is_file()
+
+
+def data_source(
+    train_file: str | None,
+    val_file: str | None = None,
+    dataset: str | None = None,
+    subset: str | None = None,
+    train_split: str = "train",
+    val_split: str | None = None,
+    columns: dict[str, str] | None = None,
+) -> DataSource:
+    """Check a datamodule's data settings, naming the key at fault; reads nothing."""
+    if (train_file is None) == (dataset is None):
+        raise ValueError(
+            "set exactly one of `data.train_file` (a JSONL/JSON/Parquet file or a save_to_disk folder) and"
+            f" `data.dataset` (a Hugging Face hub id); got train_file={train_file!r}, dataset={dataset!r}"
+        )
+    if subset is not None and dataset is None:
+        raise ValueError("`data.subset` names a configuration of a hub dataset: set `data.dataset` too")
+    if dataset is not None and not (isinstance(dataset, str) and dataset.strip()):
+        raise ValueError(f"`data.dataset` must be a hub id such as 'trl-lib/Capybara', got {dataset!r}")
+    train_path = check_data_file(train_file, key="data.train_file") if train_file is not None else None
+    val_path = check_data_file(val_file, key="data.val_file") if val_file else None
+    if val_split is not None and val_path is None and train_path is not None and not _has_splits(train_path):
+        raise ValueError(
+            "`data.val_split` picks a split of `data.dataset` or of a save_to_disk DatasetDict folder;"
+            f" `data.train_file` {str(train_path)!r} has no splits: set `data.val_file` instead"
+        )
+    if val_path is not None and _has_splits(val_path) and val_split is None:
+        raise ValueError(f"`data.val_split`: `data.val_file` {str(val_path)!r} is a DatasetDict folder; name its split")
+    return DataSource(train_path, val_path, dataset, subset, train_split, val_split, check_columns(columns))
+
+
+def warn_once(message: str) -> None:
+    """A warning on global rank 0 only (each rank reads the same data and would repeat it)."""
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    if getattr(rank_zero_only, "rank", 0) == 0:
+        log.warning(message)
+
+
+# ---------------------------------------------------------------------------------------------
 # The datamodule
 # ---------------------------------------------------------------------------------------------
 
@@ -286,21 +538,35 @@ def resume_where_stopped(sampler: TokenBudgetSampler, trainer: Any) -> None:
 class SFTDataModule(LightningDataModule):
     """Instruction-tuning data for a causal LM.
 
+    Rows are ``{"messages": [...]}`` (the loss covers every assistant turn) or ``{"prompt": ...,
+    "completion": ...}`` with strings or, as in TRL's conversational format, lists of messages (the
+    loss covers the completion's assistant turns). Rows of both shapes may share a file.
+
     Args:
-        train_file: JSONL, JSON or Parquet with ``messages`` or ``prompt``/``completion`` rows.
-        val_file: optional, same format.
+        train_file: a JSONL, JSON or Parquet file, or a folder written by ``datasets``'
+            ``save_to_disk`` (of a DatasetDict, ``train_split`` is used). Exclusive with ``dataset``.
+        val_file: optional, the same kinds (of a DatasetDict folder, ``val_split`` is used).
         tokenizer: model folder or hub id to load the tokenizer from (the CLI links it to
             ``model.name_or_path``).
         max_length: tokens per sample; longer rows are truncated, and rows with no completion token
-            left are dropped (both counted and logged).
+            left are dropped (both counted, and a warning says how many).
         batch_size: samples per micro-batch, when ``max_tokens_per_batch`` is not set.
         max_tokens_per_batch: pack micro-batches up to this many padded tokens instead.
         seed: shuffling seed; each epoch reshuffles deterministically from it.
+        dataset: a Hugging Face hub dataset id, loaded with
+            ``datasets.load_dataset(dataset, name=subset, split=train_split)`` (cached by ``datasets``).
+        subset: the hub dataset's configuration name, if it has several.
+        train_split: the split to train on (``"train"``; slices such as ``"train[:1000]"`` work on
+            the hub).
+        val_split: the validation split of ``dataset`` or of a DatasetDict folder; None: no validation
+            unless ``val_file`` is set.
+        columns: field names of the dataset for the ones read here, e.g. ``{prompt: question,
+            completion: answer}``; other fields ride along.
     """
 
     def __init__(
         self,
-        train_file: str,
+        train_file: str | None = None,
         val_file: str | None = None,
         tokenizer: str | None = None,
         max_length: int = 1024,
@@ -308,11 +574,16 @@ class SFTDataModule(LightningDataModule):
         max_tokens_per_batch: int | None = None,
         num_workers: int = 0,
         seed: int = 0,
+        dataset: str | None = None,
+        subset: str | None = None,
+        train_split: str = "train",
+        val_split: str | None = None,
+        columns: dict[str, str] | None = None,
     ) -> None:
         super().__init__()
         # Cheap checks first: a bad path or number fails before any model is loaded.
-        self.train_path = check_data_file(train_file, key="data.train_file")
-        self.val_path = check_data_file(val_file, key="data.val_file") if val_file else None
+        self.source = data_source(train_file, val_file, dataset, subset, train_split, val_split, columns)
+        self.train_path, self.val_path = self.source.train_file, self.source.val_file
         if max_length <= 0:
             raise ValueError(f"`data.max_length` must be positive, got {max_length}")
         if max_tokens_per_batch is not None:
@@ -343,18 +614,21 @@ class SFTDataModule(LightningDataModule):
         from lightning_mem.models import load_tokenizer
 
         self.tokenizer = load_tokenizer(self.tokenizer_name, key="data.tokenizer")
-        self.train_set = self._load("train", self.train_path)
-        if self.val_path is not None:
-            self.val_set = self._load("val", self.val_path)
+        self.train_set = self._load("train")
+        if self.source.has_val:
+            self.val_set = self._load("val")
 
-    def _load(self, name: str, path: Path) -> TokenizedDataset:
-        examples, stats = tokenize_rows(read_rows(path), self.tokenizer, self.max_length)
+    def _load(self, name: str) -> TokenizedDataset:
+        where = self.source.describe(name)
+        examples, stats = tokenize_rows(self.source.rows(name), self.tokenizer, self.max_length)
         self.stats[name] = stats
-        log.warning(stats.summary(f"{name} ({path})", self.max_length)) if stats.dropped else log.info(
-            stats.summary(f"{name} ({path})", self.max_length)
-        )
+        summary = stats.summary(f"{name} ({where})", self.max_length)
+        if stats.truncated or stats.dropped:
+            warn_once(summary + "; raise `data.max_length` to keep whole rows")
+        else:
+            log.info(summary)
         if not examples:
-            raise DataFormatError(f"{path}: no usable rows after tokenization")
+            raise DataFormatError(f"{where}: no usable rows after tokenization")
         return TokenizedDataset(examples)
 
     def _sampler(self, dataset: TokenizedDataset, shuffle: bool, *, train: bool = False) -> TokenBudgetSampler:
@@ -400,20 +674,24 @@ class SFTDataModule(LightningDataModule):
 
 
 def row_to_prompt_messages(row: dict[str, Any]) -> list[dict[str, str]]:
-    """The conversation a policy continues: ``{"prompt": str}`` (optionally ``"system"``), or
-    ``{"messages": [...]}`` ending in a turn that is not the assistant's."""
+    """The conversation a policy continues: ``{"prompt": str}`` (optionally ``"system"``),
+    ``{"prompt": [messages]}`` (TRL's conversational form), or ``{"messages": [...]}``, the last two
+    ending in a turn that is not the assistant's."""
     where = row.get("_where", "row")
-    if isinstance(row.get("prompt"), str):
-        messages = [{"role": "system", "content": row["system"]}] if row.get("system") else []
-        return messages + [{"role": "user", "content": row["prompt"]}]
-    if "messages" in row:
-        messages = row["messages"]
+    if isinstance(row.get("prompt"), (str, list)):
+        messages, field = _as_messages(row["prompt"], "user", where, "prompt"), "prompt"
+        messages = _system(row, messages) + messages
+    elif "messages" in row:
+        messages, field = row["messages"], "messages"
         check_messages(messages, where)
-        if messages[-1]["role"] == "assistant":
-            raise DataFormatError(f"{where}: a prompt's `messages` must end before the assistant's answer")
-        return messages
-    keys = sorted(k for k in row if k != "_where")
-    raise DataFormatError(f"{where}: a prompt row needs a string `prompt` or `messages`; it has keys {keys}")
+    else:
+        keys = sorted(k for k in row if k != "_where")
+        raise DataFormatError(
+            f"{where}: a prompt row needs `prompt` (a string or a list of messages) or `messages`; it has keys {keys}"
+        )
+    if messages[-1]["role"] == "assistant":
+        raise DataFormatError(f"{where}: a prompt's `{field}` must end before the assistant's answer")
+    return messages
 
 
 class PromptDataset(Dataset):
@@ -471,10 +749,13 @@ class FullBatchSampler(TokenBudgetSampler):
 class PromptDataModule(LightningDataModule):
     """Prompts for PPO/GRPO rollouts.
 
+    Rows have a ``prompt`` (a string, optionally with ``system``, or TRL's conversational list of
+    messages) or ``messages`` ending before the assistant's turn. Other keys (``answer``...) ride
+    along to the reward function.
+
     Args:
-        train_file: JSONL, JSON or Parquet; rows with a string ``prompt`` (optionally ``system``)
-            or ``messages`` ending before the assistant's turn. Other keys (``answer``...) ride
-            along to the reward function.
+        train_file: a JSONL, JSON or Parquet file, or a ``datasets`` ``save_to_disk`` folder (of a
+            DatasetDict, ``train_split`` is used). Exclusive with ``dataset``.
         tokenizer: model folder or hub id (the PPO recipe links it to ``model.name_or_path``).
         max_prompt_length: prompts with more tokens are dropped (counted and logged): cutting a
             prompt would change the question the reward judges.
@@ -482,20 +763,31 @@ class PromptDataModule(LightningDataModule):
             only."); None adds nothing.
         batch_size: prompts per rank per PPO step (GRPO samples ``group_size`` responses each).
         seed: shuffling seed; each epoch reshuffles deterministically from it.
+        dataset: a Hugging Face hub dataset id, loaded with
+            ``datasets.load_dataset(dataset, name=subset, split=train_split)``.
+        subset: the hub dataset's configuration name, if it has several.
+        train_split: the split to read (``"train"``).
+        columns: field names of the dataset for the ones read here, e.g. ``{prompt: question}``
+            (``answer: solution`` gives a reward rule its ``answer``).
     """
 
     def __init__(
         self,
-        train_file: str,
+        train_file: str | None = None,
         tokenizer: str | None = None,
         max_prompt_length: int = 512,
         batch_size: int = 8,
         system_prompt: str | None = None,
         num_workers: int = 0,
         seed: int = 0,
+        dataset: str | None = None,
+        subset: str | None = None,
+        train_split: str = "train",
+        columns: dict[str, str] | None = None,
     ) -> None:
         super().__init__()
-        self.train_path = check_data_file(train_file, key="data.train_file")
+        self.source = data_source(train_file, None, dataset, subset, train_split, None, columns)
+        self.train_path = self.source.train_file
         self.system_prompt = system_prompt
         if max_prompt_length <= 0:
             raise ValueError(f"`data.max_prompt_length` must be positive, got {max_prompt_length}")
@@ -518,7 +810,8 @@ class PromptDataModule(LightningDataModule):
         from lightning_mem.models import load_tokenizer
 
         self.tokenizer = load_tokenizer(self.tokenizer_name, key="data.tokenizer")
-        rows = read_rows(self.train_path)
+        where = self.source.describe("train")
+        rows = self.source.rows("train")
         has_template = bool(getattr(self.tokenizer, "chat_template", None))
         prompt_ids, kept = [], []
         for row in rows:
@@ -530,12 +823,18 @@ class PromptDataModule(LightningDataModule):
                 continue
             prompt_ids.append(ids)
             kept.append(row)
-        summary = f"prompts ({self.train_path}): {len(rows)} rows, {len(self.dropped)} dropped as longer than max_prompt_length={self.max_prompt_length}"
-        log.warning(summary) if self.dropped else log.info(summary)
+        summary = (
+            f"prompts ({where}): {len(rows)} rows, {len(self.dropped)} dropped as longer than"
+            f" max_prompt_length={self.max_prompt_length}"
+        )
+        if self.dropped:
+            warn_once(summary + "; raise `data.max_prompt_length` to keep them")
+        else:
+            log.info(summary)
         world = self.trainer.world_size if self.trainer else 1
         if len(kept) < self.batch_size * world:
             raise DataFormatError(
-                f"{self.train_path}: {len(kept)} usable prompts, fewer than one step needs"
+                f"{where}: {len(kept)} usable prompts, fewer than one step needs"
                 f" (`data.batch_size`={self.batch_size} x {world} ranks)"
             )
         self.train_set = PromptDataset(prompt_ids, kept)
@@ -547,6 +846,9 @@ class PromptDataModule(LightningDataModule):
             return row
         if isinstance(row.get("prompt"), str):
             return row if row.get("system") else {**row, "system": self.system_prompt}
+        prompt = row.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict) and prompt[0].get("role") != "system":
+            return {**row, "prompt": [{"role": "system", "content": self.system_prompt}, *prompt]}
         messages = row.get("messages")
         if isinstance(messages, list) and messages and isinstance(messages[0], dict) and messages[0].get("role") != "system":
             return {**row, "messages": [{"role": "system", "content": self.system_prompt}, *messages]}

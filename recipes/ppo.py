@@ -133,7 +133,8 @@ class PPOModule(LightningModule):
         self._validate(name_or_path, dtype, lora, advantage_estimator, reward, reward_model, reference,
                        generation, ppo, kl, grpo, critic, memory_plan, logits_chunk_size,
                        trust_remote_code=trust_remote_code)
-        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "critic_optimizer", "reward"])
+        # logger=False: the CLI logs the whole resolved config (lightning_mem.cli.RunConfigCallback).
+        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "critic_optimizer", "reward"], logger=False)
         self.automatic_optimization = False  # several optimizer steps per rollout
         self.strict_loading = False  # checkpoints leave out the frozen models (on_save_checkpoint)
         self.optimizer_factory, self.critic_optimizer_factory = optimizer, critic_optimizer

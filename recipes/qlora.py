@@ -108,7 +108,8 @@ class QLoRAModule(SFTModule):
             init_seed=init_seed,
         )
         # Replace the SFT hyperparameters (which would list its unused `dtype`) with this recipe's.
-        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
+        # logger=False: the CLI logs the whole resolved config (lightning_mem.cli.RunConfigCallback).
+        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"], logger=False)
         # Kept as an object: under LightningCLI, hparams hold the config's plain dicts instead (and
         # `load_from_checkpoint` passes those dicts back in).
         if isinstance(quantization, dict):

@@ -109,7 +109,8 @@ class SFTModule(LightningModule):
             # Checkpoints carry the trainable tensors only, so loading one leaves the base's keys missing.
             self.strict_loading = False
         self.lora = lora
-        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
+        # logger=False: the CLI logs the whole resolved config (lightning_mem.cli.RunConfigCallback).
+        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"], logger=False)
         self.optimizer_factory = optimizer
         self.lr_scheduler_factory = lr_scheduler
         self.model: torch.nn.Module | None = None

@@ -1,6 +1,6 @@
 """Plot logged metrics of a run over steps, one panel each, with a moving average.
 
-    python scripts/plot_metrics.py runs/ppo/tiny_cpu/lightning_logs/version_0/metrics.csv \\
+    python scripts/plot_metrics.py runs/ppo/tiny_cpu/logs/version_0/metrics.csv \\
         reward_mean kl entropy --out ppo_tiny.png
 
 Reads the CSVLogger's ``metrics.csv``; rows without a value for a metric are skipped.

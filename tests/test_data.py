@@ -75,7 +75,7 @@ def test_malformed_jsonl_line_is_named(tmp_path):
 
 def test_row_without_messages_or_prompt_is_named(tmp_path, tokenizer):
     path = _write(tmp_path / "rows.jsonl", [json.dumps({"prompt": "a", "completion": "b"}), json.dumps({"text": "x"})])
-    with pytest.raises(DataFormatError, match=r"rows\.jsonl:2: row needs `messages` or string `prompt`.*\['text'\]"):
+    with pytest.raises(DataFormatError, match=r"rows\.jsonl:2: row needs `messages` or `prompt` and `completion`.*\['text'\]"):
         tokenize_rows(read_rows(path), tokenizer, 32)
 
 
@@ -84,7 +84,7 @@ def test_missing_file_names_the_key(tmp_path):
         check_data_file(tmp_path / "nope.jsonl", key="data.train_file")
 
 
-def test_parquet_rows_read_through_datasets(tmp_path, tokenizer):
+def test_parquet_rows_are_read(tmp_path, tokenizer):
     import datasets
 
     datasets.Dataset.from_list([{"prompt": "2 + 2 =", "completion": "4"}]).to_parquet(str(tmp_path / "d.parquet"))

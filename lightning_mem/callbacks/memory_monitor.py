@@ -17,6 +17,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import WarningCache
 from typing_extensions import override
 
+from lightning_mem.run_dir import run_dir
+
 log = logging.getLogger(__name__)
 _warning_cache = WarningCache()
 
@@ -45,8 +47,11 @@ class MemoryMonitor(Callback):
 
     Step samples are logged as ``memory/<metric>``, phase samples as ``memory/<phase>/<metric>``,
     through the trainer's loggers at ``trainer.global_step``. At the end of fit, ``memory.csv``
-    (every sample) and ``memory.png`` (a timeline with phases shaded) are written to the run's
-    log folder (``trainer.log_dir``; ``memory_rank<r>.*`` on each rank when there are several).
+    (every sample) and ``memory.png`` (a timeline from zero, with each phase's spans shaded and
+    named, device memory above host memory where there is a device) are written to the logger's run
+    folder (:func:`lightning_mem.run_dir.run_dir`: ``<save_dir>/<name>/version_N`` for CSV and
+    TensorBoard, ``<default_root_dir>/<name>/<run id>`` for MLflow and W&B; ``memory_rank<r>.*`` on
+    each rank when there are several).
 
     On a CUDA out-of-memory error (``torch.OutOfMemoryError``), it writes a snapshot of the
     allocator (``memory_snapshot.pickle``; drag it onto https://pytorch.org/memory_viz) and logs
@@ -125,8 +130,8 @@ class MemoryMonitor(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # Resolved here, on every rank: trainer.log_dir broadcasts, which an OOM handler must not.
-        self._out_dir = Path(trainer.log_dir or trainer.default_root_dir)
+        # Resolved here, on every rank: run_dir broadcasts, which an OOM handler must not.
+        self._out_dir = run_dir(trainer)
         self._suffix = f"_rank{trainer.global_rank}" if trainer.world_size > 1 else ""
         self._t0 = time.perf_counter()
         self.rows = []
@@ -307,32 +312,52 @@ def memory_phase(trainer: Optional[pl.Trainer], name: str) -> contextlib.Abstrac
     return contextlib.nullcontext()
 
 
+_DEVICE_METRICS = ("device_allocated_bytes", "device_reserved_bytes", "device_peak_allocated_bytes", "device_used_bytes")
+_HOST_METRICS = ("host_rss_bytes", "pinned_host_bytes")
+_LABELLED_SPANS = 40  # name each phase span on the plot up to this many; beyond, the legend names them
+
+
 def _plot_timeline(rows: list[dict[str, Any]], metrics: list[str], path: Path) -> None:
+    """Memory over time from zero GiB: device memory (if any) above host memory, every sample
+    (step ends and phase ends) in time order, phases as shaded, named spans."""
     # The object API with the Agg canvas: no pyplot, so no global backend is switched.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
 
-    fig = Figure(figsize=(10, 4.5), layout="constrained")
+    panels = [(title, [m for m in names if m in metrics]) for title, names in
+              (("device", _DEVICE_METRICS), ("host", _HOST_METRICS))]
+    panels = [(title, names) for title, names in panels if names] or [("host", [])]
+    fig = Figure(figsize=(11, 3.2 * len(panels) + 0.8), layout="constrained")
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    steps = [r for r in rows if r["event"] == "step"]
-    for metric in metrics:
-        points = [(r["time_s"], r[metric] / _GIB) for r in steps if metric in r]
-        if points:
-            ax.plot(*zip(*points), marker=".", label=metric.removesuffix("_bytes"))
+    axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
+    samples = sorted(rows, key=lambda r: r["time_s"])
     phase_rows = [r for r in rows if r["event"] == "phase"]
-    colors = {}
+    colors: dict[str, str] = {}
     for r in phase_rows:
-        color = colors.setdefault(r["phase"], f"C{(len(colors) + len(metrics)) % 10}")
-        ax.axvspan(r["start_s"], r["time_s"], color=color, alpha=0.15, lw=0)
-        if "device_peak_allocated_bytes" in r:
-            ax.plot([r["time_s"]], [r["device_peak_allocated_bytes"] / _GIB], "v", color=color)
-    for name, color in colors.items():
-        ax.axvspan(0, 0, color=color, alpha=0.3, label=f"phase: {name}")
-    ax.set_xlabel("seconds since fit start")
-    ax.set_ylabel("GiB")
-    ax.set_title("memory per training step" + (" and phase" if phase_rows else ""))
-    ax.grid(alpha=0.3)
-    if ax.has_data():
-        ax.legend(loc="upper left", fontsize="small")
+        colors.setdefault(r["phase"], f"C{(len(colors) + 4) % 10}")
+    for ax, (title, names) in zip(axes, panels):
+        for i, metric in enumerate(names):
+            points = [(r["time_s"], r[metric] / _GIB) for r in samples if metric in r]
+            if points:
+                ax.plot(*zip(*points), marker=".", ms=3, lw=1.2, color=f"C{i}", label=metric.removesuffix("_bytes"))
+        for r in phase_rows:
+            ax.axvspan(r["start_s"], r["time_s"], color=colors[r["phase"]], alpha=0.18, lw=0)
+            if title == "device" and "device_peak_allocated_bytes" in r:
+                ax.plot([r["time_s"]], [r["device_peak_allocated_bytes"] / _GIB], "v", color=colors[r["phase"]])
+        ax.set_ylim(bottom=0)  # from zero: a flat line at 1.9 GiB must not look like a cliff
+        ax.set_ylabel(f"{title} memory (GiB)")
+        ax.grid(alpha=0.3)
+    top = axes[0]
+    if len(phase_rows) <= _LABELLED_SPANS:
+        for r in phase_rows:
+            top.annotate(r["phase"], xy=((r["start_s"] + r["time_s"]) / 2, 1.0), xycoords=("data", "axes fraction"),
+                         ha="center", va="bottom", fontsize="x-small", color=colors[r["phase"]], rotation=90)
+    phase_patches = [Patch(color=color, alpha=0.4, label=f"phase: {name}") for name, color in colors.items()]
+    for ax in axes:
+        handles = ax.get_legend_handles_labels()[0] + (phase_patches if ax is top else [])
+        if handles:
+            ax.legend(handles=handles, loc="lower right", fontsize="small", ncol=2)
+    axes[-1].set_xlabel("seconds since fit start")
+    fig.suptitle("memory per training step" + (" and phase" if phase_rows else ""))
     fig.savefig(path, dpi=100)

@@ -10,11 +10,12 @@ import pytest
 import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers import CSVLogger, Logger
 from memtest_utils import TinyLM, fit, lm_loss
 
 from lightning_mem.callbacks import MemoryMonitor, memory_phase
 from lightning_mem.callbacks import memory_monitor as module_under_test
+from lightning_mem.run_dir import run_dir
 
 
 class PhasedLM(TinyLM):
@@ -162,3 +163,67 @@ def test_cuda_samples_device_memory_and_phase_peaks(tmp_path) -> None:
     steps = [int(r["device_peak_allocated_bytes"]) for r in rows if r["event"] == "step"]
     assert all(p >= 256 * 2**20 for p in spikes)
     assert all(s >= p for s, p in zip(steps, spikes))  # a step's peak includes its phases' peaks
+
+
+class RemoteLogger(Logger):
+    """Stands in for MLflow and W&B: a name and a run id from the service, no local log_dir."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.metrics: list[dict] = []
+
+    @property
+    def name(self) -> str:
+        return "experiment 7"
+
+    @property
+    def version(self) -> str:
+        return "run/3f2a"
+
+    def log_metrics(self, metrics, step=None) -> None:
+        self.metrics.append(metrics)
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
+
+
+def test_remote_logger_run_gets_its_own_folder_under_the_root(tmp_path) -> None:
+    monitor = MemoryMonitor()
+    logger = RemoteLogger()
+    trainer = fit(PhasedLM(), tmp_path, callbacks=[monitor], logger=logger)
+    run = tmp_path / "experiment_7" / "run_3f2a"  # <default_root_dir>/<logger.name>/<logger.version>
+    assert run_dir(trainer) == run and monitor.csv_path == run / "memory.csv"
+    assert (run / "memory.csv").is_file() and (run / "memory.png").is_file()
+    assert any("memory/host_rss_bytes" in m for m in logger.metrics)
+
+
+def test_plot_is_zero_based_with_device_and_host_panels_and_named_phases(tmp_path) -> None:
+    gib = 2**30
+    rows = []
+    for step in range(3):
+        t = 10.0 * step
+        for name, (start, end) in {"rollout": (0, 4), "score": (4, 5), "train": (5, 9)}.items():
+            rows.append({"time_s": t + end, "start_s": t + start, "event": "phase", "phase": name, "step": step,
+                         "device_allocated_bytes": 5 * gib, "device_peak_allocated_bytes": 7 * gib,
+                         "host_rss_bytes": 3 * gib})
+        rows.append({"time_s": t + 9.5, "start_s": t, "event": "step", "phase": "step", "step": step,
+                     "device_allocated_bytes": 5 * gib, "device_peak_allocated_bytes": 7 * gib, "host_rss_bytes": 3 * gib})
+    figures = []
+    monkey = pytest.MonkeyPatch()
+    from matplotlib.figure import Figure
+
+    original = Figure.savefig
+    monkey.setattr(Figure, "savefig", lambda self, *a, **k: (figures.append(self), original(self, *a, **k))[1])
+    try:
+        module_under_test._plot_timeline(rows, ["device_allocated_bytes", "device_peak_allocated_bytes", "host_rss_bytes"],
+                                         tmp_path / "m.png")
+    finally:
+        monkey.undo()
+    (fig,) = figures
+    device, host = fig.axes
+    assert device.get_ylabel() == "device memory (GiB)" and host.get_ylabel() == "host memory (GiB)"
+    assert device.get_ylim()[0] == 0 and host.get_ylim()[0] == 0
+    assert [t.get_text() for t in device.texts] == ["rollout", "score", "train"] * 3
+    labels = [t.get_text() for t in device.get_legend().get_texts()]
+    assert {"phase: rollout", "phase: score", "phase: train", "device_allocated"} <= set(labels)
+    assert host.get_legend_handles_labels()[1] == ["host_rss"]

@@ -112,7 +112,7 @@ def test_malformed_jsonl_line(tmp_path, no_model_load):
 def test_row_without_messages_or_prompt(tmp_path, no_model_load):
     bad = tmp_path / "rows.jsonl"
     bad.write_text(json.dumps({"question": "1 + 1", "answer": "2"}) + "\n")
-    with pytest.raises(ValueError, match=r"rows\.jsonl:1: row needs `messages` or string `prompt`"):
+    with pytest.raises(ValueError, match=r"rows\.jsonl:1: row needs `messages` or `prompt` and `completion`"):
         _cli(tmp_path, f"--data.train_file={bad}", "--data.val_file=null")
 
 

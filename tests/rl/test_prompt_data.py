@@ -17,7 +17,7 @@ def test_prompt_rows():
     assert row_to_prompt_messages({"messages": msgs}) == msgs
     with pytest.raises(DataFormatError, match=r"p.jsonl:3: a prompt's `messages` must end before the assistant"):
         row_to_prompt_messages({"messages": [*msgs, {"role": "assistant", "content": "x"}], "_where": "p.jsonl:3"})
-    with pytest.raises(DataFormatError, match=r"p.jsonl:4: a prompt row needs a string `prompt` or `messages`"):
+    with pytest.raises(DataFormatError, match=r"p.jsonl:4: a prompt row needs `prompt` \(a string or a list of messages\) or `messages`"):
         row_to_prompt_messages({"question": "?", "_where": "p.jsonl:4"})
 
 
