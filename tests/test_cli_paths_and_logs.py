@@ -118,7 +118,8 @@ def _fit_two_steps(tmp_path, *extra):
     return sft.main([
         "fit", "--config", str(SFT_CONFIG), f"--trainer.default_root_dir={tmp_path}", "--trainer.max_steps=2",
         "--trainer.val_check_interval=2", "--trainer.limit_val_batches=1", f"--data.train_file={ARITH / 'val.jsonl'}",
-        "--model.export_dir=null", "--trainer.enable_progress_bar=false", *extra,
+        "--model.export_dir=null", "--trainer.enable_progress_bar=false",
+        "--model.lr_scheduler.init_args.warmup_steps=1", *extra,  # a warm-up longer than the run is an error
     ])
 
 
@@ -132,7 +133,7 @@ def test_run_folder_holds_config_memory_files_and_all_hyperparameters_csv(tmp_pa
     hparams = yaml.safe_load((run / "hparams.yaml").read_text())
     assert hparams["data.max_length"] == 64 and hparams["data.train_file"] == str(ARITH / "val.jsonl")
     assert hparams["model.optimizer.init_args.lr"] == 0.001 and hparams["model.optimizer.class_path"] == "torch.optim.AdamW"
-    assert hparams["model.lr_scheduler.init_args.warmup_steps"] == 20
+    assert hparams["model.lr_scheduler.init_args.warmup_steps"] == 1
     assert hparams["trainer.max_steps"] == 2 and hparams["checkpoint.every_n_train_steps"] == 200
     # Once each, under its section: the module's own arguments are not logged a second time bare.
     assert hparams["model.name_or_path"] == str(TINY_MODEL) and "name_or_path" not in hparams
