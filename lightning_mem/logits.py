@@ -85,9 +85,9 @@ def chunked_logprobs(
     if not logprobs:  # nothing scored: empty results that still join the graph
         empty = hidden.new_zeros(0, dtype=torch.float32) + 0.0 * hidden.sum()
         return empty, (empty if with_entropy else None)
-    logprob = torch.cat(logprobs) if len(logprobs) > 1 else logprobs[0]
-    entropy = (torch.cat(entropies) if len(entropies) > 1 else entropies[0]) if with_entropy else None
-    return logprob, entropy
+    # cat even of one chunk: a fresh tensor, not a view (a strategy hooks the forward's outputs,
+    # and FSDP2 warns that an in-place op on a returned view would bypass its backward hook).
+    return torch.cat(logprobs), (torch.cat(entropies) if with_entropy else None)
 
 
 def _has_trainable(module: nn.Module) -> bool:

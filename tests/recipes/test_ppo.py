@@ -388,9 +388,9 @@ def sft_export(tmp_path_factory):
     return root / "export"
 
 
-def _ppo(root, sft_export, *extra):
+def _ppo(root, sft_export, *extra, config=CONFIG):
     run = run_recipe(
-        "ppo", "fit", "--config", CONFIG, f"--trainer.default_root_dir={root}", f"--model.name_or_path={sft_export}",
+        "ppo", "fit", "--config", config, f"--trainer.default_root_dir={root}", f"--model.name_or_path={sft_export}",
         *csv_logger_args(root), *extra,
     )
     assert run.returncode == 0, run.stderr[-3000:]
@@ -451,6 +451,55 @@ def test_every_metric_is_logged(ppo_run):
     ):
         assert len(read_metric(ppo_run, name)) == 16 * SHORT_EPOCHS, name
     assert (ppo_run / "export" / "model.safetensors").is_file()
+
+
+# -- the tiny GRPO config ---------------------------------------------------------------------------
+
+GRPO_CONFIG = str(REPO / "configs" / "ppo" / "tiny_cpu_grpo.yaml")
+GRPO_SHORT_STEPS = 16  # of the config's 128
+# Measured (docs/ppo.md): P(exact answer) 0.611 -> 0.633 after 16 steps, -> 0.671 after 128; the
+# training reward's quarters 0.611 -> 0.646 (each quarter 2,048 answers: standard error of the
+# difference ~0.015). The quarter bar sits about 1.7 standard errors below the measurement; the
+# P(exact answer) bars at about half the measured gains (no sampling noise in that number, but
+# another machine's float rounding can draw other rollouts).
+GRPO_SHORT_GAIN = 0.01
+GRPO_QUARTER_GAIN = 0.01
+GRPO_FULL_GAIN = 0.03
+
+
+@pytest.fixture(scope="module")
+def grpo_short_run(tmp_path_factory, sft_export):
+    """The GRPO config's first 16 steps (8 prompts x 8 answers each)."""
+    root = tmp_path_factory.mktemp("grpo")
+    return _ppo(root, sft_export, "--trainer.max_epochs=1", f"--trainer.limit_train_batches={GRPO_SHORT_STEPS}",
+                "--trainer.enable_progress_bar=false", config=GRPO_CONFIG)
+
+
+def test_grpo_tiny_config_short_run(grpo_short_run, sft_export):
+    """The default suite's share of the GRPO config: 16 steps of 64 answers scored in groups of 8,
+    no critic, and a policy that gives the exact answer more probability than the SFT start (noise-free
+    check of the expected reward; see docs/ppo.md for the measured values)."""
+    from scripts.eval_arithmetic import evaluate
+
+    rewards = read_metric(grpo_short_run, "reward_mean")
+    assert sorted(rewards) == list(range(GRPO_SHORT_STEPS))
+    assert all(0.0 <= r <= 1.0 and (r * 64) == round(r * 64) for r in rewards.values()), rewards
+    assert not read_metric(grpo_short_run, "value_loss")
+    before = evaluate(str(sft_export), limit=512)
+    after = evaluate(str(grpo_short_run / "export"), limit=512)
+    assert after["answer_probability"] >= before["answer_probability"] + GRPO_SHORT_GAIN, (before, after)
+
+
+@pytest.mark.slow  # the full GRPO config, 128 steps: about 16 minutes on 2 loaded cores (`pytest -m slow`)
+def test_grpo_tiny_config_raises_the_reward(tmp_path, sft_export):
+    from scripts.eval_arithmetic import evaluate
+
+    root = _ppo(tmp_path, sft_export, "--trainer.enable_progress_bar=false", config=GRPO_CONFIG)
+    first, *_, last = _quarters(root)
+    assert last >= first + GRPO_QUARTER_GAIN, _quarters(root)
+    before = evaluate(str(sft_export), limit=512)
+    after = evaluate(str(root / "export"), limit=512)
+    assert after["answer_probability"] >= before["answer_probability"] + GRPO_FULL_GAIN, (before, after)
 
 
 # -- resume ---------------------------------------------------------------------------------------
