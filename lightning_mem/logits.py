@@ -85,8 +85,11 @@ def chunked_logprobs(
     if not logprobs:  # nothing scored: empty results that still join the graph
         empty = hidden.new_zeros(0, dtype=torch.float32) + 0.0 * hidden.sum()
         return empty, (empty if with_entropy else None)
-    logprob = torch.cat(logprobs) if len(logprobs) > 1 else logprobs[0]
-    entropy = (torch.cat(entropies) if len(entropies) > 1 else entropies[0]) if with_entropy else None
+    # NOTE: cat even a single chunk: its logprobs are a view (gather + squeeze), and FSDP2 warns on
+    # every forward when a sharded model returns a view (an in-place op on it would drop the
+    # pre-backward hook). The copy is one float per scored token.
+    logprob = torch.cat(logprobs)
+    entropy = torch.cat(entropies) if with_entropy else None
     return logprob, entropy
 
 
