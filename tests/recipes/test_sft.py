@@ -22,7 +22,10 @@ def _fit(root, *extra):
 def runs(tmp_path_factory):
     """One uninterrupted 60-step run, and the same run stopped at 30 and resumed with --ckpt_path last."""
     full, part = tmp_path_factory.mktemp("full"), tmp_path_factory.mktemp("part")
-    common = ["--checkpoint.every_n_train_steps=30", "--trainer.val_check_interval=30"]
+    # Stopping at max_steps=30 stands in for a crash; the schedule is pinned to the 60-step run's
+    # (otherwise it would follow each segment's max_steps, and the first half would differ).
+    common = ["--checkpoint.every_n_train_steps=30", "--trainer.val_check_interval=30",
+              "--model.lr_scheduler.init_args.total_steps=60"]
     a = _fit(full, "--trainer.max_steps=60", *common)
     assert a.returncode == 0, a.stderr[-3000:]
     b = _fit(part, "--trainer.max_steps=30", *common)
@@ -53,7 +56,8 @@ def test_resume_from_an_epoch_end_checkpoint_equals_uninterrupted(tmp_path):
     # The 200-row val file packs into 4 batches: the step-4 checkpoint is taken on an epoch's last
     # batch, where Lightning resumes with a different epoch number; the data order must not change.
     common = [f"--data.train_file={ARITH / 'val.jsonl'}", "--checkpoint.every_n_train_steps=4",
-              "--trainer.val_check_interval=4", "--model.lr_scheduler.init_args.warmup_steps=2"]
+              "--trainer.val_check_interval=4", "--model.lr_scheduler.init_args.warmup_steps=2",
+              "--model.lr_scheduler.init_args.total_steps=8"]  # the 8-step run's schedule in both segments
     full, part = tmp_path / "full", tmp_path / "part"
     for root, extra in ((full, ["--trainer.max_steps=8"]), (part, ["--trainer.max_steps=4"]),
                         (part, ["--trainer.max_steps=8", "--ckpt_path=last"])):
