@@ -67,6 +67,7 @@ class Estimate:
     strategy: str
     phases: list[PhaseEstimate] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    parsed: Any = field(default=None, repr=False)  # the parsed config (for suggestions)
 
     @property
     def device_peak_bytes(self) -> int:
@@ -313,7 +314,20 @@ def _attribution(ledger: MemoryLedger) -> Iterator[None]:
         for fn in ("optimizer_state_to_host", "offload_module"):
             stack.enter_context(_patched(offload, fn, _in_section(ledger, HOST)))
         stack.enter_context(_patched(activation_offload.ActivationOffloader, "_stash", _in_section(ledger, HOST)))
+        stack.enter_context(_patched(torch.utils, "swap_tensors", _swap_or_set_data))
         yield
+
+
+def _swap_or_set_data(swap: Callable) -> Callable:
+    # ``Module.to``/``_apply`` always swaps fake parameters, which fails when anything holds a weak
+    # reference to them (fake tensor caches do); giving the parameter the new data is the same here.
+    def inner(t1: torch.Tensor, t2: torch.Tensor) -> None:
+        try:
+            swap(t1, t2)
+        except RuntimeError:
+            t1.data = t2.data
+
+    return inner
 
 
 class _Run:
@@ -344,9 +358,11 @@ class _Run:
     def build(self) -> None:
         module = self.module
         module.trainer = self.trainer
+        # Logging needs a running loop; what a step logs takes no memory worth counting.
+        module.log = module.log_dict = lambda *args, **kwargs: None
         with self.precision.module_init_context():
             module.configure_model()
-        self.precision.convert_module(module)
+        _convert(self.precision, module)
         self._checkpointing()
         for cb in self.callbacks:
             cb.setup(self.trainer, module, "fit")
@@ -364,7 +380,7 @@ class _Run:
     def _checkpointing(self) -> None:
         # FSDP2Strategy's own activation checkpointing, applied to the blocks it would shard.
         strategy = self.strategy
-        if strategy is None or not getattr(strategy, "_activation_checkpointing", False):
+        if strategy is None or not getattr(strategy, "_checkpoint_every", 0):
             return
         from lightning_mem.strategies import shard_plan
 
@@ -430,6 +446,17 @@ class _Run:
         loss.backward()
         for cb in self.callbacks:
             cb.on_after_backward(self.trainer, self.module)
+
+
+def _convert(precision: Any, module: nn.Module) -> None:
+    """``precision.convert_module`` in place, tensor by tensor: ``Module.to`` would swap the fake
+    parameters, which their weak references forbid."""
+    target = getattr(precision, "_desired_input_dtype", None)
+    if target is None:
+        return
+    for t in [*module.parameters(), *module.buffers()]:
+        if t.is_floating_point() and t.dtype != target:
+            t.data = t.data.to(target)
 
 
 def _is_technique(callback: Any) -> bool:
@@ -626,4 +653,10 @@ def estimate(
                 run_ppo(run, _first_rows(getattr(run.data, "train_path", None) or cfg.data.get("train_file")))
             else:
                 run_sft(run, int(cfg.trainer.accumulate_grad_batches or 1))
-    return Estimate(str(config), module_name, size, run.sharding.name, run.phases)
+    notes = []
+    if run.sharding.shard:
+        notes.append(f"{run.sharding.name}: per rank, {', '.join(run.sharding.shard)} are 1/{size} of the measured "
+                     f"bytes" + (f"; {', '.join(run.sharding.host)} on the host" if run.sharding.host else "")
+                     + ("; the largest block (x2, prefetch) and the root unit are gathered on the device"
+                        if run.sharding.gathered_units else ""))
+    return Estimate(str(config), module_name, size, run.sharding.name, run.phases, notes, parsed=cfg)

@@ -34,6 +34,8 @@ CATEGORIES = ("weights", "gradients", "optimizer_state", "activations", "logits"
 HOST = "host"
 # Integer/bool tensors up to this many elements are computed for real in fake mode.
 REAL_INT_NUMEL = 1 << 24
+# Token ids, positions, masks and lengths; not uint8/int8, which hold quantized weights and state.
+_REAL_DTYPES = {torch.int64, torch.int32, torch.bool}
 _SAMPLING_OPS = {"argmax", "multinomial", "argmin"}
 
 
@@ -179,7 +181,7 @@ class TrackingMode(TorchDispatchMode):
     def _small_int(t: Any) -> bool:
         return (
             isinstance(t, torch.Tensor)
-            and not (t.is_floating_point() or t.is_complex())
+            and t.dtype in _REAL_DTYPES
             and t.numel() <= REAL_INT_NUMEL
             and t.device.type == "cpu"
         )
