@@ -316,19 +316,8 @@ def _attribution(ledger: MemoryLedger, fake: bool) -> Iterator[None]:
         stack.enter_context(_patched(activation_offload.ActivationOffloader, "_stash", _in_section(ledger, HOST)))
         stack.enter_context(_patched(torch.utils, "swap_tensors", _swap_or_set_data))
         if fake:
-            stack.enter_context(_patched(activation_offload.ActivationOffloader, "_should_stash", _fake_only))
+            stack.enter_context(_patched(activation_offload.ActivationOffloader, "_should_stash", _fake_only(ledger)))
         yield
-
-
-def _fake_only(should_stash: Callable) -> Callable:
-    # On fake tensors the saved integer tensors (token ids, positions) are real CPU tensors, whose
-    # storage cannot be re-viewed as a fake byte buffer: they stay in place (a few KB per layer).
-    def inner(self: Any, tensor: torch.Tensor) -> bool:
-        from torch._subclasses.fake_tensor import FakeTensor
-
-        return isinstance(tensor, FakeTensor) and should_stash(self, tensor)
-
-    return inner
 
 
 def _swap_or_set_data(swap: Callable) -> Callable:
@@ -341,6 +330,39 @@ def _swap_or_set_data(swap: Callable) -> Callable:
             t1.data = t2.data
 
     return inner
+
+
+def _fake_only(ledger: MemoryLedger) -> Callable[[Callable], Callable]:
+    """ActivationOffloader's choice of what to stash, for fake tensors.
+
+    Its own check keeps FakeTensor (by exact type) and parameters (by data pointer, which is 0 for
+    every fake storage) in place. For a fake tensor the same rules are applied here, with the
+    ledger's category standing in for the pointer test. The saved integer tensors (token ids,
+    positions) are real CPU tensors whose storage cannot be re-viewed as a fake byte buffer: they
+    stay in place (a few KB per layer).
+    """
+
+    def wrap(should_stash: Callable) -> Callable:
+        def inner(self: Any, tensor: torch.Tensor) -> bool:
+            from torch._subclasses.fake_tensor import FakeTensor
+
+            if not isinstance(tensor, FakeTensor):
+                return False
+            if tensor.layout is not torch.strided or tensor.device.type != self.device.type:
+                return False
+            if tensor.is_leaf and tensor.requires_grad:
+                return False
+            base = tensor._base
+            if base is not None and base.is_leaf and base.requires_grad:
+                return False
+            if ledger.category_of(tensor) == "weights":
+                return False
+            nbytes = tensor.untyped_storage().nbytes()
+            return nbytes > 0 and nbytes >= self.min_bytes
+
+        return inner
+
+    return wrap
 
 
 class _Run:
