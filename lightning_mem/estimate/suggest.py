@@ -85,11 +85,13 @@ def suggest(
     usable = usable_bytes(device_bytes)
     found: list[dict[str, Any]] = []
     tried: list[dict[str, Any]] = []
-    cumulative: list[str] = []
+    cumulative: list[str] = []  # the candidates that did not fit alone, combined
     for what, extra in candidates(cfg, recipe):
-        for label, args in ((what, extra), (f"all of the above + {what}", cumulative + extra)):
-            if label != what and not cumulative:
-                continue
+        attempts = [(what, extra)]
+        if cumulative:
+            attempts.append((f"{what}, with the earlier candidates that did not fit alone", cumulative + extra))
+        fitted = False
+        for label, args in attempts:
             try:
                 result = run_estimate(overrides + args)
             except Exception as err:  # noqa: BLE001 - a candidate that cannot apply is skipped, and said
@@ -100,8 +102,10 @@ def suggest(
             tried.append(entry)
             if entry["fits"]:
                 found.append(entry)
+                fitted = True
                 break
-        cumulative += extra
+        if not fitted:
+            cumulative += extra
         if len(found) >= limit:
             break
     return found or tried

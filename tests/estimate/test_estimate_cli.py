@@ -81,3 +81,14 @@ def test_fit_check_report_warns_with_suggestions():
         FitCheck().report(result)
     with pytest.raises(RuntimeError, match="run out of memory"):
         FitCheck(fail=True).report(result)
+
+
+def test_suggest_re_estimates_until_it_fits(capsys):
+    # Tiny SFT needs ~0.12 GiB; a 1.2 GiB "card" leaves 0.08 GiB after the margin.
+    code = main(["--config", "configs/sft/tiny_cpu.yaml", "--device-memory", "1.2GiB", "--suggest", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 1 and out["fits"] is False
+    fitting = [s for s in out["suggestions"] if s["fits"]]
+    assert fitting, out["suggestions"]
+    assert all(s["device_peak_bytes"] <= out["usable_device_bytes"] for s in fitting)
+    assert any("ActivationCheckpointing" in " ".join(s["overrides"]) for s in fitting)
