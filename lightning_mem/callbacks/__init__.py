@@ -8,6 +8,7 @@ Each is a thin wrapper over a primitive a recipe can also call directly:
 
 from lightning_mem.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_mem.callbacks.activation_offload import ActivationOffload, ActivationOffloader, ActivationOffloadStats
+from lightning_mem.callbacks.fit_check import FitCheck
 from lightning_mem.callbacks.memory_monitor import MemoryMonitor, memory_phase
 from lightning_mem.callbacks.optimizer_in_backward import OptimizerInBackward
 from lightning_mem.callbacks.optimizer_state_offload import OptimizerStateOffload
@@ -18,6 +19,7 @@ __all__ = [
     "ActivationOffload",
     "ActivationOffloadStats",
     "ActivationOffloader",
+    "FitCheck",
     "MemoryMonitor",
     "OptimizerInBackward",
     "OptimizerStateOffload",

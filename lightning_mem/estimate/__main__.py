@@ -1,0 +1,62 @@
+"""``python -m lightning_mem.estimate --config CONFIG [recipe overrides] [--device-memory 24GiB]
+[--world-size N] [--suggest] [--json]``: will this config fit? See docs/will_it_fit.md."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import warnings
+
+from lightning_mem.estimate import report
+from lightning_mem.estimate.session import estimate, recipe_for
+from lightning_mem.estimate.suggest import suggest
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_mem.estimate",
+        description="Per-phase, per-rank memory of a recipe config, from the recipe's own step on fake tensors.",
+        epilog="Any other argument is passed to the recipe's CLI as an override, e.g. --data.max_length 4096.",
+    )
+    parser.add_argument("--config", required=True, help="a recipe config (configs/<recipe>/*.yaml)")
+    parser.add_argument("--recipe", default=None, help="sft, qlora, ppo or a module path; default: from the config's folder")
+    parser.add_argument("--device-memory", default=None,
+                        help="memory of one device (24GiB, 80GB); default: the config's tier (# tier: 1x24GB or _1x24gb)")
+    parser.add_argument("--world-size", type=int, default=None, help="ranks; default: trainer.devices x trainer.num_nodes")
+    parser.add_argument("--suggest", action="store_true", help="if it does not fit, re-estimate overrides that would")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    args, overrides = parser.parse_known_args(argv)
+    device_bytes = None
+    if args.device_memory is not None:
+        device_bytes = report.parse_size(args.device_memory)
+    else:
+        tier = report.tier_of(args.config)
+        device_bytes = tier.memory_bytes if tier else None
+    recipe = recipe_for(args.config, args.recipe)
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = estimate(args.config, overrides, recipe=recipe, world_size=args.world_size)
+        suggestions = None
+        if args.suggest and device_bytes is not None and result.device_peak_bytes > report.usable_bytes(device_bytes):
+            suggestions = suggest(
+                result.parsed, recipe, overrides, device_bytes,
+                lambda extra: estimate(args.config, extra, recipe=recipe, world_size=args.world_size),
+            )
+    if args.json:
+        print(report.dumps(report.to_dict(result, device_bytes, suggestions)))
+    else:
+        print(report.table(result, device_bytes))
+        if suggestions is not None:
+            print("\nsuggestions (re-estimated, cheapest first):")
+            for s in suggestions:
+                peak = f"{s['device_peak_bytes'] / report.GiB:.2f} GiB" if "device_peak_bytes" in s else s.get("error")
+                print(f"  {'fits' if s.get('fits') else 'still too big'}: {s['what']}: {peak}\n    {' '.join(s['overrides'])}")
+    fits = device_bytes is None or result.device_peak_bytes <= report.usable_bytes(device_bytes)
+    return 0 if fits else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""Verdicts, suggestions and the two output formats (a table, JSON) of an :class:`Estimate`."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lightning_mem.estimate.tracker import CATEGORIES
+
+GiB = 1 << 30
+# What the tracked tensor bytes leave out on a real card: the caching allocator's fragmentation
+# and rounding, and the CUDA context with its kernels (cuBLAS workspaces, NCCL buffers).
+MARGIN_FRACTION = 0.10
+MARGIN_BYTES = 1 * GiB
+MARGIN_TEXT = "10% of the device for allocator fragmentation + 1 GiB for the CUDA context"
+
+_SIZE = re.compile(r"^\s*([0-9.]+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 1 << 10, "m": 1e6, "mb": 1e6, "mib": 1 << 20,
+          "g": 1e9, "gb": 1e9, "gib": 1 << 30, "t": 1e12, "tb": 1e12, "tib": 1 << 40}
+_TIER = re.compile(r"^#\s*tier:\s*(\d+)\s*x\s*(\d+)\s*GB\b", re.IGNORECASE | re.MULTILINE)
+_TIER_NAME = re.compile(r"_(\d+)x(\d+)gb", re.IGNORECASE)
+
+
+def parse_size(text: str, *, key: str = "--device-memory") -> int:
+    """``24GiB``, ``80GB``, ``24 GiB``, ``25769803776`` -> bytes. A bare ``GB`` is decimal, ``GiB`` binary."""
+    match = _SIZE.match(str(text))
+    unit = (match.group(2) or "").lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"`{key}`: cannot read {text!r} as a size; write e.g. 24GiB, 80GB or a byte count")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+@dataclass
+class Tier:
+    """The hardware a config is written for: ``gpus`` cards of ``memory_bytes`` each."""
+
+    gpus: int
+    memory_gb: int
+
+    @property
+    def memory_bytes(self) -> int:
+        # Cards are sold in decimal-looking GB that are binary: a "24 GB" card has 24 GiB.
+        return self.memory_gb * GiB
+
+
+def tier_of(config: str | Path) -> Tier | None:
+    """A config's tier: its ``# tier: 1x24GB`` header line, else ``_1x24gb`` in its file name."""
+    path = Path(config)
+    match = _TIER.search(path.read_text()) if path.is_file() else None
+    match = match or _TIER_NAME.search(path.name)
+    return Tier(int(match.group(1)), int(match.group(2))) if match else None
+
+
+def usable_bytes(device_bytes: int) -> int:
+    """Device memory the tracked tensors may use: the device less the margin."""
+    return int(device_bytes * (1 - MARGIN_FRACTION)) - MARGIN_BYTES
+
+
+def verdict(peak: int, device_bytes: int | None) -> str:
+    if device_bytes is None:
+        return "no device size given"
+    return "fits" if peak <= usable_bytes(device_bytes) else "does NOT fit"
+
+
+def to_dict(estimate: Any, device_bytes: int | None, suggestions: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "config": estimate.config,
+        "recipe": estimate.recipe,
+        "world_size": estimate.world_size,
+        "strategy": estimate.strategy,
+        "per_rank": True,
+        "device_memory_bytes": device_bytes,
+        "margin": {"fraction": MARGIN_FRACTION, "bytes": MARGIN_BYTES, "what": MARGIN_TEXT},
+        "usable_device_bytes": usable_bytes(device_bytes) if device_bytes else None,
+        "device_peak_bytes": estimate.device_peak_bytes,
+        "host_peak_bytes": estimate.host_peak_bytes,
+        "fits": None if device_bytes is None else estimate.device_peak_bytes <= usable_bytes(device_bytes),
+        "phases": [p.to_dict() for p in estimate.phases],
+    }
+    if suggestions is not None:
+        out["suggestions"] = suggestions
+    return out
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:7.2f}"
+
+
+def table(estimate: Any, device_bytes: int | None) -> str:
+    cols = ("phase", *CATEGORIES, "device peak", "host")
+    rows = [cols]
+    for p in estimate.phases:
+        b = p.device_breakdown_bytes
+        rows.append((p.phase, *(_gib(b[c]) for c in CATEGORIES), _gib(p.device_peak_bytes), _gib(p.host_peak_bytes)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
+    lines = [
+        f"{estimate.config}  ({estimate.recipe}; {estimate.strategy}; world size {estimate.world_size}; "
+        "GiB per rank, tracked tensor bytes)",
+    ]
+    for i, r in enumerate(rows):
+        lines.append("  ".join(c.rjust(w) if j else c.ljust(w) for j, (c, w) in enumerate(zip(r, widths))))
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    for p in estimate.phases:
+        if p.shape:
+            lines.append(f"  {p.phase}: {p.shape}")
+    peak = estimate.device_peak_bytes
+    if device_bytes is not None:
+        lines.append(
+            f"device {device_bytes / GiB:.1f} GiB, usable {usable_bytes(device_bytes) / GiB:.2f} GiB "
+            f"(margin: {MARGIN_TEXT}); peak {peak / GiB:.2f} GiB: {verdict(peak, device_bytes)}"
+        )
+    else:
+        lines.append(f"peak {peak / GiB:.2f} GiB per rank (pass --device-memory for a verdict)")
+    for note in estimate.notes:
+        lines.append(f"note: {note}")
+    return "\n".join(lines)
+
+
+def dumps(data: dict[str, Any]) -> str:
+    return json.dumps(data, indent=2)

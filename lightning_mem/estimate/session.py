@@ -1,0 +1,707 @@
+"""Run a recipe config's own step code on fake tensors and record each phase's memory.
+
+The steps, in the order the real run takes them:
+
+1. parse the config with the recipe's own LightningCLI parser (nothing is instantiated but the
+   LightningModule and the strategy, precision and callbacks of the trainer section);
+2. point every model of the config (policy, critic, reward model) at a folder holding only its
+   ``config.json`` (a hub id resolves to ``assets/hub/<id>``), so the recipe's ``configure_model``
+   builds it with random init -- on fake tensors, so nothing is allocated or read;
+3. apply what the trainer would: the precision plugin's init context and conversion, the
+   strategy's activation checkpointing, the technique callbacks' hooks;
+4. make the optimizers with the module's ``configure_optimizers`` and take one small warm-up step,
+   so the optimizer's real state tensors exist (their bytes are whatever the optimizer allocates);
+5. run the largest micro-batch the config allows through the recipe's step methods and record,
+   per phase, the peak of live tensor bytes and its breakdown (:mod:`.tracker`).
+
+Sharding strategies (FSDP2, DeepSpeed ZeRO) run here as one unsharded process; their per-rank
+bytes are derived from the measured weights, gradients and optimizer state (see
+:func:`shard_per_rank`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import inspect
+import json
+import math
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_mem.estimate.tracker import CATEGORIES, HOST, MemoryLedger, TrackingMode
+
+ASSETS = Path(__file__).resolve().parents[2] / "assets"
+HUB_ASSETS = ASSETS / "hub"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+_RECIPES = {"sft": "recipes.sft", "qlora": "recipes.qlora", "ppo": "recipes.ppo"}
+
+
+@dataclass
+class PhaseEstimate:
+    """One phase on one rank: the device peak, its breakdown and the host bytes."""
+
+    phase: str
+    device_peak_bytes: int
+    device_breakdown_bytes: dict[str, int]
+    host_peak_bytes: int
+    shape: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class Estimate:
+    config: str
+    recipe: str
+    world_size: int
+    strategy: str
+    phases: list[PhaseEstimate] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    parsed: Any = field(default=None, repr=False)  # the parsed config (for suggestions)
+
+    @property
+    def device_peak_bytes(self) -> int:
+        return max(p.device_peak_bytes for p in self.phases)
+
+    @property
+    def host_peak_bytes(self) -> int:
+        return max(p.host_peak_bytes for p in self.phases)
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Parse
+# ---------------------------------------------------------------------------------------------
+
+
+def recipe_for(config: str | Path, recipe: str | None = None) -> str:
+    """The recipe module of a config: ``recipe`` if given, else from ``configs/<recipe>/``."""
+    if recipe is not None:
+        return _RECIPES.get(recipe, recipe)
+    parent = Path(config).resolve().parent.name
+    if parent not in _RECIPES:
+        raise ValueError(
+            f"--config {config}: cannot tell its recipe from the folder {parent!r}; pass --recipe "
+            f"({', '.join(_RECIPES)} or a module path)"
+        )
+    return _RECIPES[parent]
+
+
+def _recipe_parts(module_name: str) -> tuple[Any, type, type, type]:
+    """The recipe's CLI class, LightningModule class and LightningDataModule class, found in it."""
+    from lightning.pytorch import LightningDataModule, LightningModule
+    from lightning.pytorch.cli import LightningCLI
+
+    from lightning_mem.cli import RecipeCLI
+
+    mod = importlib.import_module(module_name)
+    classes = [v for v in vars(mod).values() if inspect.isclass(v)]
+    modules = [c for c in classes if issubclass(c, LightningModule) and c.__module__ == module_name]
+    datas = [c for c in classes if issubclass(c, LightningDataModule)]
+    clis = [c for c in classes if issubclass(c, LightningCLI) and c.__module__ == module_name]
+    if len(modules) != 1 or not datas:
+        raise ValueError(f"{module_name}: expected one LightningModule and a datamodule, found {modules} {datas}")
+    return mod, (clis[0] if clis else RecipeCLI), modules[0], datas[0]
+
+
+def parse_config(recipe_module: str, args: list[str]) -> tuple[Any, Any, type]:
+    """Parse ``args`` (``--config ...`` and overrides) with the recipe's own CLI; instantiate nothing."""
+    _, cli_class, module_class, data_class = _recipe_parts(recipe_module)
+
+    class _ParseOnly(cli_class):  # type: ignore[misc, valid-type]
+        def instantiate_classes(self) -> None:
+            pass
+
+    cli = _ParseOnly(module_class, data_class, args=args, run=False, save_config_callback=None)
+    return cli, cli.config, module_class
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Models from config.json only
+# ---------------------------------------------------------------------------------------------
+
+
+def config_folder(name_or_path: str, key: str) -> Path:
+    """The folder whose config.json describes ``name_or_path`` (a local folder, or a shipped hub id)."""
+    from lightning_mem.models import check_model_source
+
+    if check_model_source(name_or_path, key=key) == "local":
+        return Path(name_or_path).expanduser()
+    shipped = HUB_ASSETS / name_or_path
+    if (shipped / "config.json").is_file():
+        return shipped
+    raise FileNotFoundError(
+        f"`{key}`: no config.json is shipped for the hub id {name_or_path!r} (looked in {shipped}); "
+        "pass a local folder that holds its config.json"
+    )
+
+
+def config_only_copy(name_or_path: str, key: str, workdir: Path) -> str:
+    """A folder with the model's config.json (and a tokenizer) but no weights."""
+    source = config_folder(name_or_path, key)
+    target = workdir / key.replace(".", "_")
+    target.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "generation_config.json"):
+        if (source / name).is_file():
+            shutil.copy(source / name, target / name)
+    # The estimate needs a tokenizer only for its special token ids and to decode responses.
+    tokenizer_source = source if (source / "tokenizer.json").is_file() else ASSETS / "tiny-llama"
+    for name in _TOKENIZER_FILES:
+        if (tokenizer_source / name).is_file():
+            shutil.copy(tokenizer_source / name, target / name)
+    return str(target)
+
+
+def _localize_models(model_cfg: Any, workdir: Path) -> list[int]:
+    """Rewrite every model location of ``model_cfg`` in place; return the vocabulary sizes."""
+    vocab: list[int] = []
+
+    def swap(holder: Any, attr: str, key: str) -> None:
+        value = getattr(holder, attr, None) if holder is not None else None
+        if not value:
+            return
+        folder = config_folder(value, key)
+        config = json.loads((folder / "config.json").read_text())
+        vocab.append(int(config.get("vocab_size") or config.get("text_config", {}).get("vocab_size", 0)))
+        setattr(holder, attr, config_only_copy(value, key, workdir))
+
+    swap(model_cfg, "name_or_path", "model.name_or_path")
+    swap(getattr(model_cfg, "critic", None), "name_or_path", "model.critic.name_or_path")
+    swap(getattr(model_cfg, "reward_model", None), "name_or_path", "model.reward_model.name_or_path")
+    return vocab
+
+
+def instantiate(cli: Any, cfg: Any) -> Any:
+    """The parsed config's objects (module, datamodule, the trainer section's strategy and
+    callbacks), made by the recipe CLI's own parser; the Trainer itself is not made."""
+    return cli.parser.instantiate_classes(cfg)
+
+
+def _build_object(value: Any) -> Any:
+    """``class_path``/``init_args`` (a Namespace or dict) to an object; anything else as it is."""
+    from jsonargparse import Namespace
+
+    if isinstance(value, Namespace):
+        value = value.as_dict()
+    if isinstance(value, dict) and "class_path" in value:
+        module_name, _, name = value["class_path"].rpartition(".")
+        cls = getattr(importlib.import_module(module_name), name)
+        args = {k: _build_object(v) for k, v in (value.get("init_args") or {}).items()}
+        return cls(**args)
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Precision and strategy
+# ---------------------------------------------------------------------------------------------
+
+
+def precision_plugin(precision: Any) -> Any:
+    from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+
+    value = str(precision)
+    if value in ("32", "32-true", "64-true"):
+        return Precision()
+    if value in ("bf16-true", "16-true", "bf16", "16"):
+        return HalfPrecision("bf16-true" if value.startswith("bf16") else "16-true")
+    if value in ("bf16-mixed", "16-mixed"):
+        # Autocast on the device the estimate runs on (CPU); the dtypes are those of the GPU run.
+        return MixedPrecision("bf16-mixed", device="cpu")
+    raise ValueError(f"`trainer.precision`: the estimator does not know {precision!r}")
+
+
+@dataclass
+class Sharding:
+    """How a strategy divides weights, gradients and optimizer state over ranks, and offloads them."""
+
+    name: str = "single device"
+    shard: tuple[str, ...] = ()  # categories divided by the world size
+    host: tuple[str, ...] = ()  # categories kept in host memory
+    gathered_units: int = 0  # largest units held unsharded at once on the device (FSDP2/ZeRO-3)
+
+
+def sharding_of(strategy: Any) -> Sharding:
+    if strategy is None:
+        return Sharding()
+    name = type(strategy).__name__
+    if hasattr(strategy, "_cpu_offload") and hasattr(strategy, "_reshard_after_forward"):  # FSDP2Strategy
+        cats = ("weights", "gradients", "optimizer_state")
+        return Sharding("FSDP2" + (" + CPU offload" if strategy.cpu_offload else ""), cats,
+                        cats if strategy.cpu_offload else (), gathered_units=2)
+    tier = getattr(strategy, "tier", None)
+    if tier is not None:  # ZeroStrategy
+        shard = ("gradients", "optimizer_state") + (("weights",) if tier.stage == 3 else ())
+        host = (("optimizer_state",) if tier.offloads_optimizer else ()) + (("weights",) if tier.offloads_params else ())
+        return Sharding(f"DeepSpeed ZeRO-{tier.stage}" + (" + offload" if host else ""), shard, host,
+                        gathered_units=2 if tier.stage == 3 else 0)
+    return Sharding(name)
+
+
+def shard_per_rank(breakdown: dict[str, int], host: int, sharding: Sharding, world_size: int,
+                   unit_bytes: tuple[int, int]) -> tuple[dict[str, int], int]:
+    """Per-rank device breakdown and host bytes of one unsharded measurement under ``sharding``.
+
+    A sharded category holds 1/world_size of its measured bytes per rank (on the host when
+    offloaded). A strategy that shards parameters gathers units (a decoder block, the root) to
+    compute: ``gathered_units`` of the largest block plus the root unit stay on the device, with
+    their gradients before the reduce-scatter (``unit_bytes`` = (largest block, root) parameter bytes).
+    """
+    out = dict(breakdown)
+    for cat in sharding.shard:
+        share = math.ceil(breakdown[cat] / world_size)
+        if cat in sharding.host:
+            out[cat] = 0
+            host += share
+        else:
+            out[cat] = share
+    if "weights" in sharding.shard and sharding.gathered_units:
+        block, root = unit_bytes
+        gathered = sharding.gathered_units * block + root
+        out["weights"] += min(gathered, breakdown["weights"])
+        if breakdown["gradients"]:
+            out["gradients"] += min(block + root, breakdown["gradients"])
+    return out, host
+
+
+# ---------------------------------------------------------------------------------------------
+# 4-5. The run: build, warm up the optimizers, measure each phase
+# ---------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _patched(obj: Any, name: str, wrapper: Callable[[Callable], Callable]) -> Iterator[None]:
+    original = getattr(obj, name)
+    setattr(obj, name, wrapper(original))
+    try:
+        yield
+    finally:
+        setattr(obj, name, original)
+
+
+def _in_section(ledger: MemoryLedger, category: str) -> Callable[[Callable], Callable]:
+    def wrap(fn: Callable) -> Callable:
+        def inner(*args: Any, **kwargs: Any) -> Any:
+            with ledger.section(category):
+                return fn(*args, **kwargs)
+
+        return inner
+
+    return wrap
+
+
+@contextlib.contextmanager
+def _attribution(ledger: MemoryLedger, fake: bool) -> Iterator[None]:
+    """Sections of library code whose allocations have a known category: the KV cache layers of
+    transformers, the host copies of :mod:`lightning_mem.offload` and of activation offload."""
+    from transformers import cache_utils
+
+    from lightning_mem import offload
+    from lightning_mem.callbacks import activation_offload
+
+    with contextlib.ExitStack() as stack:
+        for cls in (cache_utils.DynamicLayer, cache_utils.StaticLayer):
+            for method in ("lazy_initialization", "update"):
+                stack.enter_context(_patched(cls, method, _in_section(ledger, "kv_cache")))
+        for fn in ("optimizer_state_to_host", "offload_module"):
+            stack.enter_context(_patched(offload, fn, _in_section(ledger, HOST)))
+        stack.enter_context(_patched(activation_offload.ActivationOffloader, "_stash", _in_section(ledger, HOST)))
+        stack.enter_context(_patched(torch.utils, "swap_tensors", _swap_or_set_data))
+        if fake:
+            stack.enter_context(_patched(activation_offload.ActivationOffloader, "_should_stash", _fake_only(ledger)))
+        yield
+
+
+def _swap_or_set_data(swap: Callable) -> Callable:
+    # ``Module.to``/``_apply`` always swaps fake parameters, which fails when anything holds a weak
+    # reference to them (fake tensor caches do); giving the parameter the new data is the same here.
+    def inner(t1: torch.Tensor, t2: torch.Tensor) -> None:
+        try:
+            swap(t1, t2)
+        except RuntimeError:
+            t1.data = t2.data
+
+    return inner
+
+
+def _fake_only(ledger: MemoryLedger) -> Callable[[Callable], Callable]:
+    """ActivationOffloader's choice of what to stash, for fake tensors.
+
+    Its own check keeps FakeTensor (by exact type) and parameters (by data pointer, which is 0 for
+    every fake storage) in place. For a fake tensor the same rules are applied here, with the
+    ledger's category standing in for the pointer test. The saved integer tensors (token ids,
+    positions) are real CPU tensors whose storage cannot be re-viewed as a fake byte buffer: they
+    stay in place (a few KB per layer).
+    """
+
+    def wrap(should_stash: Callable) -> Callable:
+        def inner(self: Any, tensor: torch.Tensor) -> bool:
+            from torch._subclasses.fake_tensor import FakeTensor
+
+            if not isinstance(tensor, FakeTensor):
+                return False
+            if tensor.layout is not torch.strided or tensor.device.type != self.device.type:
+                return False
+            if tensor.is_leaf and tensor.requires_grad:
+                return False
+            base = tensor._base
+            if base is not None and base.is_leaf and base.requires_grad:
+                return False
+            if ledger.category_of(tensor) == "weights":
+                return False
+            nbytes = tensor.untyped_storage().nbytes()
+            return nbytes > 0 and nbytes >= self.min_bytes
+
+        return inner
+
+    return wrap
+
+
+class _Run:
+    """One estimate: the module, its optimizers and trainer pieces, the ledger, and the phases."""
+
+    def __init__(self, init: Any, cfg: Any, *, world_size: int, fake: bool, vocab: list[int]) -> None:
+        from lightning.pytorch import Trainer
+
+        self.module = init.model
+        self.data = init.data
+        self.cfg = cfg
+        trainer_cfg = init.trainer
+        self.strategy = trainer_cfg.strategy if not isinstance(trainer_cfg.strategy, str) else None
+        self.callbacks = [cb for cb in (trainer_cfg.callbacks or []) if _is_technique(cb)]
+        self.precision = precision_plugin(trainer_cfg.precision)
+        self.clip = trainer_cfg.gradient_clip_val
+        self.world_size = world_size
+        self.sharding = sharding_of(self.strategy)
+        self.ledger = MemoryLedger(set(vocab))
+        self.mode = TrackingMode(self.ledger, fake=fake)
+        # A CPU trainer for what the module's methods read from it (world size, device).
+        self.trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                               enable_progress_bar=False, enable_model_summary=False, callbacks=self.callbacks)
+        self.phases: list[PhaseEstimate] = []
+        self.optimizers: list[torch.optim.Optimizer] = []
+
+    # -- building ---------------------------------------------------------------------------------
+    def build(self) -> None:
+        module = self.module
+        module.trainer = self.trainer
+        # Logging needs a running loop; what a step logs takes no memory worth counting.
+        module.log = module.log_dict = lambda *args, **kwargs: None
+        with self.precision.module_init_context():
+            module.configure_model()
+        _convert(self.precision, module)
+        self._checkpointing()
+        for cb in self.callbacks:
+            cb.setup(self.trainer, module, "fit")
+        self.retag()
+        for p in module.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(lambda q: self.ledger.retag(q.grad, "gradients"))
+        out = module.configure_optimizers()
+        self.optimizers = _optimizer_list(out)
+        for opt in self.optimizers:
+            opt.register_step_post_hook(lambda o, *_: self._retag_optimizer(o))
+        for cb in self.callbacks:
+            cb.on_fit_start(self.trainer, module)
+
+    def _checkpointing(self) -> None:
+        # FSDP2Strategy's own activation checkpointing, applied to the blocks it would shard.
+        strategy = self.strategy
+        if strategy is None or not getattr(strategy, "_checkpoint_every", 0):
+            return
+        from lightning_mem.strategies import shard_plan
+
+        for _, model in shard_plan.find_hf_models(self.module):
+            blocks = strategy._blocks_to_shard(model)
+            for index in shard_plan.checkpointed_indices(len(blocks), strategy._checkpoint_every):
+                strategy._apply_activation_checkpointing(blocks[index])
+
+    def retag(self) -> None:
+        """Parameters and buffers are weights, gradients gradients, optimizer tensors state (unless on the host)."""
+        ledger = self.ledger
+        for t in [*self.module.parameters(), *self.module.buffers()]:
+            if ledger.category_of(t) != HOST:
+                ledger.retag(t, "weights")
+            if isinstance(t, nn.Parameter) and t.grad is not None and ledger.category_of(t.grad) != HOST:
+                ledger.retag(t.grad, "gradients")
+        for opt in self.optimizers:
+            self._retag_optimizer(opt)
+
+    def _retag_optimizer(self, opt: torch.optim.Optimizer) -> None:
+        for state in opt.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and self.ledger.category_of(value) != HOST:
+                    self.ledger.retag(value, "optimizer_state")
+
+    def unit_bytes(self) -> tuple[int, int]:
+        """(largest decoder block, everything outside the blocks) parameter bytes, over all models."""
+        from lightning_mem.strategies import shard_plan
+
+        block, root = 0, 0
+        for _, model in shard_plan.find_hf_models(self.module):
+            blocks = shard_plan.find_blocks(model, shard_plan.default_block_classes(model))
+            in_blocks = {id(p) for b in blocks for p in b.parameters()}
+            sizes = [sum(p.numel() * p.element_size() for p in b.parameters()) for b in blocks]
+            block = max([block, *sizes])
+            root += sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in in_blocks)
+        return block, root
+
+    # -- measuring --------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def phase(self, name: str, shape: str) -> Iterator[None]:
+        self.retag()
+        self.ledger.reset_peak()
+        yield
+        ledger = self.ledger
+        breakdown, host = shard_per_rank(ledger.peak_breakdown, ledger.peak_host_bytes, self.sharding,
+                                         self.world_size, self.unit_bytes())
+        self.phases.append(PhaseEstimate(name, sum(breakdown.values()), breakdown, host, shape))
+
+    def step_optimizers(self) -> None:
+        for opt in self.optimizers:
+            for cb in self.callbacks:
+                cb.on_before_optimizer_step(self.trainer, self.module, opt)
+            if self.clip:
+                params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+                torch.nn.utils.clip_grad_norm_(params, float(self.clip))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        for cb in self.callbacks:
+            cb.on_before_backward(self.trainer, self.module, loss)
+        loss.backward()
+        for cb in self.callbacks:
+            cb.on_after_backward(self.trainer, self.module)
+
+
+def _convert(precision: Any, module: nn.Module) -> None:
+    """``precision.convert_module`` in place, tensor by tensor: ``Module.to`` would swap the fake
+    parameters, which their weak references forbid."""
+    target = getattr(precision, "_desired_input_dtype", None)
+    if target is None:
+        return
+    for t in [*module.parameters(), *module.buffers()]:
+        if t.is_floating_point() and t.dtype != target:
+            t.data = t.data.to(target)
+
+
+def _is_technique(callback: Any) -> bool:
+    """The callbacks that change memory (not the monitor or checkpointing)."""
+    from lightning_mem.callbacks import MemoryMonitor
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    return not isinstance(callback, (MemoryMonitor, ModelCheckpoint)) and type(callback).__name__ != "FitCheck"
+
+
+def _optimizer_list(out: Any) -> list[torch.optim.Optimizer]:
+    if isinstance(out, torch.optim.Optimizer):
+        return [out]
+    if isinstance(out, dict):
+        return [out["optimizer"]]
+    if isinstance(out, tuple):
+        out = out[0]
+    return [o["optimizer"] if isinstance(o, dict) else o for o in out]
+
+
+# ---------------------------------------------------------------------------------------------
+# The recipes' steps
+# ---------------------------------------------------------------------------------------------
+
+
+def _tokens(shape: tuple[int, int], fill: int) -> dict[str, torch.Tensor]:
+    ids = torch.full(shape, fill, dtype=torch.long)
+    return {"input_ids": ids, "attention_mask": torch.ones(shape, dtype=torch.long), "labels": ids.clone()}
+
+
+def _fill_token(pad: int | None, eos: list[int]) -> int:
+    """The smallest token id that neither ends a sequence nor pads: the worst case, every sequence full."""
+    taken = set(eos) | ({pad} if pad is not None else set())
+    return next(i for i in range(len(taken) + 1) if i not in taken)
+
+
+def sft_batch_shape(data: Any) -> tuple[int, int]:
+    """The largest micro-batch the data section allows: a full token budget of full-length rows."""
+    length = data.max_length
+    if getattr(data, "max_tokens_per_batch", None):
+        return max(data.max_tokens_per_batch // length, 1), length
+    return data.batch_size, length
+
+
+def run_sft(run: _Run, accumulate: int) -> None:
+    """The SFT/QLoRA training step (``module._loss``, backward, optimizer step), largest micro-batch."""
+    module = run.module
+    config = module.model.config
+    fill = _fill_token(getattr(config, "pad_token_id", None), _as_list(getattr(config, "eos_token_id", None)))
+    shape = sft_batch_shape(run.data)
+
+    def step(batch_shape: tuple[int, int], micro_batches: int) -> None:
+        for index in range(micro_batches):
+            batch = _tokens(batch_shape, fill)
+            for cb in run.callbacks:
+                cb.on_train_batch_start(run.trainer, module, batch, index)
+            with run.precision.train_step_context():
+                loss = module._loss(batch)
+            run.backward(loss / micro_batches)
+            del loss
+            for cb in run.callbacks:
+                cb.on_train_batch_end(run.trainer, module, None, batch, index)
+        run.step_optimizers()
+
+    step((1, 8), 1)  # warm-up: the optimizer makes its state
+    # With accumulation, the second micro-batch runs its forward next to the first one's gradients.
+    with run.phase("train", f"micro-batch {shape[0]} x {shape[1]} tokens, {min(accumulate, 2)} of {accumulate} accumulated"):
+        step(shape, min(accumulate, 2))
+
+
+def run_ppo(run: _Run, rows: list[dict[str, Any]]) -> None:
+    """A PPO iteration through the module's own rollout, score and update methods, at the largest
+    shapes: every prompt ``max_prompt_length`` long, every response ``max_new_tokens`` long."""
+    from lightning_mem.rl.memory_plan import PhaseMemory
+    from lightning_mem.rl.microbatch import micro_batches
+
+    module = run.module
+    engine = module.rollout_engine
+    run.mode.fill_token = _fill_token(engine.pad_token_id, engine.eos_token_ids)
+    opts = run.optimizers
+    module.memory = PhaseMemory(
+        module.memory_plan, trainer=None, actor_optimizer=opts[0], critic_optimizer=opts[1] if len(opts) > 1 else None,
+        critic=module.critic, reference=module.reference, reward_model=module.reward_model, rollout_engine=engine,
+    )
+    module.memory.place("train")
+    ppo = module.ppo
+    run.clip = ppo.max_grad_norm
+    row = rows[0] if rows else {}
+
+    def iteration(prompts: int, prompt_len: int, new_tokens: int, measure: bool) -> None:
+        phase = run.phase if measure else (lambda *_: contextlib.nullcontext())
+        fill = run.mode.fill_token
+        engine.config = dataclasses.replace(engine.config, max_new_tokens=new_tokens)
+        batch = {
+            "input_ids": torch.full((prompts, prompt_len), fill, dtype=torch.long),
+            "attention_mask": torch.ones((prompts, prompt_len), dtype=torch.long),
+            "rows": [row] * prompts,
+        }
+        group = module.grpo.group_size if not module.use_critic else 1
+        seqs = f"{prompts * group} sequences x ({prompt_len} prompt + {new_tokens} new) tokens"
+        with phase("rollout", seqs), module.memory.phase("rollout"):
+            run.retag()
+            exp = module._rollout(batch)
+        with phase("score", f"{seqs}, no-grad micro-batches of <= {ppo.logprob_budget} tokens"), module.memory.phase("score"):
+            run.retag()
+            exp.scores = _scores(module, exp)
+            module._logprobs_and_values(exp)
+        module._advantages(exp)
+        mini_size = math.ceil(len(exp) / ppo.num_mini_batches)
+        with phase("train", f"mini-batch of {mini_size} sequences, micro-batches of <= "
+                            f"{ppo.max_tokens_per_microbatch} tokens"), module.memory.phase("train"):
+            run.retag()
+            for cb in run.callbacks:
+                cb.on_train_batch_start(run.trainer, module, batch, 0)
+            mini = exp.select(torch.arange(mini_size))
+            scale = 1.0 / max(float(mini.response_mask.sum()), 1.0)
+            for idx in micro_batches(mini.sequence_lengths, ppo.max_tokens_per_microbatch,
+                                     agree_on_count=module._agree_on_count):
+                with run.precision.train_step_context():
+                    loss, _ = module._loss(mini.select(idx))
+                run.backward(loss * scale)
+                del loss
+            run.step_optimizers()
+            for cb in run.callbacks:
+                cb.on_train_batch_end(run.trainer, module, None, batch, 0)
+
+    generation = engine.config
+    try:
+        iteration(1, 4, 2, measure=False)  # warm-up: the optimizers make their state
+        iteration(run.data.batch_size, run.data.max_prompt_length, generation.max_new_tokens, measure=True)
+    finally:
+        engine.config = generation
+
+
+def _scores(module: Any, exp: Any) -> torch.Tensor:
+    # A rule scores strings (no tensors to speak of); a reward model runs for real on fake tensors.
+    try:
+        return module._score(exp)
+    except (KeyError, TypeError, ValueError):
+        if module.reward_model is not None:
+            raise
+        return torch.zeros(len(exp))
+
+
+def _as_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else list(value)
+
+
+def _world_size(trainer_cfg: Any) -> int:
+    devices = trainer_cfg.devices
+    if isinstance(devices, (list, tuple)):
+        devices = len(devices)
+    try:
+        devices = int(devices)
+    except (TypeError, ValueError):
+        devices = 1  # "auto": one per process here
+    return max(devices, 1) * int(trainer_cfg.num_nodes or 1)
+
+
+def _first_rows(path: str | None, count: int = 1) -> list[dict[str, Any]]:
+    if not path or not Path(path).is_file():
+        return []
+    with open(path) as handle:
+        return [json.loads(line) for line, _ in zip(handle, range(count)) if line.strip()]
+
+
+def estimate(
+    config: str | Path,
+    overrides: list[str] | tuple[str, ...] = (),
+    *,
+    recipe: str | None = None,
+    world_size: int | None = None,
+    fake: bool = True,
+) -> Estimate:
+    """Estimate every phase of ``config`` (plus recipe CLI ``overrides``) per rank.
+
+    ``fake=False`` runs the same steps on real tensors (for tests on small models).
+    """
+    module_name = recipe_for(config, recipe)
+    cli, cfg, module_class = parse_config(module_name, ["--config", str(config), *overrides])
+    if "quantization" in inspect.signature(module_class.__init__).parameters:
+        # Its configure_model quantizes weights read from disk (and writes random ones first).
+        raise NotImplementedError(
+            f"{config}: the estimator does not cover quantized (QLoRA) recipes yet: their base is "
+            "quantized from weights read from disk, which a fake-tensor run cannot do"
+        )
+    with tempfile.TemporaryDirectory(prefix="lightning_mem_estimate_") as tmp:
+        vocab = _localize_models(cfg.model, Path(tmp))
+        if cfg.get("data") is not None and "tokenizer" in cfg.data:
+            cfg.data.tokenizer = cfg.model.name_or_path
+        init = instantiate(cli, cfg)
+        size = world_size or _world_size(cfg.trainer)
+        run = _Run(init, cfg, world_size=size, fake=fake, vocab=vocab)
+        with _attribution(run.ledger, fake), run.mode:
+            try:
+                run.build()
+                if hasattr(run.module, "rollout_engine"):
+                    run_ppo(run, _first_rows(getattr(run.data, "train_path", None) or cfg.data.get("train_file")))
+                else:
+                    run_sft(run, int(cfg.trainer.accumulate_grad_batches or 1))
+            finally:
+                for cb in run.callbacks:  # e.g. activation offload's saved-tensor hooks are global
+                    cb.teardown(run.trainer, run.module, "fit")
+    notes = []
+    if run.sharding.shard:
+        notes.append(f"{run.sharding.name}: per rank, {', '.join(run.sharding.shard)} are 1/{size} of the measured "
+                     f"bytes" + (f"; {', '.join(run.sharding.host)} on the host" if run.sharding.host else "")
+                     + ("; the largest block (x2, prefetch) and the root unit are gathered on the device"
+                        if run.sharding.gathered_units else ""))
+    return Estimate(str(config), module_name, size, run.sharding.name, run.phases, notes, parsed=cfg)

@@ -1,0 +1,199 @@
+"""Count the bytes of live tensors, by category, while real code runs on real or fake tensors.
+
+:class:`MemoryLedger` holds one entry per tensor storage (views share it, so they count once):
+its bytes and its category. Categories are assigned when a storage is made (the section of code
+that is running says ``kv_cache``, ``optimizer_state`` or ``host``; a floating tensor whose last
+dimension is a vocabulary size is ``logits``; other floating tensors are ``activations``; integer
+and boolean tensors -- token ids, masks, indices -- are ``other``) and re-assigned when the
+estimator learns more (parameters become ``weights``, ``p.grad`` becomes ``gradients``). The
+ledger keeps the running total of device bytes, its peak, and the breakdown at that peak.
+
+:class:`TrackingMode` is the ``TorchDispatchMode`` that feeds the ledger with every tensor an
+operator returns. With ``fake=True`` it also makes the step run without memory: floating tensors
+(weights, activations, logits, caches) are ``FakeTensor``\\ s -- shapes and dtypes only -- while
+small integer and boolean tensors (token ids, masks, lengths) stay real, so the Python control flow
+of ``generate``, micro-batching and masking runs as it does for real. An integer result of a fake
+computation (``argmax``/``multinomial`` of fake logits) is made real with a fixed value: the
+``fill_token`` for sampled tokens (the estimator picks one that is not an end-of-sequence token,
+so every response is as long as the config allows -- the worst case), 0 or ``False`` otherwise.
+A Python scalar read from a fake tensor (``loss.item()``) is 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+CATEGORIES = ("weights", "gradients", "optimizer_state", "activations", "logits", "kv_cache", "other")
+HOST = "host"
+# Integer/bool tensors up to this many elements are computed for real in fake mode.
+REAL_INT_NUMEL = 1 << 24
+# Token ids, positions, masks and lengths; not uint8/int8, which hold quantized weights and state.
+_REAL_DTYPES = {torch.int64, torch.int32, torch.bool}
+_SAMPLING_OPS = {"argmax", "multinomial", "argmin"}
+
+
+class MemoryLedger:
+    """Live bytes per tensor storage and category; device peak and its breakdown; host bytes."""
+
+    def __init__(self, vocab_sizes: set[int] | None = None) -> None:
+        self.vocab_sizes = set(vocab_sizes or ())
+        self._live: dict[int, list[Any]] = {}  # id(storage) -> [weakref, nbytes, category]
+        self.totals: dict[str, int] = dict.fromkeys((*CATEGORIES, HOST), 0)
+        self.device_bytes = 0
+        self.peak_bytes = 0
+        self.peak_breakdown: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
+        self.peak_host_bytes = 0
+        self._context: list[str] = []
+
+    # -- sections of code that decide the category of what they allocate ----------------------
+    @contextlib.contextmanager
+    def section(self, category: str) -> Iterator[None]:
+        self._context.append(category)
+        try:
+            yield
+        finally:
+            self._context.pop()
+
+    def _category_for(self, tensor: torch.Tensor) -> str:
+        if self._context:
+            return self._context[-1]
+        if tensor.is_floating_point():
+            if tensor.dim() >= 2 and tensor.shape[-1] in self.vocab_sizes:
+                return "logits"
+            return "activations"
+        return "other"
+
+    # -- adding, re-tagging, removing ----------------------------------------------------------
+    def track(self, tensor: torch.Tensor, category: str | None = None) -> None:
+        """Count ``tensor``'s storage (once); ``category`` overrides the automatic one."""
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return
+        key = id(storage)
+        entry = self._live.get(key)
+        if entry is not None and entry[0]() is storage:
+            if category is not None and entry[2] != category:
+                self._move(entry, category)
+            nbytes = storage.nbytes()
+            if nbytes != entry[1]:  # resized in place
+                self._add(entry[2], nbytes - entry[1])
+                entry[1] = nbytes
+            return
+        nbytes = storage.nbytes()
+        cat = category or self._category_for(tensor)
+        ref = weakref.ref(storage, lambda _r, k=key: self._forget(k, _r))
+        self._live[key] = [ref, nbytes, cat]
+        self._add(cat, nbytes)
+
+    def retag(self, tensor: torch.Tensor | None, category: str) -> None:
+        if tensor is not None:
+            self.track(tensor, category)
+
+    def category_of(self, tensor: torch.Tensor) -> str | None:
+        entry = self._live.get(id(tensor.untyped_storage()))
+        return entry[2] if entry is not None else None
+
+    def _forget(self, key: int, ref: weakref.ref) -> None:
+        entry = self._live.get(key)
+        if entry is not None and entry[0] is ref:
+            del self._live[key]
+            self._add(entry[2], -entry[1])
+
+    def _move(self, entry: list[Any], category: str) -> None:
+        self._add(entry[2], -entry[1], peak=False)
+        entry[2] = category
+        self._add(category, entry[1])
+
+    def _add(self, category: str, nbytes: int, peak: bool = True) -> None:
+        self.totals[category] += nbytes
+        if category == HOST:
+            self.peak_host_bytes = max(self.peak_host_bytes, self.totals[HOST])
+            return
+        self.device_bytes += nbytes
+        if peak and self.device_bytes > self.peak_bytes:
+            self.peak_bytes = self.device_bytes
+            self.peak_breakdown = {c: self.totals[c] for c in CATEGORIES}
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.device_bytes
+        self.peak_breakdown = {c: self.totals[c] for c in CATEGORIES}
+        self.peak_host_bytes = self.totals[HOST]
+
+
+def _is_fake(x: Any) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(x, FakeTensor)
+
+
+class TrackingMode(TorchDispatchMode):
+    """Feed every operator output to ``ledger``; with ``fake=True`` run floating math on fake tensors."""
+
+    def __init__(self, ledger: MemoryLedger, *, fake: bool = False, fill_token: int = 0) -> None:
+        super().__init__()
+        self.ledger = ledger
+        self.fake = fake
+        self.fill_token = fill_token
+        self.fake_mode = None
+        if fake:
+            from torch._subclasses.fake_tensor import FakeTensorMode
+
+            self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        out = self._run(func, args, kwargs) if self.fake else func(*args, **kwargs)
+        flat, _ = tree_flatten(out)
+        for t in flat:
+            if isinstance(t, torch.Tensor):
+                self.ledger.track(t)
+        return out
+
+    # -- fake execution with real integers ------------------------------------------------------
+    def _run(self, func, args, kwargs):  # noqa: ANN001
+        leaves, _ = tree_flatten((args, kwargs))
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        has_fake = any(_is_fake(x) for x in tensors)
+        name = func.overloadpacket.__name__
+        if name == "_local_scalar_dense" and has_fake:
+            t = args[0]
+            return False if t.dtype == torch.bool else (0.0 if t.is_floating_point() or t.is_complex() else 0)
+        if tensors and not has_fake:
+            return func(*args, **kwargs)  # all inputs real: compute for real
+        with self.fake_mode:
+            fake_out = func(*args, **kwargs)
+        if func._schema.is_mutable and tensors and not _is_fake(args[0]) and isinstance(args[0], torch.Tensor):
+            return args[0]  # a real tensor written with fake values: it keeps its (worst-case) values
+        if not tensors:  # a factory: small integer tensors are made for real
+            return tree_map(lambda t: self._realize_factory(func, args, kwargs, t), fake_out)
+        fill = self.fill_token if name in _SAMPLING_OPS else 0
+        return tree_map(lambda t: self._realize(t, fill), fake_out)
+
+    @staticmethod
+    def _small_int(t: Any) -> bool:
+        return (
+            isinstance(t, torch.Tensor)
+            and t.dtype in _REAL_DTYPES
+            and t.numel() <= REAL_INT_NUMEL
+            and t.device.type == "cpu"
+        )
+
+    def _realize_factory(self, func, args, kwargs, t):  # noqa: ANN001
+        if not self._small_int(t):
+            return t
+        real = func(*args, **kwargs)
+        return real if isinstance(real, torch.Tensor) else t
+
+    def _realize(self, t: Any, fill: int) -> Any:
+        if not self._small_int(t):
+            return t
+        value = False if t.dtype == torch.bool else fill
+        return torch.full(tuple(t.shape), value, dtype=t.dtype)

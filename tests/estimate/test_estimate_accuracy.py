@@ -1,0 +1,97 @@
+"""The estimate on fake tensors against the same tracker on the same step really run on CPU tensors.
+
+Each case runs the recipe's own step twice through :func:`lightning_mem.estimate.estimate`: on
+fake tensors (the estimate) and with ``fake=False`` on real CPU tensors of the tiny model; the
+per-phase peaks of tracked tensor bytes must agree within 5 % (they agree exactly today), and each
+technique must show its effect in the breakdown.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_mem.estimate import estimate
+
+TINY_PPO = ["--model.name_or_path=assets/tiny-llama"]
+GRPO_LORA = TINY_PPO + [
+    "--model.advantage_estimator=grpo",
+    '--model.lora={"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}',
+    "--model.grpo.group_size=4",
+    "--data.batch_size=8",
+]
+
+
+def _both(config: str, overrides: list[str]):
+    fake = estimate(config, overrides)
+    real = estimate(config, overrides, fake=False)
+    return fake, real
+
+
+def _assert_close(fake, real) -> None:
+    assert [p.phase for p in fake.phases] == [p.phase for p in real.phases]
+    for f, r in zip(fake.phases, real.phases):
+        assert r.device_peak_bytes > 0
+        assert abs(f.device_peak_bytes - r.device_peak_bytes) <= 0.05 * r.device_peak_bytes, (f, r)
+        assert abs(f.host_peak_bytes - r.host_peak_bytes) <= 0.05 * max(r.host_peak_bytes, 1), (f, r)
+
+
+@pytest.fixture(scope="module")
+def sft_plain():
+    return _both("configs/sft/tiny_cpu.yaml", [])
+
+
+def test_sft_plain(sft_plain):
+    fake, real = sft_plain
+    _assert_close(fake, real)
+    b = fake.phases[0].device_breakdown_bytes
+    params = 3_059_456  # tiny-llama, fp32
+    assert params * 4 <= b["weights"] <= params * 4 + 4096  # + the rotary buffer
+    assert b["optimizer_state"] >= 2 * params * 4  # AdamW: exp_avg + exp_avg_sq (+ step scalars)
+    assert b["activations"] > 0
+
+
+def test_sft_activation_checkpointing(sft_plain):
+    overrides = ["--trainer.callbacks+=lightning_mem.callbacks.ActivationCheckpointing"]
+    fake, real = _both("configs/sft/tiny_cpu.yaml", overrides)
+    _assert_close(fake, real)
+    plain = sft_plain[0].phases[0].device_breakdown_bytes["activations"]
+    assert fake.phases[0].device_breakdown_bytes["activations"] < 0.6 * plain
+
+
+@pytest.mark.xfail(strict=True, reason="on fake tensors the offloaded activations are still counted on the device "
+                   "(host bytes agree with the real run, the device peak does not yet): open")
+def test_sft_activation_offload(sft_plain):
+    overrides = ["--trainer.callbacks+=lightning_mem.callbacks.ActivationOffload"]
+    fake, real = _both("configs/sft/tiny_cpu.yaml", overrides)
+    _assert_close(fake, real)
+    assert fake.phases[0].host_peak_bytes > 0  # the stashed activations
+    plain = sft_plain[0].phases[0].device_peak_bytes
+    assert fake.phases[0].device_peak_bytes < plain
+
+
+def test_sft_adamw8bit(sft_plain):
+    fake, real = _both("configs/sft/tiny_cpu_adamw8bit.yaml", [])
+    _assert_close(fake, real)
+    state = fake.phases[0].device_breakdown_bytes["optimizer_state"]
+    fp32_state = sft_plain[0].phases[0].device_breakdown_bytes["optimizer_state"]
+    assert state < 0.35 * fp32_state  # ~2 bytes per parameter instead of 8
+
+
+def test_ppo_gae_separate_critic():
+    fake, real = _both("configs/ppo/tiny_cpu.yaml", TINY_PPO)
+    _assert_close(fake, real)
+    phases = {p.phase: p for p in fake.phases}
+    assert set(phases) == {"rollout", "score", "train"}
+    assert phases["rollout"].device_breakdown_bytes["kv_cache"] > 0
+    assert phases["train"].device_breakdown_bytes["gradients"] > 0
+    # actor + reference + critic (a backbone with a value head instead of the LM head)
+    assert phases["score"].device_breakdown_bytes["weights"] >= 2.5 * 3_059_456 * 4
+
+
+def test_ppo_grpo_lora():
+    fake, real = _both("configs/ppo/tiny_cpu.yaml", GRPO_LORA)
+    _assert_close(fake, real)
+    train = {p.phase: p for p in fake.phases}["train"].device_breakdown_bytes
+    # LoRA: only the adapters have optimizer state; one copy of the base weights (no reference copy).
+    assert 0 < train["optimizer_state"] < 0.05 * train["weights"]
+    assert train["weights"] < 2 * 3_059_456 * 4
