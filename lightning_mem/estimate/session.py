@@ -405,6 +405,8 @@ class _Run:
         for p in module.parameters():
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(lambda q: self.ledger.retag(q.grad, "gradients"))
+        # A learning-rate schedule holds no tensors, and its horizon needs a running trainer.
+        module.lr_scheduler_factory = None
         out = module.configure_optimizers()
         self.optimizers = _optimizer_list(out)
         for opt in self.optimizers:
@@ -420,9 +422,9 @@ class _Run:
         from lightning_mem.strategies import shard_plan
 
         for _, model in shard_plan.find_hf_models(self.module):
-            blocks = strategy._blocks_to_shard(model)
+            blocks = strategy.blocks_to_shard(model)
             for index in shard_plan.checkpointed_indices(len(blocks), strategy._checkpoint_every):
-                strategy._apply_activation_checkpointing(blocks[index])
+                strategy.apply_activation_checkpointing(blocks[index])
 
     def retag(self) -> None:
         """Parameters and buffers are weights, gradients gradients, optimizer tensors state (unless on the host)."""
@@ -550,7 +552,8 @@ def run_sft(run: _Run, accumulate: int) -> None:
             for cb in run.callbacks:
                 cb.on_train_batch_start(run.trainer, module, batch, index)
             with run.precision.train_step_context():
-                loss = module._loss(batch)
+                loss_sum, tokens = module._loss(batch)  # the summed cross-entropy and its label tokens
+                loss = loss_sum / tokens.clamp(min=1)
             run.backward(loss / micro_batches)
             del loss
             for cb in run.callbacks:
