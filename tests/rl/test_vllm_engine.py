@@ -25,8 +25,8 @@ from lightning_mem.data import PromptDataModule
 from lightning_mem.models import load_causal_lm
 from lightning_mem.rl.config import KLConfig, PPOConfig
 from lightning_mem.rl.engines import RolloutEngineConfig, logprob_mismatch
+from lightning_mem.rl.reward import RewardFunction
 from lightning_mem.rl.rollout import GenerationConfig, RolloutEngine, policy_forward
-from recipes.rewards import ArithmeticReward
 from tests.helpers import ARITH, TINY_MODEL, read_metric
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -109,10 +109,18 @@ class SyncProbe(ppo.PPOModule):
             engine.config = greedy
 
 
+class LengthReward(RewardFunction):
+    """The response's length in characters: it varies between the random model's samples (the
+    arithmetic rewards are all 0 there), so advantages are not zero and an update moves the actor."""
+
+    def score(self, prompts, responses, rows):
+        return [len(r) / 10 for r in responses]
+
+
 def fit_vllm(tmp_path, module_cls=ppo.PPOModule, *, steps=2, **overrides):
     seed_everything(0)
     kwargs = dict(
-        name_or_path=str(TINY_MODEL), reward=ArithmeticReward(), generation=GenerationConfig(max_new_tokens=4),
+        name_or_path=str(TINY_MODEL), reward=LengthReward(), generation=GenerationConfig(max_new_tokens=4),
         ppo=PPOConfig(ppo_epochs=1, num_mini_batches=2, max_tokens_per_microbatch=256),
         rollout_engine=RolloutEngineConfig(name="vllm", max_num_seqs=32), export_dir=None,
         optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2),  # large steps: the weights visibly move
