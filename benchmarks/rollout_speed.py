@@ -50,12 +50,12 @@ def main() -> None:
     data.setup("fit")
     batch = next(iter(data.train_dataloader()))
     ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
-    # No end token: every response is --new-tokens long, so both engines generate the same count.
+    # Each engine's rate counts the response tokens it produced (up to the end token).
     gen = GenerationConfig(max_new_tokens=args.new_tokens, temperature=1.0)
-    hf = RolloutEngine(gen, eos_token_ids=[-1], pad_token_id=tokenizer.pad_token_id)
+    hf = RolloutEngine(gen, eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id)
     vllm = VLLMRolloutEngine(
         gen, RolloutEngineConfig(name="vllm", max_num_seqs=args.max_num_seqs), model_path=args.model,
-        eos_token_ids=[-1], pad_token_id=tokenizer.pad_token_id, dtype=actor.dtype,
+        eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id, dtype=actor.dtype,
     )
     start = time.perf_counter()
     vllm.start()

@@ -115,7 +115,12 @@ class VLLMRolloutEngine(RolloutEngine):
             # On CPU gpu_memory_utilization would reserve that fraction of host memory: size the
             # KV cache explicitly instead.
             kwargs["kv_cache_memory_bytes"] = cfg.cpu_kv_cache_space_gb << 30
+        # vLLM's CPU build drops torch to one thread "for serving" and then replaces
+        # torch.set_num_threads with a no-op; the trainer shares this process, so put the count back.
+        threads, set_threads = torch.get_num_threads(), torch.set_num_threads
         self.llm = LLM(**kwargs)
+        if torch.get_num_threads() != threads:
+            set_threads(threads)
         self.sleeping = 0
 
     def close(self) -> None:

@@ -117,7 +117,7 @@ class LengthReward(RewardFunction):
         return [len(r) / 10 for r in responses]
 
 
-def fit_vllm(tmp_path, module_cls=ppo.PPOModule, *, steps=2, **overrides):
+def fit_vllm(tmp_path, module_cls=ppo.PPOModule, *, steps=2, batch_size=8, **overrides):
     seed_everything(0)
     kwargs = dict(
         name_or_path=str(TINY_MODEL), reward=LengthReward(), generation=GenerationConfig(max_new_tokens=4),
@@ -128,7 +128,8 @@ def fit_vllm(tmp_path, module_cls=ppo.PPOModule, *, steps=2, **overrides):
     kwargs.update(overrides)
     module = module_cls(**kwargs)
     module.checks = []
-    data = PromptDataModule(str(ARITH / "prompts.jsonl"), tokenizer=str(TINY_MODEL), batch_size=8, max_prompt_length=64)
+    data = PromptDataModule(str(ARITH / "prompts.jsonl"), tokenizer=module.hparams.name_or_path, batch_size=batch_size,
+                            max_prompt_length=64)
     trainer = Trainer(
         accelerator="cpu", devices=1, max_epochs=1, limit_train_batches=steps, default_root_dir=tmp_path,
         logger=CSVLogger(tmp_path, name="logs"), log_every_n_steps=1, enable_checkpointing=False,
