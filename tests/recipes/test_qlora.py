@@ -18,9 +18,10 @@ PROBE = torch.tensor([[3, 40, 41, 42, 17, 18, 60, 61], [5, 6, 7, 8, 9, 10, 11, 1
 
 
 def assert_bf16_close(actual, expected):
-    # torch's bf16 rtol (8 mantissa bits); atol 1e-2 is about one bf16 step at the logits' scale
-    # (|logit| of a few units). Merging into the undequantized base misses this by ~0.4.
-    torch.testing.assert_close(actual, expected, rtol=1.6e-2, atol=1e-2)
+    # torch's bf16 rtol (8 mantissa bits); atol 2e-2 is about two bf16 steps at the logits' scale
+    # (|logit| of a few units): a bf16 forward of merged vs separate weights rounds differently, and
+    # one logit in 4,912 was measured 0.0117 off. Merging into the undequantized base misses by ~0.4.
+    torch.testing.assert_close(actual, expected, rtol=1.6e-2, atol=2e-2)
 
 
 def _fit_args(root, *extra):
