@@ -24,7 +24,8 @@ from torch import nn
 
 from lightning_mem.checkpointing import staged_directory
 from lightning_mem.export import gather_full_state_dict
-from lightning_mem.models import check_model_source, has_weights, load_causal_lm, load_tokenizer, resolve_dtype
+from lightning_mem.models import check_model_source, has_weights, load_causal_lm, load_tokenizer
+from lightning_mem.dtypes import resolve_dtype
 from lightning_mem.quantization import (
     QuantizationSettings,
     is_quantized_linear,

@@ -13,30 +13,10 @@ from typing import Any
 
 import torch
 
+from lightning_mem.dtypes import resolve_dtype
+
 _WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json", "*.pt")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-}
-
-
-def resolve_dtype(dtype: str | torch.dtype | None, *, key: str = "dtype") -> torch.dtype | None:
-    """Map a YAML dtype string ("bfloat16", "bf16", ...) to a torch dtype; None and "auto" pass as None."""
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        return None
-    try:
-        return _DTYPES[dtype]
-    except KeyError:
-        raise ValueError(f"`{key}`: unknown dtype {dtype!r}; choose one of {sorted(_DTYPES)} or 'auto'") from None
-
-
 def has_weights(path: str | os.PathLike) -> bool:
     """True when a local model folder holds weight files, not just a config."""
     folder = Path(path)

@@ -73,7 +73,8 @@ def load_value_model(
     """
     from transformers import AutoConfig, AutoModel
 
-    from lightning_mem.models import check_model_source, has_weights, resolve_dtype
+    from lightning_mem.models import check_model_source, has_weights
+    from lightning_mem.dtypes import resolve_dtype
 
     source = check_model_source(name_or_path, key=key)
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}

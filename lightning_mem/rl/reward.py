@@ -117,7 +117,8 @@ def load_reward_model(
     """
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
-    from lightning_mem.models import check_model_source, has_weights, load_tokenizer, resolve_dtype
+    from lightning_mem.models import check_model_source, has_weights, load_tokenizer
+    from lightning_mem.dtypes import resolve_dtype
 
     source = check_model_source(name_or_path, key=key)
     tokenizer = load_tokenizer(name_or_path, trust_remote_code=trust_remote_code, key=key)

@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_mem.checkpointing import AtomicCheckpointIO, remove_versioned, switch_link, version_dir
+from lightning_mem.dtypes import resolve_dtype
 from lightning_mem.strategies import shard_plan
 from lightning_mem.strategies.consolidate import full_state_dict
 
@@ -52,39 +53,6 @@ DEFAULT_TIMEOUT_S = 600.0
 #: Written last into a sharded checkpoint folder, holding its global step: a folder without it
 #: (or with another step than its metadata) is the remains of an interrupted save.
 COMPLETE_MARKER = "COMPLETE"
-
-# Spellings accepted for `param_dtype` / `reduce_dtype` (YAML gives strings).
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-}
-
-
-def parse_dtype(value: Union[str, torch.dtype, None], argument: str) -> Optional[torch.dtype]:
-    """A floating dtype from a ``torch.dtype`` or a name such as ``"bfloat16"`` or ``"torch.bf16"``.
-
-    Raises:
-        ValueError: naming ``argument`` when the value is no floating dtype.
-    """
-    if value is None:
-        return None
-    if isinstance(value, torch.dtype) and value.is_floating_point:
-        return value
-    if isinstance(value, str):
-        key = value.strip().lower().removeprefix("torch.")
-        if key in _DTYPES:
-            return _DTYPES[key]
-    raise ValueError(
-        f"`{argument}={value!r}` is not a floating-point dtype. Use one of {sorted(_DTYPES)}, a `torch.dtype`,"
-        " or null to keep the parameters' own dtype."
-    )
-
 
 def _zero_embedding_padding_rows(module: nn.Module) -> None:
     """Zero each sharded embedding's ``padding_idx`` row in whichever rank holds it.
@@ -225,8 +193,8 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.checkpoint_io = AtomicCheckpointIO()
         self._cpu_offload = cpu_offload
         self._reshard_after_forward = reshard_after_forward
-        self._param_dtype = parse_dtype(param_dtype, "param_dtype")
-        self._reduce_dtype = parse_dtype(reduce_dtype, "reduce_dtype")
+        self._param_dtype = resolve_dtype(param_dtype, key="param_dtype")
+        self._reduce_dtype = resolve_dtype(reduce_dtype, key="reduce_dtype")
         # `True` means every block; an int counts blocks; bool is an int, so normalize.
         self._checkpoint_every = int(activation_checkpointing)
         self._shard_modules = list(shard_modules) if shard_modules is not None else None

@@ -32,7 +32,7 @@ import fsdp2_scenarios as sc  # noqa: E402
 
 from tests.helpers import HANG_GUARD_S  # noqa: E402
 
-from lightning_mem.strategies import FSDP2Strategy, full_state_dict, parse_dtype, shard_plan  # noqa: E402
+from lightning_mem.strategies import FSDP2Strategy, full_state_dict, shard_plan  # noqa: E402
 
 
 def run_worker(out: Path, spec: dict, devices: int = 2, timeout: float = HANG_GUARD_S) -> list[dict]:
@@ -343,13 +343,6 @@ def test_activation_checkpointing_cuts_saved_bytes_and_changes_no_gradient():
 def test_bad_arguments_fail_at_construction_naming_the_argument(kwargs, message):
     with pytest.raises((ValueError, TypeError), match=message.replace("(", r"\(").replace("[", r"\[")):
         FSDP2Strategy(**kwargs)
-
-
-def test_dtype_strings_from_yaml():
-    assert parse_dtype("bfloat16", "x") is torch.bfloat16
-    assert parse_dtype("torch.float16", "x") is torch.float16
-    assert parse_dtype("fp32", "x") is torch.float32
-    assert parse_dtype(None, "x") is None
 
 
 class _Holder(nn.Module):
