@@ -94,12 +94,8 @@ def meta_model(name_or_path: str, *, trust_remote_code: bool = False) -> nn.Modu
 
     Lets target names be checked before the real (slow, large) load.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    check_model_source(name_or_path)
-    config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        return load_causal_lm(name_or_path, from_config=True, trust_remote_code=trust_remote_code)
 
 
 def _is_linear(module: nn.Module) -> bool:

@@ -27,7 +27,6 @@ the iteration. A learning-rate schedule without ``total_steps`` spans the run.
 from __future__ import annotations
 
 import sys
-import time
 import warnings
 from pathlib import Path
 from typing import Any, Literal

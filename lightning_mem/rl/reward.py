@@ -115,22 +115,11 @@ def load_reward_model(
 
     A folder with only a config (the tiny test model) initialises the head and backbone at random.
     """
-    from transformers import AutoConfig, AutoModelForSequenceClassification
+    from transformers import AutoModelForSequenceClassification
 
-    from lightning_mem.models import check_model_source, has_weights, load_tokenizer
-    from lightning_mem.dtypes import resolve_dtype
+    from lightning_mem.models import load_pretrained, load_tokenizer
 
-    source = check_model_source(name_or_path, key=key)
     tokenizer = load_tokenizer(name_or_path, trust_remote_code=trust_remote_code, key=key)
-    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code, "num_labels": 1}
-    torch_dtype = resolve_dtype(dtype, key=key.rsplit(".", 1)[0] + ".dtype")
-    if torch_dtype is not None:
-        kwargs["dtype"] = torch_dtype
-    if source == "local" and not has_weights(name_or_path):
-        config = AutoConfig.from_pretrained(name_or_path, num_labels=1, trust_remote_code=trust_remote_code)
-        model = AutoModelForSequenceClassification.from_config(
-            config, **{k: v for k, v in kwargs.items() if k != "num_labels"}
-        )
-    else:
-        model = AutoModelForSequenceClassification.from_pretrained(name_or_path, **kwargs)
+    model = load_pretrained(AutoModelForSequenceClassification, name_or_path, dtype=dtype,
+                            trust_remote_code=trust_remote_code, key=key, config_kwargs={"num_labels": 1})
     return RewardModel(model, tokenizer, max_length=max_length)
