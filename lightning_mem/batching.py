@@ -8,6 +8,7 @@ memory about the same. The same packer serves the data loaders here and the PPO 
 from __future__ import annotations
 
 import warnings
+from typing import Any
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -230,3 +231,16 @@ def _with_weight(indices: list[int], step_weight: float) -> MicroBatch:
     batch = MicroBatch(indices)
     batch.step_weight = step_weight
     return batch
+
+
+def resume_where_stopped(sampler: TokenBudgetSampler, trainer: Any) -> None:
+    """Position a training sampler by the batches the trainer has already run.
+
+    Lightning restores its batch counters from a checkpoint but replays a plain DataLoader from
+    the start (and, from a checkpoint taken on an epoch's last batch, resumes with the next epoch
+    number); positioning by batches run makes a resumed run see exactly the uninterrupted batches.
+    """
+    if trainer is None:
+        return
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    sampler.position_fn = lambda: progress.total.processed
