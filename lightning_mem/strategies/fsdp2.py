@@ -37,6 +37,7 @@ from typing_extensions import override
 
 from lightning_mem.checkpointing import AtomicCheckpointIO, remove_versioned, switch_link, version_dir
 from lightning_mem.dtypes import resolve_dtype
+from lightning_mem import activation_checkpointing, module_tree
 from lightning_mem.strategies import shard_plan
 from lightning_mem.strategies.consolidate import full_state_dict
 
@@ -296,7 +297,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         for name, leftover in shard_plan.unsharded_modules(module):
             self.shard_module(leftover, reshard_after_forward=self._reshard_for(leftover))
         # Every unit root, including any the user sharded in `configure_model`.
-        for name, unit in shard_plan.outermost(module, lambda sub: isinstance(sub, FSDPModule)):
+        for name, unit in module_tree.outermost(module, lambda sub: isinstance(sub, FSDPModule)):
             self.materialize(name, unit)
         self._check_no_meta(module)
 
@@ -307,7 +308,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         class_name = type(model).__name__
         reshard = self._reshard_for(model)
         blocks = self.blocks_to_shard(model)
-        checkpointed = set(shard_plan.checkpointed_indices(len(blocks), self._checkpoint_every))
+        checkpointed = set(activation_checkpointing.checkpointed_indices(len(blocks), self._checkpoint_every))
         for index, block in enumerate(blocks):
             if isinstance(block, FSDPModule):  # sharded by the user's configure_model
                 continue
@@ -345,7 +346,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         Default: every outermost ``transformers.PreTrainedModel`` (peft models are walked
         through to the HF model inside). Override to add models of your own classes.
         """
-        return shard_plan.find_hf_models(module)
+        return module_tree.find_hf_models(module)
 
     def blocks_to_shard(self, model: nn.Module) -> list[nn.Module]:
         """Step 2: the blocks of ``model`` that become FSDP units, in forward order.
@@ -356,13 +357,13 @@ class FSDP2Strategy(ModelParallelStrategy):
         if self._shard_modules is not None:
             names = self._shard_modules
         else:
-            names = shard_plan.default_block_classes(model)
+            names = module_tree.default_block_classes(model)
             if not names:
                 raise ValueError(
                     f"`{type(model).__name__}` declares no `_no_split_modules`, so FSDP2Strategy cannot tell"
                     " its blocks. Name the block classes in `shard_modules` (e.g. ['MyDecoderLayer'])."
                 )
-        blocks = shard_plan.find_blocks(model, names)
+        blocks = module_tree.find_blocks(model, names)
         if not blocks:
             rank_zero_warn(
                 f"FSDP2Strategy: `{type(model).__name__}` has no module of class {names}; it is sharded as one"
@@ -371,15 +372,9 @@ class FSDP2Strategy(ModelParallelStrategy):
         return blocks
 
     def apply_activation_checkpointing(self, block: nn.Module) -> None:
-        """Step 3: make ``block`` recompute its activations in backward.
-
-        Default: PyTorch's composable, non-reentrant ``checkpoint``: it works through
-        forward hooks, so module names (and state-dict keys, and HF export) are unchanged,
-        and FSDP2 is built to compose with it.
-        """
-        from torch.distributed._composable import checkpoint
-
-        checkpoint(block)
+        """Step 3: make ``block`` recompute its activations in backward
+        (:func:`lightning_mem.activation_checkpointing.checkpoint_block`)."""
+        activation_checkpointing.checkpoint_block(block)
 
     def offload_policy(self) -> "OffloadPolicy":
         """Step 4a: where sharded parameters, gradients and the optimizer step live."""
@@ -449,7 +444,7 @@ class FSDP2Strategy(ModelParallelStrategy):
                 f"FSDP2Strategy cannot initialize peft adapters created on the meta device ({adapters[0]}, ...):"
                 " create the base model with real weights, then add the adapters."
             )
-        hf_models = [model for _, model in shard_plan.find_hf_models(unit)]
+        hf_models = [model for _, model in module_tree.find_hf_models(unit)]
         for model in hf_models:
             model.initialize_weights()
             _zero_embedding_padding_rows(model)
@@ -470,10 +465,10 @@ class FSDP2Strategy(ModelParallelStrategy):
     def _check_shard_modules(self, models: list[nn.Module]) -> None:
         if self._shard_modules is None:
             return
-        present = shard_plan.class_names_in(models)
+        present = module_tree.class_names_in(models)
         missing = [name for name in self._shard_modules if name not in present]
         if missing:
-            hints = sorted({n for model in models for n in shard_plan.default_block_classes(model)})
+            hints = sorted({n for model in models for n in module_tree.default_block_classes(model)})
             raise ValueError(
                 f"`shard_modules` names {missing}, which no model here contains"
                 f" ({', '.join(type(m).__name__ for m in models) or 'no HF model found'})."
