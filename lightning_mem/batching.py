@@ -8,6 +8,7 @@ memory about the same. The same packer serves the data loaders here and the PPO 
 from __future__ import annotations
 
 import warnings
+from typing import Any
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -50,7 +51,29 @@ def pack_by_token_budget(
     return batches
 
 
-def split_batches_to_multiple(batches: list[list[int]], multiple: int) -> list[list[int]]:
+def split_largest(
+    batches: list[list[int]], lengths: Sequence[int] | None, *, until: Callable[[int], bool]
+) -> list[list[int]]:
+    """Split the most expensive batch in two (its padded tokens under ``lengths``, then its size)
+    until ``until(count)`` holds or every batch is a single sample; every sample is kept."""
+    batches = [list(b) for b in batches]
+
+    def cost(batch: list[int]) -> tuple[int, int]:
+        return (padded_tokens([lengths[k] for k in batch]) if lengths is not None else 0, len(batch))
+
+    while not until(len(batches)):
+        splittable = [i for i, b in enumerate(batches) if len(b) > 1]
+        if not splittable:
+            break
+        i = max(splittable, key=lambda j: cost(batches[j]))
+        half = len(batches[i]) // 2
+        batches[i : i + 1] = [batches[i][:half], batches[i][half:]]
+    return batches
+
+
+def split_batches_to_multiple(
+    batches: list[list[int]], multiple: int, lengths: Sequence[int] | None = None
+) -> list[list[int]]:
     """Split the largest batches in two until the count is a multiple of ``multiple``.
 
     Every rank must run the same number of steps (collectives would hang otherwise); splitting keeps
@@ -58,15 +81,17 @@ def split_batches_to_multiple(batches: list[list[int]], multiple: int) -> list[l
     single sample and the count is still no multiple (fewer samples than ranks, or only samples
     near the budget), the result stays short: :func:`pad_batches_to_multiple` finishes the job.
     """
-    batches = [list(b) for b in batches]
-    while len(batches) % multiple:
-        splittable = [i for i, b in enumerate(batches) if len(b) > 1]
-        if not splittable:
-            break
-        i = max(splittable, key=lambda j: len(batches[j]))
-        half = len(batches[i]) // 2
-        batches[i : i + 1] = [batches[i][:half], batches[i][half:]]
-    return batches
+    return split_largest(batches, lengths, until=lambda n: n % multiple == 0)
+
+
+def split_to_count(batches: list[list[int]], count: int, lengths: Sequence[int]) -> list[list[int]]:
+    """Split the most expensive (padded tokens) batches in two until there are ``count`` of them."""
+    if count < len(batches):
+        raise ValueError(f"cannot reach {count} micro-batches from {len(batches)} by splitting")
+    out = split_largest(batches, lengths, until=lambda n: n >= count)
+    if len(out) < count:
+        raise ValueError(f"{sum(map(len, batches))} samples cannot make {count} micro-batches")
+    return out
 
 
 def pad_batches_to_multiple(batches: list[list[int]], multiple: int, lengths: Sequence[int]) -> list[list[int]]:
@@ -168,7 +193,7 @@ class TokenBudgetSampler(DistributedSampler):
             for start in range(0, len(order), self.sort_window):
                 window = sorted(order[start : start + self.sort_window], key=lambda i: -self.lengths[i])
                 batches += pack_by_token_budget(window, self.lengths, self.max_tokens)
-        batches = split_batches_to_multiple(batches, self.num_replicas)
+        batches = split_batches_to_multiple(batches, self.num_replicas, self.lengths)
         planned = len(batches)
         batches = pad_batches_to_multiple(batches, self.num_replicas, self.lengths)
         #: Batches served twice per epoch so that every rank gets the same step count (see
@@ -230,3 +255,16 @@ def _with_weight(indices: list[int], step_weight: float) -> MicroBatch:
     batch = MicroBatch(indices)
     batch.step_weight = step_weight
     return batch
+
+
+def resume_where_stopped(sampler: TokenBudgetSampler, trainer: Any) -> None:
+    """Position a training sampler by the batches the trainer has already run.
+
+    Lightning restores its batch counters from a checkpoint but replays a plain DataLoader from
+    the start (and, from a checkpoint taken on an epoch's last batch, resumes with the next epoch
+    number); positioning by batches run makes a resumed run see exactly the uninterrupted batches.
+    """
+    if trainer is None:
+        return
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    sampler.position_fn = lambda: progress.total.processed

@@ -24,7 +24,8 @@ from torch import nn
 
 from lightning_mem.checkpointing import staged_directory
 from lightning_mem.export import gather_full_state_dict
-from lightning_mem.models import check_model_source, has_weights, load_causal_lm, load_tokenizer, resolve_dtype
+from lightning_mem.models import check_model_source, has_weights, load_causal_lm, load_tokenizer
+from lightning_mem.dtypes import resolve_dtype
 from lightning_mem.quantization import (
     QuantizationSettings,
     is_quantized_linear,
@@ -93,12 +94,8 @@ def meta_model(name_or_path: str, *, trust_remote_code: bool = False) -> nn.Modu
 
     Lets target names be checked before the real (slow, large) load.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    check_model_source(name_or_path)
-    config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        return load_causal_lm(name_or_path, from_config=True, trust_remote_code=trust_remote_code)
 
 
 def _is_linear(module: nn.Module) -> bool:

@@ -8,35 +8,16 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from lightning_mem.dtypes import resolve_dtype
+
 _WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json", "*.pt")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-}
-
-
-def resolve_dtype(dtype: str | torch.dtype | None, *, key: str = "dtype") -> torch.dtype | None:
-    """Map a YAML dtype string ("bfloat16", "bf16", ...) to a torch dtype; None and "auto" pass as None."""
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        return None
-    try:
-        return _DTYPES[dtype]
-    except KeyError:
-        raise ValueError(f"`{key}`: unknown dtype {dtype!r}; choose one of {sorted(_DTYPES)} or 'auto'") from None
-
-
 def has_weights(path: str | os.PathLike) -> bool:
     """True when a local model folder holds weight files, not just a config."""
     folder = Path(path)
@@ -76,7 +57,14 @@ def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False, key: s
     return tokenizer
 
 
-def load_causal_lm(
+def dtype_key(key: str) -> str:
+    """The YAML key of a model's dtype, next to its location key (``model.critic.name_or_path`` ->
+    ``model.critic.dtype``)."""
+    return key.rsplit(".", 1)[0] + ".dtype" if "." in key else "dtype"
+
+
+def load_pretrained(
+    auto_class: Any,
     name_or_path: str,
     *,
     dtype: str | torch.dtype | None = None,
@@ -84,23 +72,35 @@ def load_causal_lm(
     attn_implementation: str | None = None,
     trust_remote_code: bool = False,
     key: str = "model.name_or_path",
+    config_kwargs: dict[str, Any] | None = None,
+    report_missing: bool = False,
     **from_pretrained_kwargs: Any,
 ) -> torch.nn.Module:
-    """Load a causal LM with ``transformers``.
+    """Load a model with a ``transformers`` auto class (``AutoModelForCausalLM``, ``AutoModel``,
+    ``AutoModelForSequenceClassification``...): from weights, or at random from a config alone.
 
     Args:
+        auto_class: the ``transformers`` auto class whose ``from_config``/``from_pretrained`` build it.
         name_or_path: a local folder or a hub id.
         dtype: parameter dtype ("bfloat16", "float32", "auto" = the checkpoint's); None keeps the default.
         from_config: True initialises random weights from the config (no weights read); None decides
             by whether a local folder holds weights (a hub id always loads weights).
         attn_implementation: passed to transformers ("sdpa", "eager", "flash_attention_2").
+        key: the YAML key of ``name_or_path``, named in errors (its dtype key is its sibling).
+        config_kwargs: config attributes to set either way (e.g. ``num_labels=1``).
+        report_missing: load quietly and warn once, naming the weights the checkpoint lacks (for a
+            class other than the checkpoint's, e.g. a backbone read from a causal-LM checkpoint,
+            where transformers would otherwise report the unused head on every run).
         from_pretrained_kwargs: anything else for ``from_pretrained`` (``quantization_config``,
             ``device_map``, ``max_memory``, ``offload_folder``...).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     source = check_model_source(name_or_path, key=key)
-    torch_dtype = resolve_dtype(dtype)
+    torch_dtype = resolve_dtype(dtype, key=dtype_key(key))
+    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
     if from_config is None:
         from_config = source == "local" and not has_weights(name_or_path)
     if from_config:
@@ -108,20 +108,39 @@ def load_causal_lm(
             raise ValueError(
                 f"`{key}`: {name_or_path!r} has no weights to load, so {sorted(from_pretrained_kwargs)} cannot apply"
             )
-        config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
-        kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+        config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, **(config_kwargs or {}))
         if torch_dtype is not None:
             kwargs["dtype"] = torch_dtype
-        if attn_implementation is not None:
-            kwargs["attn_implementation"] = attn_implementation
-        return AutoModelForCausalLM.from_config(config, **kwargs)
-    kwargs = {"trust_remote_code": trust_remote_code, **from_pretrained_kwargs}
-    kwargs["dtype"] = torch_dtype if torch_dtype is not None else ("auto" if dtype == "auto" else None)
-    if kwargs["dtype"] is None:
-        del kwargs["dtype"]
-    if attn_implementation is not None:
-        kwargs["attn_implementation"] = attn_implementation
-    return AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
+        return auto_class.from_config(config, **kwargs)
+    kwargs.update(config_kwargs or {}, **from_pretrained_kwargs)
+    if torch_dtype is not None or dtype == "auto":
+        kwargs["dtype"] = torch_dtype if torch_dtype is not None else "auto"
+    if not report_missing:
+        return auto_class.from_pretrained(name_or_path, **kwargs)
+    return _load_reporting_missing(auto_class, name_or_path, key, kwargs)
+
+
+def _load_reporting_missing(auto_class: Any, name_or_path: str, key: str, kwargs: dict[str, Any]) -> torch.nn.Module:
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        model, info = auto_class.from_pretrained(name_or_path, output_loading_info=True, **kwargs)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        warnings.warn(f"`{key}` ({name_or_path}): the checkpoint has no weights for {shown}; they start at random")
+    return model
+
+
+def load_causal_lm(name_or_path: str, **kwargs: Any) -> torch.nn.Module:
+    """:func:`load_pretrained` with ``AutoModelForCausalLM`` (the policy, the SFT model)."""
+    from transformers import AutoModelForCausalLM
+
+    return load_pretrained(AutoModelForCausalLM, name_or_path, **kwargs)
 
 
 def count_parameters(module: torch.nn.Module, *, trainable_only: bool = False) -> int:

@@ -39,18 +39,18 @@ Location = Literal["device", "host"]
 # ---------------------------------------------------------------------------------------------
 # Tensors: host copies, DTensor shards, paged buffers
 # ---------------------------------------------------------------------------------------------
-def _is_dtensor(tensor: torch.Tensor) -> bool:
+def is_dtensor(tensor: torch.Tensor) -> bool:
     from torch.distributed.tensor import DTensor
 
     return isinstance(tensor, DTensor)
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor._local_tensor if _is_dtensor(tensor) else tensor
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor._local_tensor if is_dtensor(tensor) else tensor
 
 
 def _with_local(like: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    if not _is_dtensor(like):
+    if not is_dtensor(like):
         return local
     from torch.distributed.tensor import DTensor
 
@@ -64,7 +64,7 @@ def _is_paged(tensor: torch.Tensor) -> bool:
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
-    local = _local(tensor)
+    local = local_tensor(tensor)
     return local.numel() * local.element_size()
 
 
@@ -77,7 +77,7 @@ def _pin_default(pin_memory: Optional[bool], source: torch.device) -> bool:
 
 def _copy_to(tensor: torch.Tensor, device: torch.device, pin_memory: bool, non_blocking: bool) -> torch.Tensor:
     """A copy of ``tensor`` (or of its local shard) in fresh memory on ``device``, same strides."""
-    local = _local(tensor)
+    local = local_tensor(tensor)
     pin = pin_memory and device.type == "cpu"
     out = torch.empty_like(local, device=device, pin_memory=pin)
     # Non-blocking only where it is safe without a wait: into pinned memory or onto a device.
@@ -142,7 +142,7 @@ def optimizer_state_location(optimizer: torch.optim.Optimizer) -> Location:
     return optimizer_state_residency(optimizer).location
 
 
-def _state_slots(optimizer: torch.optim.Optimizer) -> Iterator[tuple[dict, Any, str, Optional[torch.Tensor]]]:
+def optimizer_state_slots(optimizer: torch.optim.Optimizer) -> Iterator[tuple[dict, Any, str, Optional[torch.Tensor]]]:
     """(container, key, name, owning parameter) for every tensor the optimizer keeps."""
     index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
     for param, state in optimizer.state.items():
@@ -160,14 +160,14 @@ def _state_slots(optimizer: torch.optim.Optimizer) -> Iterator[tuple[dict, Any, 
 def _training_device(optimizer: torch.optim.Optimizer) -> Optional[torch.device]:
     for group in optimizer.param_groups:
         for param in group["params"]:
-            return _local(param).device
+            return local_tensor(param).device
     return None
 
 
 def _lives_on_device(tensor: torch.Tensor, train_device: torch.device) -> bool:
     if _is_paged(tensor):
         return True  # a CPU tensor to torch, but unified memory the kernels use on the GPU
-    device = _local(tensor).device
+    device = local_tensor(tensor).device
     if train_device.type == "cpu":
         return True  # host and device are one memory: everything is "device" state
     # e.g. torch keeps AdamW's scalar `step` on the CPU next to CUDA params: already on the host.
@@ -193,7 +193,7 @@ def optimizer_state_to_host(
     already_host = {id(t.host) for t in ledger.moved if t.host is not None}
     groups: dict[int, list[tuple[dict, Any, str]]] = {}
     tensors: dict[int, torch.Tensor] = {}
-    for container, key, name, _ in _state_slots(optimizer):
+    for container, key, name, _ in optimizer_state_slots(optimizer):
         tensor = container[key]
         if id(tensor) in already_host:
             continue
@@ -205,7 +205,7 @@ def optimizer_state_to_host(
     devices = set()
     for tid, slots in groups.items():
         tensor = tensors[tid]
-        device = _local(tensor).device
+        device = local_tensor(tensor).device
         paged = _is_paged(tensor)
         if paged:
             _prefetch_paged(tensor, to_cpu=True)
@@ -227,7 +227,7 @@ def optimizer_state_to_device(optimizer: torch.optim.Optimizer, non_blocking: bo
     by_host: dict[int, MovedTensor] = {id(t.host): t for t in ledger.moved if t.host is not None}
     restored: dict[int, torch.Tensor] = {}
     devices = set()
-    for container, key, _, _ in list(_state_slots(optimizer)):
+    for container, key, _, _ in list(optimizer_state_slots(optimizer)):
         host = container[key]
         moved = by_host.get(id(host))
         if moved is None:
@@ -332,7 +332,7 @@ def move_module(
         ValueError: for FSDP2-sharded (DTensor) modules, whose shards FSDP2 owns; use its
             ``CPUOffloadPolicy`` instead.
     """
-    if any(_is_dtensor(t) for _, t, _ in _module_tensors(module)):
+    if any(is_dtensor(t) for _, t, _ in _module_tensors(module)):
         raise ValueError(
             "move_module: the module holds DTensor (FSDP2-sharded) parameters; FSDP2 owns their "
             "storage, so offload them with the strategy's CPUOffloadPolicy instead"

@@ -15,7 +15,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import WarningCache
 from torch import nn
 
-from lightning_mem.offload import _is_dtensor, _local, _state_slots
+from lightning_mem.offload import is_dtensor, local_tensor, optimizer_state_slots
 
 _warning_cache = WarningCache()
 
@@ -56,8 +56,8 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     only the local shard counts. Python numbers (bitsandbytes' ``step``) are not tensors.
     """
     seen: dict[int, int] = {}
-    for container, key, _, _ in _state_slots(optimizer):
-        storage = _local(container[key]).untyped_storage()
+    for container, key, _, _ in optimizer_state_slots(optimizer):
+        storage = local_tensor(container[key]).untyped_storage()
         seen[storage.data_ptr() or id(storage)] = storage.nbytes()
     return sum(seen.values())
 
@@ -70,7 +70,7 @@ def warn_if_paged_on_cpu(optimizer: torch.optim.Optimizer) -> bool:
     """
     if not getattr(optimizer, "is_paged", False):
         return False
-    devices = {_local(p).device.type for g in optimizer.param_groups for p in g["params"]}
+    devices = {local_tensor(p).device.type for g in optimizer.param_groups for p in g["params"]}
     if torch.cuda.is_available() and "cuda" in devices:
         return False
     _warning_cache.warn(
@@ -129,7 +129,7 @@ class StepInBackward:
             for param in group["params"]:
                 if not param.requires_grad:
                     continue
-                if _is_dtensor(param):
+                if is_dtensor(param):
                     raise ValueError(
                         "StepInBackward runs on a single device: sharded (DTensor) parameters need their "
                         "gradients reduced across ranks before a step"

@@ -20,7 +20,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from lightning_mem.models import has_weights, load_causal_lm, load_tokenizer, resolve_dtype
+from lightning_mem.models import has_weights, load_causal_lm, load_tokenizer
+from lightning_mem.dtypes import resolve_dtype
 
 _KEY = "model.quantization"
 

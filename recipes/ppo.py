@@ -27,7 +27,6 @@ the iteration. A learning-rate schedule without ``total_steps`` spans the run.
 from __future__ import annotations
 
 import sys
-import time
 import warnings
 from pathlib import Path
 from typing import Any, Literal
@@ -42,7 +41,8 @@ from lightning_mem.cli import RecipeCLI
 from lightning_mem.data import PromptDataModule, row_to_prompt_messages
 from lightning_mem.export import export_hf, export_main
 from lightning_mem.lora import LoraSettings, apply_lora, check_lora_targets, meta_model
-from lightning_mem.models import check_model_source, load_causal_lm, load_tokenizer, resolve_dtype
+from lightning_mem.models import check_model_source, load_causal_lm, load_tokenizer
+from lightning_mem.dtypes import resolve_dtype
 from lightning_mem.optim import param_groups, warn_if_paged_on_cpu
 from lightning_mem.schedules import build_lr_scheduler, check_schedule
 from lightning_mem.rl.algorithms import (

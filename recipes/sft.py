@@ -41,7 +41,8 @@ from lightning_mem.lora import (
     saved_base,
     trainable_checkpoint_state,
 )
-from lightning_mem.models import check_model_source, load_causal_lm, load_tokenizer, resolve_dtype
+from lightning_mem.models import check_model_source, load_causal_lm, load_tokenizer
+from lightning_mem.dtypes import resolve_dtype
 from lightning_mem.optim import param_groups, warn_if_paged_on_cpu
 from lightning_mem.schedules import build_lr_scheduler, check_schedule
 

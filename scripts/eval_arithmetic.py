@@ -26,7 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, no install needed
 
-from lightning_mem.data import collate_left_padded, read_rows, row_to_prompt_messages  # noqa: E402
+from lightning_mem.data import collate_left_padded, encode_prompt, read_rows, row_to_prompt_messages  # noqa: E402
+from lightning_mem.padding import pad_sequences  # noqa: E402
 from lightning_mem.models import load_causal_lm, load_tokenizer  # noqa: E402
 from lightning_mem.rl.rollout import (  # noqa: E402
     GenerationConfig,
@@ -54,8 +55,7 @@ def evaluate(
     model = load_causal_lm(model_path, dtype="float32").eval()
     items = []
     for row in rows:
-        text = tokenizer.apply_chat_template(row_to_prompt_messages(row), tokenize=False, add_generation_prompt=True)
-        items.append({"prompt_ids": tokenizer(text, add_special_tokens=False)["input_ids"], "row": row})
+        items.append({"prompt_ids": encode_prompt(row_to_prompt_messages(row), tokenizer), "row": row})
     eos = [tokenizer.eos_token_id]
     exact = ExactAnswerReward()  # the PPO config's reward
     result: dict[str, float] = {"prompts": float(len(rows))}
@@ -96,9 +96,7 @@ def _answer_probability(model, tokenizer, items, temperature: float, batch_size:
         answers = [
             tokenizer(str(item["row"]["answer"]).strip(), add_special_tokens=False)["input_ids"] + [eos] for item in chunk
         ]
-        responses = torch.full((len(chunk), max(map(len, answers))), pad, dtype=torch.long)
-        for i, answer in enumerate(answers):
-            responses[i, : len(answer)] = torch.tensor(answer)
+        responses, _ = pad_sequences(answers, pad)
         exp = experience_from_generation(
             batch["input_ids"], batch["attention_mask"], torch.cat([batch["input_ids"], responses], dim=1),
             eos_token_ids=[eos], pad_token_id=pad,

@@ -15,7 +15,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_mem.strategies.shard_plan import checkpointed_indices, default_block_classes, find_blocks, find_hf_models
+from lightning_mem.activation_checkpointing import checkpoint_blocks
+from lightning_mem.module_tree import find_hf_models
 
 
 class ActivationCheckpointing(Callback):
@@ -38,8 +39,6 @@ class ActivationCheckpointing(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        from torch.distributed._composable import checkpoint
-
         from lightning_mem.strategies.fsdp2 import FSDP2Strategy
 
         if isinstance(trainer.strategy, FSDP2Strategy):
@@ -54,14 +53,9 @@ class ActivationCheckpointing(Callback):
         for name, model in models:
             if not self.frozen_models and not any(p.requires_grad for p in model.parameters()):
                 continue
-            classes = self.block_classes or default_block_classes(model)
-            blocks = find_blocks(model, classes)
-            if not blocks:
-                raise ValueError(f"ActivationCheckpointing: `{name}` has no module of class {sorted(classes)}")
-            chosen = checkpointed_indices(len(blocks), self.every)
-            for i in chosen:
-                if not getattr(blocks[i], "_lightning_mem_checkpointed", False):
-                    checkpoint(blocks[i])
-                    blocks[i]._lightning_mem_checkpointed = True
-            self.checkpointed[name] = len(chosen)
-            rank_zero_info(f"ActivationCheckpointing: {len(chosen)} of {len(blocks)} blocks of `{name}` checkpointed")
+            try:
+                chosen, blocks = checkpoint_blocks(model, self.every, self.block_classes)
+            except ValueError as err:
+                raise ValueError(f"ActivationCheckpointing: `{name}`: {err}") from None
+            self.checkpointed[name] = chosen
+            rank_zero_info(f"ActivationCheckpointing: {chosen} of {blocks} blocks of `{name}` checkpointed")

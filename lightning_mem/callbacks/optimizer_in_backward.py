@@ -9,7 +9,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from typing_extensions import override
 
-from lightning_mem.callbacks.optimizer_state_offload import _unwrap
+from lightning_mem.callbacks.optimizer_state_offload import unwrap_optimizer
 from lightning_mem.optim import StepInBackward
 
 
@@ -74,7 +74,7 @@ class OptimizerInBackward(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if len(trainer.optimizers) != 1:
             raise ValueError(f"OptimizerInBackward needs exactly one optimizer, got {len(trainer.optimizers)}")
-        self.stepper = StepInBackward(pl_module, _unwrap(trainer.optimizers[0]))
+        self.stepper = StepInBackward(pl_module, unwrap_optimizer(trainer.optimizers[0]))
         if self._pending_state is not None:
             self.stepper.load_state_dict(self._pending_state)
             self._pending_state = None

@@ -57,7 +57,7 @@ class OptimizerStateOffload(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # After the optimizers exist and any checkpoint restored their state.
-        self._optimizers = [_unwrap(o) for o in trainer.optimizers]
+        self._optimizers = [unwrap_optimizer(o) for o in trainer.optimizers]
         for optimizer in self._optimizers:
             self._handles.append(optimizer.register_step_post_hook(self._after_step))
             self._to_host(optimizer)
@@ -66,7 +66,7 @@ class OptimizerStateOffload(Callback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        optimizer = _unwrap(optimizer)
+        optimizer = unwrap_optimizer(optimizer)
         if optimizer_state_location(optimizer) == "host":
             optimizer_state_to_device(optimizer, non_blocking=self.non_blocking)
 
@@ -103,5 +103,5 @@ class OptimizerStateOffload(Callback):
         self._optimizers = []
 
 
-def _unwrap(optimizer: Any) -> torch.optim.Optimizer:
+def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer

@@ -13,8 +13,6 @@ Two layouts, one head:
 
 from __future__ import annotations
 
-import warnings
-from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -71,35 +69,12 @@ def load_value_model(
     the LM head (vocabulary x hidden parameters the critic would never use). A folder with only a
     config initialises the backbone at random, as ``load_causal_lm`` does.
     """
-    from transformers import AutoConfig, AutoModel
+    from transformers import AutoModel
 
-    from lightning_mem.models import check_model_source, has_weights, resolve_dtype
+    from lightning_mem.models import load_pretrained
 
-    source = check_model_source(name_or_path, key=key)
-    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
-    torch_dtype = resolve_dtype(dtype, key=key.rsplit(".", 1)[0] + ".dtype")
-    if torch_dtype is not None:
-        kwargs["dtype"] = torch_dtype
-    if attn_implementation is not None:
-        kwargs["attn_implementation"] = attn_implementation
-    if source == "local" and not has_weights(name_or_path):
-        backbone = AutoModel.from_config(AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code), **kwargs)
-    else:
-        # A causal-LM checkpoint has an LM head the backbone does not: transformers would print a
-        # load report calling it unexpected on every run. Quiet that, and warn only about what
-        # matters, backbone weights the checkpoint lacks (those start at random).
-        from transformers.utils import logging as hf_logging
-
-        verbosity = hf_logging.get_verbosity()
-        hf_logging.set_verbosity_error()
-        try:
-            backbone, info = AutoModel.from_pretrained(name_or_path, output_loading_info=True, **kwargs)
-        finally:
-            hf_logging.set_verbosity(verbosity)
-        missing = sorted(info.get("missing_keys") or [])
-        if missing:
-            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-            warnings.warn(f"`{key}` ({name_or_path}): the checkpoint has no weights for {shown}; they start at random")
+    backbone = load_pretrained(AutoModel, name_or_path, dtype=dtype, attn_implementation=attn_implementation,
+                               trust_remote_code=trust_remote_code, key=key, report_missing=True)
     return ValueModel(backbone)
 
 

@@ -82,7 +82,7 @@ class RolloutEngineConfig:
             raise ValueError(f"`{key}.sync_bucket_mb` must be >= 1, got {self.sync_bucket_mb}")
         if self.cpu_kv_cache_space_gb < 1:
             raise ValueError(f"`{key}.cpu_kv_cache_space_gb` must be >= 1, got {self.cpu_kv_cache_space_gb}")
-        from lightning_mem.models import resolve_dtype
+        from lightning_mem.dtypes import resolve_dtype
 
         resolve_dtype(self.dtype, key=f"{key}.dtype")
         if self.name == "vllm" and importlib.util.find_spec("vllm") is None:

@@ -19,22 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from lightning_mem.batching import pack_by_token_budget, padded_tokens
-
-
-def split_to_count(batches: list[list[int]], count: int, lengths: Sequence[int]) -> list[list[int]]:
-    """Split the most expensive (padded tokens) batches in two until there are ``count`` of them."""
-    batches = [list(b) for b in batches]
-    if count < len(batches):
-        raise ValueError(f"cannot reach {count} micro-batches from {len(batches)} by splitting")
-    while len(batches) < count:
-        splittable = [i for i, b in enumerate(batches) if len(b) > 1]
-        if not splittable:
-            raise ValueError(f"{sum(map(len, batches))} samples cannot make {count} micro-batches")
-        i = max(splittable, key=lambda j: (padded_tokens([lengths[k] for k in batches[j]]), len(batches[j])))
-        half = len(batches[i]) // 2
-        batches[i : i + 1] = [batches[i][:half], batches[i][half:]]
-    return batches
+from lightning_mem.batching import pack_by_token_budget, split_to_count
 
 
 def micro_batches(

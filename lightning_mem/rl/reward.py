@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_mem.padding import pad_sequences
 from lightning_mem.rl.microbatch import micro_batches
 
 
@@ -70,11 +71,10 @@ class RewardModel(nn.Module):
             self.model.config.pad_token_id = tokenizer.pad_token_id
 
     def _encode(self, prompt_messages: list[dict[str, str]], response: str) -> list[int]:
-        from lightning_mem.data import render_with_spans
+        from lightning_mem.data.chat import encode_rendered, render_with_spans
 
         text, _ = render_with_spans([*prompt_messages, {"role": "assistant", "content": response}], self.tokenizer)
-        has_template = bool(getattr(self.tokenizer, "chat_template", None))
-        return self.tokenizer(text, add_special_tokens=not has_template)["input_ids"][-self.max_length :]
+        return encode_rendered(text, self.tokenizer)["input_ids"][-self.max_length :]
 
     @torch.no_grad()
     def forward(
@@ -92,12 +92,7 @@ class RewardModel(nn.Module):
         scores = torch.zeros(len(encoded), dtype=torch.float32, device=device)
         pad = self.tokenizer.pad_token_id
         for idx in micro_batches([len(e) for e in encoded], max_tokens, agree_on_count=agree_on_count):
-            longest = max(len(encoded[i]) for i in idx)
-            ids = torch.full((len(idx), longest), pad, dtype=torch.long, device=device)
-            mask = torch.zeros_like(ids)
-            for row, i in enumerate(idx):
-                ids[row, : len(encoded[i])] = torch.tensor(encoded[i], device=device)
-                mask[row, : len(encoded[i])] = 1
+            ids, mask = pad_sequences([encoded[i] for i in idx], pad, device=device)
             logits = self.model(input_ids=ids, attention_mask=mask).logits
             scores[torch.tensor(idx, device=device)] = logits[:, 0].float()
         return scores
@@ -115,21 +110,11 @@ def load_reward_model(
 
     A folder with only a config (the tiny test model) initialises the head and backbone at random.
     """
-    from transformers import AutoConfig, AutoModelForSequenceClassification
+    from transformers import AutoModelForSequenceClassification
 
-    from lightning_mem.models import check_model_source, has_weights, load_tokenizer, resolve_dtype
+    from lightning_mem.models import load_pretrained, load_tokenizer
 
-    source = check_model_source(name_or_path, key=key)
     tokenizer = load_tokenizer(name_or_path, trust_remote_code=trust_remote_code, key=key)
-    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code, "num_labels": 1}
-    torch_dtype = resolve_dtype(dtype, key=key.rsplit(".", 1)[0] + ".dtype")
-    if torch_dtype is not None:
-        kwargs["dtype"] = torch_dtype
-    if source == "local" and not has_weights(name_or_path):
-        config = AutoConfig.from_pretrained(name_or_path, num_labels=1, trust_remote_code=trust_remote_code)
-        model = AutoModelForSequenceClassification.from_config(
-            config, **{k: v for k, v in kwargs.items() if k != "num_labels"}
-        )
-    else:
-        model = AutoModelForSequenceClassification.from_pretrained(name_or_path, **kwargs)
+    model = load_pretrained(AutoModelForSequenceClassification, name_or_path, dtype=dtype,
+                            trust_remote_code=trust_remote_code, key=key, config_kwargs={"num_labels": 1})
     return RewardModel(model, tokenizer, max_length=max_length)

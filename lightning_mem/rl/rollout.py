@@ -15,6 +15,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from lightning_mem.padding import pad_sequences
+
 
 
 @dataclass
@@ -146,14 +148,10 @@ def experience_from_generation(
     responses = responses.masked_fill(response_mask == 0, pad_token_id)
     prompt_lengths = prompt_mask.sum(dim=1)
     response_lengths = response_mask.sum(dim=1)
-    n, total = sequences.shape[0], int((prompt_lengths + response_lengths).max())
-    input_ids = torch.full((n, total), pad_token_id, dtype=sequences.dtype, device=sequences.device)
-    attention_mask = torch.zeros((n, total), dtype=torch.long, device=sequences.device)
-    for i in range(n):
-        p, r = int(prompt_lengths[i]), int(response_lengths[i])
-        input_ids[i, :p] = prompt_ids[i, width - p :]
-        input_ids[i, p : p + r] = responses[i, :r]
-        attention_mask[i, : p + r] = 1
+    n = sequences.shape[0]
+    rows = [torch.cat([prompt_ids[i, width - int(p) :], responses[i, : int(r)]])
+            for i, (p, r) in enumerate(zip(prompt_lengths.tolist(), response_lengths.tolist()))]
+    input_ids, attention_mask = pad_sequences(rows, pad_token_id, dtype=sequences.dtype, device=sequences.device)
     return Experience(
         input_ids=input_ids,
         attention_mask=attention_mask,

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_mem.models import resolve_dtype
+from lightning_mem.dtypes import resolve_dtype
 from lightning_mem.rl.engines import RolloutEngineConfig, checkpoint_weights, weight_buckets
 from lightning_mem.rl.rollout import Experience, GenerationConfig, RolloutEngine, experience_from_generation
 

@@ -16,7 +16,7 @@ from lightning_mem.strategies.deepspeed import (
     to_deepspeed_cpu_adam,
 )
 from lightning_mem.strategies.device_map import DeviceMapStrategy
-from lightning_mem.strategies.fsdp2 import FSDP2Strategy, parse_dtype
+from lightning_mem.strategies.fsdp2 import FSDP2Strategy
 from lightning_mem.strategies.zero_config import ZERO_PRESETS, ZeroTier, deepspeed_config, zero_tier
 from lightning_mem.strategies.zero_memory import ZeroMemoryEstimate, zero_memory_estimate
 
@@ -34,7 +34,6 @@ __all__ = [
     "deepspeed_config",
     "deepspeed_phase_offload",
     "full_state_dict",
-    "parse_dtype",
     "to_deepspeed_cpu_adam",
     "zero_memory_estimate",
     "zero_tier",

@@ -36,6 +36,8 @@ from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_mem.checkpointing import AtomicCheckpointIO, remove_versioned, switch_link, version_dir
+from lightning_mem.dtypes import resolve_dtype
+from lightning_mem import activation_checkpointing, module_tree
 from lightning_mem.strategies import shard_plan
 from lightning_mem.strategies.consolidate import full_state_dict
 
@@ -52,39 +54,6 @@ DEFAULT_TIMEOUT_S = 600.0
 #: Written last into a sharded checkpoint folder, holding its global step: a folder without it
 #: (or with another step than its metadata) is the remains of an interrupted save.
 COMPLETE_MARKER = "COMPLETE"
-
-# Spellings accepted for `param_dtype` / `reduce_dtype` (YAML gives strings).
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-}
-
-
-def parse_dtype(value: Union[str, torch.dtype, None], argument: str) -> Optional[torch.dtype]:
-    """A floating dtype from a ``torch.dtype`` or a name such as ``"bfloat16"`` or ``"torch.bf16"``.
-
-    Raises:
-        ValueError: naming ``argument`` when the value is no floating dtype.
-    """
-    if value is None:
-        return None
-    if isinstance(value, torch.dtype) and value.is_floating_point:
-        return value
-    if isinstance(value, str):
-        key = value.strip().lower().removeprefix("torch.")
-        if key in _DTYPES:
-            return _DTYPES[key]
-    raise ValueError(
-        f"`{argument}={value!r}` is not a floating-point dtype. Use one of {sorted(_DTYPES)}, a `torch.dtype`,"
-        " or null to keep the parameters' own dtype."
-    )
-
 
 def _zero_embedding_padding_rows(module: nn.Module) -> None:
     """Zero each sharded embedding's ``padding_idx`` row in whichever rank holds it.
@@ -225,8 +194,8 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.checkpoint_io = AtomicCheckpointIO()
         self._cpu_offload = cpu_offload
         self._reshard_after_forward = reshard_after_forward
-        self._param_dtype = parse_dtype(param_dtype, "param_dtype")
-        self._reduce_dtype = parse_dtype(reduce_dtype, "reduce_dtype")
+        self._param_dtype = resolve_dtype(param_dtype, key="param_dtype")
+        self._reduce_dtype = resolve_dtype(reduce_dtype, key="reduce_dtype")
         # `True` means every block; an int counts blocks; bool is an int, so normalize.
         self._checkpoint_every = int(activation_checkpointing)
         self._shard_modules = list(shard_modules) if shard_modules is not None else None
@@ -328,7 +297,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         for name, leftover in shard_plan.unsharded_modules(module):
             self.shard_module(leftover, reshard_after_forward=self._reshard_for(leftover))
         # Every unit root, including any the user sharded in `configure_model`.
-        for name, unit in shard_plan.outermost(module, lambda sub: isinstance(sub, FSDPModule)):
+        for name, unit in module_tree.outermost(module, lambda sub: isinstance(sub, FSDPModule)):
             self.materialize(name, unit)
         self._check_no_meta(module)
 
@@ -339,7 +308,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         class_name = type(model).__name__
         reshard = self._reshard_for(model)
         blocks = self.blocks_to_shard(model)
-        checkpointed = set(shard_plan.checkpointed_indices(len(blocks), self._checkpoint_every))
+        checkpointed = set(activation_checkpointing.checkpointed_indices(len(blocks), self._checkpoint_every))
         for index, block in enumerate(blocks):
             if isinstance(block, FSDPModule):  # sharded by the user's configure_model
                 continue
@@ -377,7 +346,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         Default: every outermost ``transformers.PreTrainedModel`` (peft models are walked
         through to the HF model inside). Override to add models of your own classes.
         """
-        return shard_plan.find_hf_models(module)
+        return module_tree.find_hf_models(module)
 
     def blocks_to_shard(self, model: nn.Module) -> list[nn.Module]:
         """Step 2: the blocks of ``model`` that become FSDP units, in forward order.
@@ -388,13 +357,13 @@ class FSDP2Strategy(ModelParallelStrategy):
         if self._shard_modules is not None:
             names = self._shard_modules
         else:
-            names = shard_plan.default_block_classes(model)
+            names = module_tree.default_block_classes(model)
             if not names:
                 raise ValueError(
                     f"`{type(model).__name__}` declares no `_no_split_modules`, so FSDP2Strategy cannot tell"
                     " its blocks. Name the block classes in `shard_modules` (e.g. ['MyDecoderLayer'])."
                 )
-        blocks = shard_plan.find_blocks(model, names)
+        blocks = module_tree.find_blocks(model, names)
         if not blocks:
             rank_zero_warn(
                 f"FSDP2Strategy: `{type(model).__name__}` has no module of class {names}; it is sharded as one"
@@ -403,15 +372,9 @@ class FSDP2Strategy(ModelParallelStrategy):
         return blocks
 
     def apply_activation_checkpointing(self, block: nn.Module) -> None:
-        """Step 3: make ``block`` recompute its activations in backward.
-
-        Default: PyTorch's composable, non-reentrant ``checkpoint``: it works through
-        forward hooks, so module names (and state-dict keys, and HF export) are unchanged,
-        and FSDP2 is built to compose with it.
-        """
-        from torch.distributed._composable import checkpoint
-
-        checkpoint(block)
+        """Step 3: make ``block`` recompute its activations in backward
+        (:func:`lightning_mem.activation_checkpointing.checkpoint_block`)."""
+        activation_checkpointing.checkpoint_block(block)
 
     def offload_policy(self) -> "OffloadPolicy":
         """Step 4a: where sharded parameters, gradients and the optimizer step live."""
@@ -481,7 +444,7 @@ class FSDP2Strategy(ModelParallelStrategy):
                 f"FSDP2Strategy cannot initialize peft adapters created on the meta device ({adapters[0]}, ...):"
                 " create the base model with real weights, then add the adapters."
             )
-        hf_models = [model for _, model in shard_plan.find_hf_models(unit)]
+        hf_models = [model for _, model in module_tree.find_hf_models(unit)]
         for model in hf_models:
             model.initialize_weights()
             _zero_embedding_padding_rows(model)
@@ -502,10 +465,10 @@ class FSDP2Strategy(ModelParallelStrategy):
     def _check_shard_modules(self, models: list[nn.Module]) -> None:
         if self._shard_modules is None:
             return
-        present = shard_plan.class_names_in(models)
+        present = module_tree.class_names_in(models)
         missing = [name for name in self._shard_modules if name not in present]
         if missing:
-            hints = sorted({n for model in models for n in shard_plan.default_block_classes(model)})
+            hints = sorted({n for model in models for n in module_tree.default_block_classes(model)})
             raise ValueError(
                 f"`shard_modules` names {missing}, which no model here contains"
                 f" ({', '.join(type(m).__name__ for m in models) or 'no HF model found'})."

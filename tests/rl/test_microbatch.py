@@ -3,7 +3,8 @@
 import pytest
 
 from lightning_mem.batching import padded_tokens
-from lightning_mem.rl.microbatch import micro_batches, split_to_count
+from lightning_mem.batching import split_to_count
+from lightning_mem.rl.microbatch import micro_batches
 
 
 def test_packs_longest_first_within_the_budget():

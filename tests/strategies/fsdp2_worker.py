@@ -42,12 +42,12 @@ class PeakDeviceMemory(Callback):
         self.peak = torch.cuda.max_memory_allocated()
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
-    local = _local(tensor)
+    local = local_tensor(tensor)
     return local.numel() * local.element_size()
 
 
@@ -79,7 +79,7 @@ def measure_model(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         "num_trainable": len(trainable),
         "all_dtensor": all(isinstance(p, DTensor) for p in params),
         "param_dtypes": sorted({str(p.dtype) for p in params}),
-        "param_devices": sorted({str(_local(p).device) for p in params}),
+        "param_devices": sorted({str(local_tensor(p).device) for p in params}),
         "buffer_devices": sorted({str(b.device) for b in model.buffers()}),
         "local_optim_state_bytes": state_bytes,
         "optim_step_bytes": step_bytes,
@@ -96,7 +96,7 @@ def measure(trainer: pl.Trainer, module: pl.LightningModule) -> dict:
         "losses": module.losses,
         "models": {},
         "optim_state_devices": sorted(
-            {str(_local(v).device) for s in optimizer.state.values() for k, v in s.items() if k != "step"}
+            {str(local_tensor(v).device) for s in optimizer.state.values() for k, v in s.items() if k != "step"}
         ),
     }
     for name in ("policy", "ref", "value_head", "reward", "reward_head"):

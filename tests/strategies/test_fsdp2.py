@@ -32,7 +32,8 @@ import fsdp2_scenarios as sc  # noqa: E402
 
 from tests.helpers import HANG_GUARD_S  # noqa: E402
 
-from lightning_mem.strategies import FSDP2Strategy, full_state_dict, parse_dtype, shard_plan  # noqa: E402
+from lightning_mem import activation_checkpointing, module_tree  # noqa: E402
+from lightning_mem.strategies import FSDP2Strategy, full_state_dict, shard_plan  # noqa: E402
 
 
 def run_worker(out: Path, spec: dict, devices: int = 2, timeout: float = HANG_GUARD_S) -> list[dict]:
@@ -283,7 +284,7 @@ def _saved_bytes_and_grads(every: int) -> tuple[int, float, dict[str, torch.Tens
     model = sc.tiny_llama(seed=0)
     strategy = FSDP2Strategy(activation_checkpointing=every)
     blocks = strategy.blocks_to_shard(model)
-    for index in shard_plan.checkpointed_indices(len(blocks), every):
+    for index in activation_checkpointing.checkpointed_indices(len(blocks), every):
         strategy.apply_activation_checkpointing(blocks[index])
 
     param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -345,13 +346,6 @@ def test_bad_arguments_fail_at_construction_naming_the_argument(kwargs, message)
         FSDP2Strategy(**kwargs)
 
 
-def test_dtype_strings_from_yaml():
-    assert parse_dtype("bfloat16", "x") is torch.bfloat16
-    assert parse_dtype("torch.float16", "x") is torch.float16
-    assert parse_dtype("fp32", "x") is torch.float32
-    assert parse_dtype(None, "x") is None
-
-
 class _Holder(nn.Module):
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
@@ -396,15 +390,15 @@ def test_plan_finds_hf_models_through_peft_and_leftover_units():
     root = _Holder(sc.lora_policy())
     root.head = nn.Linear(4, 1)
     root.ref = sc.tiny_llama(seed=1)
-    found = shard_plan.find_hf_models(root)
+    found = module_tree.find_hf_models(root)
     assert [name for name, _ in found] == ["model.base_model.model", "ref"]
-    blocks = shard_plan.find_blocks(found[0][1], shard_plan.default_block_classes(found[0][1]))
+    blocks = module_tree.find_blocks(found[0][1], module_tree.default_block_classes(found[0][1]))
     assert [type(b).__name__ for b in blocks] == ["LlamaDecoderLayer"] * 4
     # Before sharding every parameter is unmanaged, so whole children are the units.
     assert [name for name, _ in shard_plan.unsharded_modules(root)] == ["model", "head", "ref"]
-    assert shard_plan.checkpointed_indices(4, 1) == [0, 1, 2, 3]
-    assert shard_plan.checkpointed_indices(5, 2) == [0, 2, 4]
-    assert shard_plan.checkpointed_indices(4, 0) == []
+    assert activation_checkpointing.checkpointed_indices(4, 1) == [0, 1, 2, 3]
+    assert activation_checkpointing.checkpointed_indices(5, 2) == [0, 2, 4]
+    assert activation_checkpointing.checkpointed_indices(4, 0) == []
 
 
 def test_registered_names_and_yaml_config():

@@ -1,0 +1,79 @@
+"""Training data: where rows come from (:mod:`.rows`), the chat shapes and their rendering
+(:mod:`.chat`), SFT tokenization and batching (:mod:`.sft`), and RL prompt sets (:mod:`.prompts`).
+
+The datamodules (``lightning_mem.data.SFTDataModule``, ``lightning_mem.data.PromptDataModule``) and
+the helpers are importable from here.
+"""
+
+from lightning_mem.data.rows import (  # noqa: F401
+    DataFormatError,
+    is_saved_dataset,
+    check_data_file,
+    read_rows,
+    read_hub_rows,
+    rename_columns,
+    check_columns,
+    DataSource,
+    data_source,
+    warn_once,
+)
+
+from lightning_mem.data.chat import (  # noqa: F401
+    check_messages,
+    row_to_conversation,
+    row_to_messages,
+    row_to_prompt_messages,
+    render_with_spans,
+    render_prompt,
+    encode_rendered,
+    encode_prompt,
+)
+
+from lightning_mem.data.sft import (  # noqa: F401
+    IGNORE_INDEX,
+    TokenizeStats,
+    tokenize_example,
+    tokenize_rows,
+    TokenizedDataset,
+    collate_right_padded,
+    SFTDataModule,
+)
+
+from lightning_mem.data.prompts import (  # noqa: F401
+    PromptDataset,
+    collate_left_padded,
+    FullBatchSampler,
+    PromptDataModule,
+)
+
+__all__ = [
+    "DataFormatError",
+    "is_saved_dataset",
+    "check_data_file",
+    "read_rows",
+    "read_hub_rows",
+    "rename_columns",
+    "check_columns",
+    "DataSource",
+    "data_source",
+    "warn_once",
+    "check_messages",
+    "row_to_conversation",
+    "row_to_messages",
+    "row_to_prompt_messages",
+    "render_with_spans",
+    "render_prompt",
+    "encode_rendered",
+    "encode_prompt",
+    "IGNORE_INDEX",
+    "TokenizeStats",
+    "tokenize_example",
+    "tokenize_rows",
+    "TokenizedDataset",
+    "collate_right_padded",
+    "SFTDataModule",
+    "PromptDataset",
+    "collate_left_padded",
+    "FullBatchSampler",
+    "PromptDataModule",
+]
