@@ -566,9 +566,16 @@ def run_sft(run: _Run, accumulate: int) -> None:
         step(shape, min(accumulate, 2))
 
 
-def run_ppo(run: _Run, rows: list[dict[str, Any]]) -> None:
+def run_ppo(run: _Run, rows: list[dict[str, Any]], *, full_loops: bool = False) -> None:
     """A PPO iteration through the module's own rollout, score and update methods, at the largest
-    shapes: every prompt ``max_prompt_length`` long, every response ``max_new_tokens`` long."""
+    shapes: every prompt ``max_prompt_length`` long, every response ``max_new_tokens`` long.
+
+    Two loops repeat the same step many times, and a repetition cannot raise the peak (see
+    :func:`_last_decode_step` and :func:`_steady_micro_batches`): generation runs its prefill and
+    first decode step and then only its last decode step, and each phase runs at most two
+    micro-batches of each shape. ``full_loops=True`` runs every decode step and every micro-batch
+    (what the tests compare the fast estimate with).
+    """
     from lightning_mem.rl.memory_plan import PhaseMemory
     from lightning_mem.rl.microbatch import micro_batches
 
@@ -584,9 +591,10 @@ def run_ppo(run: _Run, rows: list[dict[str, Any]]) -> None:
     ppo = module.ppo
     run.clip = ppo.max_grad_norm
     row = rows[0] if rows else {}
+    batching = micro_batches if full_loops else _steady_micro_batches(micro_batches)
+    recipe_globals = vars(inspect.getmodule(type(module)))
 
-    def iteration(prompts: int, prompt_len: int, new_tokens: int, measure: bool) -> None:
-        phase = run.phase if measure else (lambda *_: contextlib.nullcontext())
+    def iteration(prompts: int, prompt_len: int, new_tokens: int) -> None:
         fill = run.mode.fill_token
         engine.config = dataclasses.replace(engine.config, max_new_tokens=new_tokens)
         batch = {
@@ -596,24 +604,26 @@ def run_ppo(run: _Run, rows: list[dict[str, Any]]) -> None:
         }
         group = module.grpo.group_size if not module.use_critic else 1
         seqs = f"{prompts * group} sequences x ({prompt_len} prompt + {new_tokens} new) tokens"
-        with phase("rollout", seqs), module.memory.phase("rollout"):
+        generation = contextlib.nullcontext() if full_loops else _last_decode_step(run, module.actor)
+        with run.phase("rollout", seqs), module.memory.phase("rollout"), generation:
             run.retag()
             exp = module._rollout(batch)
-        with phase("score", f"{seqs}, no-grad micro-batches of <= {ppo.logprob_budget} tokens"), module.memory.phase("score"):
+        with run.phase("score", f"{seqs}, no-grad micro-batches of <= {ppo.logprob_budget} tokens"), \
+                module.memory.phase("score"), _replaced(recipe_globals, "micro_batches", batching):
             run.retag()
             exp.scores = _scores(module, exp)
             module._logprobs_and_values(exp)
         module._advantages(exp)
         mini_size = math.ceil(len(exp) / ppo.num_mini_batches)
-        with phase("train", f"mini-batch of {mini_size} sequences, micro-batches of <= "
-                            f"{ppo.max_tokens_per_microbatch} tokens"), module.memory.phase("train"):
+        with run.phase("train", f"mini-batch of {mini_size} sequences, micro-batches of <= "
+                                f"{ppo.max_tokens_per_microbatch} tokens"), module.memory.phase("train"):
             run.retag()
             for cb in run.callbacks:
                 cb.on_train_batch_start(run.trainer, module, batch, 0)
             mini = exp.select(torch.arange(mini_size))
             scale = 1.0 / max(float(mini.response_mask.sum()), 1.0)
-            for idx in micro_batches(mini.sequence_lengths, ppo.max_tokens_per_microbatch,
-                                     agree_on_count=module._agree_on_count):
+            for idx in batching(mini.sequence_lengths, ppo.max_tokens_per_microbatch,
+                                agree_on_count=module._agree_on_count):
                 with run.precision.train_step_context():
                     loss, _ = module._loss(mini.select(idx))
                 run.backward(loss * scale)
@@ -624,10 +634,119 @@ def run_ppo(run: _Run, rows: list[dict[str, Any]]) -> None:
 
     generation = engine.config
     try:
-        iteration(1, 4, 2, measure=False)  # warm-up: the optimizers make their state
-        iteration(run.data.batch_size, run.data.max_prompt_length, generation.max_new_tokens, measure=True)
+        _warm_up_optimizers(run)  # the optimizers make their state, as after any earlier step
+        iteration(run.data.batch_size, run.data.max_prompt_length, generation.max_new_tokens)
     finally:
         engine.config = generation
+
+
+def _warm_up_optimizers(run: _Run) -> None:
+    """One optimizer step on zero gradients: every optimizer makes its real state tensors (AdamW's
+    moments, bitsandbytes' 8-bit blocks), as they exist at any step after the first; the gradients
+    are freed again by the step's ``zero_grad``."""
+    for opt in run.optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
+    run.step_optimizers()
+
+
+@contextlib.contextmanager
+def _replaced(namespace: dict[str, Any], name: str, value: Any) -> Iterator[None]:
+    """``namespace[name] = value`` inside (a recipe module's global), if it has that name."""
+    if name not in namespace:
+        yield
+        return
+    original = namespace[name]
+    namespace[name] = value
+    try:
+        yield
+    finally:
+        namespace[name] = original
+
+
+def _steady_micro_batches(micro_batches: Callable) -> Callable:
+    """``micro_batches`` keeping at most two micro-batches of each shape.
+
+    A micro-batch's tensors are fixed by its rows' sequence lengths (every prompt of the
+    estimator's batch has the same length, so its response lengths follow). Micro-batches of one
+    shape leave the same live state behind them: the first a phase's outputs (and, in training,
+    the gradients, allocated by its backward), the second exactly what it found. The third and
+    later therefore start from the second's state and repeat its peak: skipping them changes no
+    figure (``tests/estimate/test_estimate_accuracy.py`` checks it against every micro-batch run).
+    """
+
+    def steady(lengths: Any, max_tokens: Any, **kwargs: Any) -> list[list[int]]:
+        seen: dict[tuple[int, ...], int] = {}
+        kept = []
+        for idx in micro_batches(lengths, max_tokens, **kwargs):
+            key = tuple(sorted(int(lengths[i]) for i in idx))
+            seen[key] = seen.get(key, 0) + 1
+            if seen[key] <= 2:
+                kept.append(idx)
+        return kept
+
+    return steady
+
+
+@contextlib.contextmanager
+def _last_decode_step(run: _Run, model: nn.Module) -> Iterator[None]:
+    """Generation's memory peak without its whole loop: ``model.generate`` runs twice, for real.
+
+    Autoregressive decoding peaks either in its prefill (every prompt token at once) or in its last
+    decode step (one token per sequence against the longest KV cache: a dynamic cache only grows,
+    and each step's other tensors have the same shapes). So ``generate`` runs (1) on the prompts for
+    two new tokens -- the prefill and the first decode step -- and then (2) for the last token,
+    resuming from a cache that the model's own forward filled with the prompt and the first
+    ``max_new_tokens - 2`` response tokens (``fill_token``\ s, which the sampler would have
+    produced; making that cache is not measured: the real loop grows it one token at a time, with
+    smaller transients than the step measured next). Its output is the full-length sequences, as
+    the whole loop's would be. A static (preallocated, full-length) cache makes every decode step
+    alike: the second step stands for the last, and the output is padded to full length with
+    ``fill_token``.
+    """
+    generate = model.generate
+
+    def last_step(*args: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
+                  **kwargs: Any) -> torch.Tensor:
+        if args or max_new_tokens <= 3:
+            return generate(*args, input_ids=input_ids, attention_mask=attention_mask,
+                            max_new_tokens=max_new_tokens, **kwargs)
+        fill = run.mode.fill_token
+        rows, prompt = input_ids.shape
+        first = generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=2, **kwargs)
+        if kwargs.get("past_key_values") is not None:  # static: the step's shapes do not grow
+            pad = torch.full((rows, prompt + max_new_tokens - first.shape[1]), fill, dtype=first.dtype)
+            return torch.cat([first, pad], dim=1)
+        del first
+        done = max_new_tokens - 1  # response tokens the loop has made before its last step
+        ids = torch.cat([input_ids, torch.full((rows, done), fill, dtype=input_ids.dtype)], dim=1)
+        mask = torch.cat([attention_mask, torch.ones((rows, done), dtype=attention_mask.dtype)], dim=1)
+        with run.ledger.unmeasured(), torch.no_grad():
+            cache = _grown_cache(model, ids[:, :-1], mask[:, :-1])
+        return generate(input_ids=ids, attention_mask=mask, max_new_tokens=1, past_key_values=cache, **kwargs)
+
+    model.generate = last_step
+    try:
+        yield
+    finally:
+        del model.generate  # the class's method again
+
+
+def _grown_cache(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> Any:
+    """The dynamic KV cache ``generate`` would hold after ``ids``, filled by the model's own forward."""
+    from transformers import DynamicCache
+
+    config = model.config
+    cache = DynamicCache(config=config)
+    was_training = model.training
+    model.eval()
+    try:
+        model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    finally:
+        model.train(was_training)
+    return cache
 
 
 def _scores(module: Any, exp: Any) -> torch.Tensor:
@@ -671,10 +790,13 @@ def estimate(
     recipe: str | None = None,
     world_size: int | None = None,
     fake: bool = True,
+    full_loops: bool = False,
 ) -> Estimate:
     """Estimate every phase of ``config`` (plus recipe CLI ``overrides``) per rank.
 
     ``fake=False`` runs the same steps on real tensors (for tests on small models).
+    ``full_loops=True`` runs PPO's every decode step and micro-batch instead of the ones that
+    decide the peak (:func:`run_ppo`): the same figures, many times slower.
     """
     module_name = recipe_for(config, recipe)
     cli, cfg, module_class = parse_config(module_name, ["--config", str(config), *overrides])
@@ -695,7 +817,8 @@ def estimate(
             try:
                 run.build()
                 if hasattr(run.module, "rollout_engine"):
-                    run_ppo(run, _first_rows(getattr(run.data, "train_path", None) or cfg.data.get("train_file")))
+                    run_ppo(run, _first_rows(getattr(run.data, "train_path", None) or cfg.data.get("train_file")),
+                            full_loops=full_loops)
                 else:
                     run_sft(run, int(cfg.trainer.accumulate_grad_batches or 1))
             finally:

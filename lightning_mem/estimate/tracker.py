@@ -122,6 +122,20 @@ class MemoryLedger:
             self.peak_bytes = self.device_bytes
             self.peak_breakdown = {c: self.totals[c] for c in CATEGORIES}
 
+    @contextlib.contextmanager
+    def unmeasured(self) -> Iterator[None]:
+        """Allocations inside do not move the peak; what they leave alive counts from then on.
+
+        For state the estimator sets up in one go that the real run builds gradually (a KV cache
+        grown token by token): the real run's transients while building it are smaller than those
+        of the step measured next, so only the result belongs to the peak.
+        """
+        saved = self.peak_bytes, dict(self.peak_breakdown), self.peak_host_bytes
+        try:
+            yield
+        finally:
+            self.peak_bytes, self.peak_breakdown, self.peak_host_bytes = saved
+
     def reset_peak(self) -> None:
         self.peak_bytes = self.device_bytes
         self.peak_breakdown = {c: self.totals[c] for c in CATEGORIES}

@@ -4,6 +4,10 @@ A GPU-tier config is a ``configs/*/*.yaml`` not named ``tiny_*``. Its tier (GPUs
 its ``# tier: NxMGB`` header line; its header also carries the estimator's per-phase peaks as
 ``# estimated peak per rank (GiB): <phase>=<value> ...``, which must agree with a fresh estimate
 within 5 %. Every phase's peak must be at most the tier's device memory less the margin.
+
+PPO configs are in the default suite too: their estimate runs generation's prefill and last decode
+step and two micro-batches per shape (``lightning_mem.estimate.session.run_ppo``), about half a
+minute to two minutes per config on 2 cores, not the whole loops.
 """
 
 from __future__ import annotations
@@ -36,8 +40,6 @@ def _marks(path: Path) -> list:
         return [pytest.mark.xfail(raises=RuntimeError, strict=True, reason="LoRA SFT bases are not estimated yet")]
     if "ZeroStrategy" in path.read_text() and importlib.util.find_spec("deepspeed") is None:
         return [pytest.mark.skip(reason="ZeroStrategy cannot be built without the deepspeed extra")]
-    if path.parent.name == "ppo":
-        return [pytest.mark.slow]  # the whole generation loop on fake tensors: minutes on 2 cores
     return []
 
 

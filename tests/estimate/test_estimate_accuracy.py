@@ -95,3 +95,35 @@ def test_ppo_grpo_lora():
     # LoRA: only the adapters have optimizer state; one copy of the base weights (no reference copy).
     assert 0 < train["optimizer_state"] < 0.05 * train["weights"]
     assert train["weights"] < 2 * 3_059_456 * 4
+
+
+# A rollout long enough for the KV cache to matter, and budgets small enough for several
+# micro-batches per phase: what the fast estimate skips, the full-loop one runs.
+LONG_ROLLOUT = TINY_PPO + [
+    "--data.batch_size=32",
+    "--data.max_prompt_length=8",
+    "--model.generation.max_new_tokens=32",
+    "--model.ppo.max_tokens_per_microbatch=128",
+    "--model.ppo.logprob_max_tokens_per_microbatch=256",
+]
+
+
+@pytest.mark.parametrize("fake", [True, False], ids=["fake", "real"])
+def test_ppo_fast_loops_equal_full_loops(fake, monkeypatch):
+    """Generation's prefill + last decode step and two micro-batches per shape give the peaks of
+    every decode step and every micro-batch, on fake tensors and on real CPU tensors."""
+    import recipes.ppo
+
+    losses = []
+    original = recipes.ppo.PPOModule._loss
+    monkeypatch.setattr(recipes.ppo.PPOModule, "_loss", lambda self, mb: losses.append(len(mb)) or original(self, mb))
+    fast = estimate("configs/ppo/tiny_cpu.yaml", LONG_ROLLOUT, fake=fake)
+    fast_losses, losses[:] = len(losses), []
+    full = estimate("configs/ppo/tiny_cpu.yaml", LONG_ROLLOUT, fake=fake, full_loops=True)
+    # A mini-batch of 16 sequences of 40 tokens in 128-token micro-batches: five of 3 and one of 1;
+    # the fast run keeps two of the first shape and the last one.
+    assert (fast_losses, len(losses)) == (3, 6)
+    _assert_close(fast, full)
+    rollout = {p.phase: p for p in fast.phases}["rollout"].device_breakdown_bytes
+    # The last decode step's cache: 32 sequences x (8 + 31) tokens x 4 layers x (k, v) x 4 heads x 32 x 4 B.
+    assert rollout["kv_cache"] >= 32 * 39 * 4 * 2 * 4 * 32 * 4
