@@ -419,11 +419,11 @@ class _Run:
         strategy = self.strategy
         if strategy is None or not getattr(strategy, "_checkpoint_every", 0):
             return
-        from lightning_mem.strategies import shard_plan
+        from lightning_mem import activation_checkpointing, module_tree
 
-        for _, model in shard_plan.find_hf_models(self.module):
+        for _, model in module_tree.find_hf_models(self.module):
             blocks = strategy.blocks_to_shard(model)
-            for index in shard_plan.checkpointed_indices(len(blocks), strategy._checkpoint_every):
+            for index in activation_checkpointing.checkpointed_indices(len(blocks), strategy._checkpoint_every):
                 strategy.apply_activation_checkpointing(blocks[index])
 
     def retag(self) -> None:
@@ -445,11 +445,11 @@ class _Run:
 
     def unit_bytes(self) -> tuple[int, int]:
         """(largest decoder block, everything outside the blocks) parameter bytes, over all models."""
-        from lightning_mem.strategies import shard_plan
+        from lightning_mem import activation_checkpointing, module_tree
 
         block, root = 0, 0
-        for _, model in shard_plan.find_hf_models(self.module):
-            blocks = shard_plan.find_blocks(model, shard_plan.default_block_classes(model))
+        for _, model in module_tree.find_hf_models(self.module):
+            blocks = module_tree.find_blocks(model, module_tree.default_block_classes(model))
             in_blocks = {id(p) for b in blocks for p in b.parameters()}
             sizes = [sum(p.numel() * p.element_size() for p in b.parameters()) for b in blocks]
             block = max([block, *sizes])
