@@ -445,7 +445,7 @@ class _Run:
 
     def unit_bytes(self) -> tuple[int, int]:
         """(largest decoder block, everything outside the blocks) parameter bytes, over all models."""
-        from lightning_mem import activation_checkpointing, module_tree
+        from lightning_mem import module_tree
 
         block, root = 0, 0
         for _, model in module_tree.find_hf_models(self.module):
