@@ -6,8 +6,11 @@ shipped tiny model (a folder with only config.json and tokenizer files, initiali
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +26,33 @@ _DTYPES = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
 }
+
+
+_CONFIG_ONLY = contextvars.ContextVar("lightning_mem_config_only_models", default=False)
+
+
+@contextlib.contextmanager
+def config_only_models() -> Iterator[None]:
+    """Inside this context a config-only model folder is never given weights on disk.
+
+    A run that trains adapters on a config-only base (the shipped tiny model) first writes seeded
+    random weights and reads them back (:func:`lightning_mem.lora.saved_base`,
+    :func:`lightning_mem.quantization.load_quantized_causal_lm`), so that the adapter names a base
+    that exists. The memory estimator runs the same ``configure_model`` on fake tensors, which can
+    be neither written nor read: here those steps build the model from its ``config.json`` instead
+    (quantizing through bitsandbytes' own ops where the run would quantize while loading), and
+    nothing is written anywhere.
+    """
+    token = _CONFIG_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _CONFIG_ONLY.reset(token)
+
+
+def building_config_only() -> bool:
+    """True inside :func:`config_only_models`."""
+    return _CONFIG_ONLY.get()
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, *, key: str = "dtype") -> torch.dtype | None:

@@ -73,6 +73,8 @@ class MemoryLedger:
     # -- adding, re-tagging, removing ----------------------------------------------------------
     def track(self, tensor: torch.Tensor, category: str | None = None) -> None:
         """Count ``tensor``'s storage (once); ``category`` overrides the automatic one."""
+        if tensor.device.type == "meta":  # no memory anywhere (a module's placeholder before loading)
+            return
         try:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):
