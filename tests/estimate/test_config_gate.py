@@ -28,12 +28,6 @@ def header_peaks(path: Path) -> dict[str, float]:
 
 
 def _marks(path: Path) -> list:
-    if path.parent.name == "qlora":
-        return [pytest.mark.xfail(raises=NotImplementedError, strict=True, reason="QLoRA is not estimated yet")]
-    if path.parent.name == "sft" and "\n  lora:" in path.read_text():
-        # The LoRA recipe saves seeded random weights for a config-only base before the adapters
-        # exist; on fake tensors there is nothing to save (a known gap, as for QLoRA).
-        return [pytest.mark.xfail(raises=RuntimeError, strict=True, reason="LoRA SFT bases are not estimated yet")]
     if "ZeroStrategy" in path.read_text() and importlib.util.find_spec("deepspeed") is None:
         return [pytest.mark.skip(reason="ZeroStrategy cannot be built without the deepspeed extra")]
     if path.parent.name == "ppo":

@@ -60,8 +60,6 @@ def test_sft_activation_checkpointing(sft_plain):
     assert fake.phases[0].device_breakdown_bytes["activations"] < 0.6 * plain
 
 
-@pytest.mark.xfail(strict=True, reason="on fake tensors the offloaded activations are still counted on the device "
-                   "(host bytes agree with the real run, the device peak does not yet): open")
 def test_sft_activation_offload(sft_plain):
     overrides = ["--trainer.callbacks+=lightning_mem.callbacks.ActivationOffload"]
     fake, real = _both("configs/sft/tiny_cpu.yaml", overrides)
