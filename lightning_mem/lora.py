@@ -24,7 +24,14 @@ from torch import nn
 
 from lightning_mem.checkpointing import staged_directory
 from lightning_mem.export import gather_full_state_dict
-from lightning_mem.models import building_config_only, check_model_source, has_weights, load_causal_lm, load_tokenizer, resolve_dtype
+from lightning_mem.models import (
+    building_config_only,
+    check_model_source,
+    has_weights,
+    load_causal_lm,
+    load_tokenizer,
+    resolve_dtype,
+)
 from lightning_mem.quantization import (
     QuantizationSettings,
     is_quantized_linear,
