@@ -24,8 +24,8 @@ from torch import nn
 
 from lightning_mem.checkpointing import staged_directory
 from lightning_mem.export import gather_full_state_dict
-from lightning_mem.models import check_model_source, has_weights, load_causal_lm, load_tokenizer
 from lightning_mem.dtypes import resolve_dtype
+from lightning_mem.models import building_config_only, check_model_source, has_weights, load_causal_lm, load_tokenizer
 from lightning_mem.quantization import (
     QuantizationSettings,
     is_quantized_linear,
@@ -394,6 +394,8 @@ def saved_base(trainer: Any, name_or_path: str, cache_dir: str, *, seed: int) ->
     could never be reloaded or merged. One process writes them; the others wait, then read them.
     """
     if not (Path(name_or_path).is_dir() and not has_weights(name_or_path)):
+        return name_or_path
+    if building_config_only():  # the memory estimate: fake tensors, nothing to write (see there)
         return name_or_path
     cache = Path(trainer.default_root_dir) / cache_dir
     if trainer.is_global_zero:

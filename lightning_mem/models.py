@@ -6,9 +6,12 @@ shipped tiny model (a folder with only config.json and tokenizer files, initiali
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import re
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +21,33 @@ from lightning_mem.dtypes import resolve_dtype
 
 _WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json", "*.pt")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_CONFIG_ONLY = contextvars.ContextVar("lightning_mem_config_only_models", default=False)
+
+
+@contextlib.contextmanager
+def config_only_models() -> Iterator[None]:
+    """Inside this context a config-only model folder is never given weights on disk.
+
+    A run that trains adapters on a config-only base (the shipped tiny model) first writes seeded
+    random weights and reads them back (:func:`lightning_mem.lora.saved_base`,
+    :func:`lightning_mem.quantization.load_quantized_causal_lm`), so that the adapter names a base
+    that exists. The memory estimator runs the same ``configure_model`` on fake tensors, which can
+    be neither written nor read: here those steps build the model from its ``config.json`` instead
+    (quantizing through bitsandbytes' own ops where the run would quantize while loading), and
+    nothing is written anywhere.
+    """
+    token = _CONFIG_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _CONFIG_ONLY.reset(token)
+
+
+def building_config_only() -> bool:
+    """True inside :func:`config_only_models`."""
+    return _CONFIG_ONLY.get()
+
+
 def has_weights(path: str | os.PathLike) -> bool:
     """True when a local model folder holds weight files, not just a config."""
     folder = Path(path)

@@ -20,8 +20,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from lightning_mem.models import has_weights, load_causal_lm, load_tokenizer
 from lightning_mem.dtypes import resolve_dtype
+from lightning_mem.models import building_config_only, has_weights, load_causal_lm, load_tokenizer
 
 _KEY = "model.quantization"
 
@@ -174,6 +174,15 @@ def load_quantized_causal_lm(
     """
     check_placement(device_map, max_memory, offload_folder)
     path = str(name_or_path)
+    if Path(path).is_dir() and not has_weights(path) and building_config_only():
+        if device_map is not None:
+            raise NotImplementedError(
+                "`model.device_map`: a base placed over several devices (or host, or disk) cannot be built "
+                "from its config alone, so the memory estimator does not cover it"
+            )
+        return quantized_causal_lm_from_config(
+            path, settings, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
+        )
     if Path(path).is_dir() and not has_weights(path):
         if random_init_dir is None:
             raise ValueError(f"`model.name_or_path`: {path!r} has only a config; set `model.random_init_dir`")
@@ -196,6 +205,55 @@ def load_quantized_causal_lm(
     )
     keep_training_layout(model)
     return model
+
+
+def quantized_causal_lm_from_config(
+    name_or_path: str,
+    settings: QuantizationSettings,
+    *,
+    attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
+) -> nn.Module:
+    """What :func:`load_quantized_causal_lm` returns, built from ``config.json`` alone (random weights).
+
+    The steps of ``from_pretrained(..., quantization_config=...)`` without a checkpoint: the model
+    is made in the compute dtype; transformers' own quantizer swaps its linear layers for
+    bitsandbytes ones (the same modules it skips: the output layer, ``skip_modules``); each layer's
+    weight is then quantized by the conversion op ``from_pretrained`` applies to a weight it reads
+    (``Params4bit(...).to(device)``: bitsandbytes' ``quantize_4bit``, and ``quantize_blockwise``
+    for the double-quantized absmax), so packed weights and quantization state have exactly the
+    shapes and dtypes a loaded checkpoint gets. Only used inside
+    :func:`~lightning_mem.models.config_only_models` (the memory estimator, on fake tensors):
+    a run trains on weights that can be saved and named, which these are not.
+    """
+    import bitsandbytes as bnb
+    from transformers.quantizers import AutoHfQuantizer
+
+    model = load_causal_lm(
+        name_or_path, dtype=settings.torch_compute_dtype, from_config=True,
+        attn_implementation=attn_implementation, trust_remote_code=trust_remote_code,
+    )
+    dense = {name: m for name, m in model.named_modules() if type(m) is nn.Linear}
+    model.config.quantization_config = build_bnb_config(settings)
+    quantizer = AutoHfQuantizer.from_config(model.config.quantization_config, pre_quantized=False)
+    quantizer.preprocess_model(model=model, dtype=settings.torch_compute_dtype, device_map={"": "cpu"})
+    convert = quantizer.get_quantize_ops().convert
+    quantized = (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)
+    for name, layer in model.named_modules():
+        if not isinstance(layer, quantized) or name not in dense:
+            continue
+        source = dense.pop(name)
+        key = f"{name}.weight"
+        weight = convert({key: source.weight.detach()}, full_layer_name=key, model=model)[key]
+        layer.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
+        if source.bias is not None:
+            layer.bias = nn.Parameter(source.bias.detach(), requires_grad=False)
+        layer._is_hf_initialized = True
+    del dense
+    model.hf_quantizer = quantizer
+    quantizer.postprocess_model(model)
+    keep_training_layout(model)
+    return model.eval()  # as from_pretrained returns it
 
 
 def keep_training_layout(model: nn.Module) -> int:
@@ -221,7 +279,7 @@ def keep_training_layout(model: nn.Module) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def _quant_state_tensors(weight: nn.Parameter) -> list[torch.Tensor]:
+def quant_state_tensors(weight: nn.Parameter) -> list[torch.Tensor]:
     """Every tensor that a quantized weight needs besides its packed bytes (scales, code books)."""
     import bitsandbytes as bnb
 
@@ -254,16 +312,17 @@ def quantized_weight_bytes(model: nn.Module) -> tuple[int, int]:
 
     def add(t: torch.Tensor) -> None:
         nonlocal held
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in seen:
-            seen.add(ptr)
-            held += t.untyped_storage().nbytes()
+        storage = t.untyped_storage()
+        # The storage itself, not its data pointer: a fake tensor's (the memory estimate) is 0.
+        if storage._cdata not in seen:
+            seen.add(storage._cdata)
+            held += storage.nbytes()
 
     for module in model.modules():
         if not is_quantized_linear(module):
             continue
         add(module.weight.data)
-        for t in _quant_state_tensors(module.weight):
+        for t in quant_state_tensors(module.weight):
             add(t)
         dense += module.in_features * module.out_features * torch.finfo(torch.bfloat16).bits // 8
     return held, dense

@@ -99,3 +99,21 @@ def test_meta_twin_has_the_real_models_linear_names(base):
 def test_bad_lora_settings_name_their_key(kwargs, message):
     with pytest.raises(ValueError, match=message):
         LoraSettings(**kwargs)
+
+
+def test_saved_base_writes_random_weights_except_when_building_from_config(tmp_path):
+    from types import SimpleNamespace
+
+    from lightning_mem.lora import saved_base
+    from lightning_mem.models import config_only_models, has_weights
+
+    class _Strategy:
+        def barrier(self, name):
+            pass
+
+    trainer = SimpleNamespace(default_root_dir=str(tmp_path), is_global_zero=True, strategy=_Strategy())
+    with config_only_models():  # the memory estimate: the config folder itself, nothing written
+        assert saved_base(trainer, str(TINY_MODEL), "random_base", seed=0) == str(TINY_MODEL)
+    assert list(tmp_path.iterdir()) == []
+    written = saved_base(trainer, str(TINY_MODEL), "random_base", seed=0)
+    assert written.startswith(str(tmp_path / "random_base")) and has_weights(written)

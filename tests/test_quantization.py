@@ -6,7 +6,7 @@ import bitsandbytes as bnb
 import pytest
 import torch
 
-from lightning_mem.models import has_weights, load_causal_lm
+from lightning_mem.models import config_only_models, has_weights, load_causal_lm
 from lightning_mem.quantization import (
     QuantizationSettings,
     build_bnb_config,
@@ -14,6 +14,7 @@ from lightning_mem.quantization import (
     keep_training_layout,
     load_quantized_causal_lm,
     materialize_random_weights,
+    quant_state_tensors,
     quantized_weight_bytes,
 )
 from tests.helpers import TINY_MODEL
@@ -230,3 +231,44 @@ def test_fsdp2_shards_the_4bit_base_and_changes_no_result(base, tmp_path):
             if p.requires_grad:
                 torch.testing.assert_close(got["grads"][name], p.grad, rtol=1e-5, atol=1e-7)
         assert got["packed"] * 2 == _packed_bytes(reference)  # each rank holds half the 4-bit weights
+
+
+# -- built from config alone (the memory estimate's path) ---------------------------------------
+
+
+def _quantized_tensors(model) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)):
+            out[f"{name}.weight"] = m.weight.data
+            for i, t in enumerate(quant_state_tensors(m.weight)):
+                out[f"{name}.state{i}"] = t
+    out.update({n: p.data for n, p in model.named_parameters() if not n.endswith(".weight") or n not in out})
+    return out
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_built_from_config_is_what_loading_seeded_weights_gives(base, bits, tmp_path):
+    """The config-only path quantizes through the same transformers/bitsandbytes steps as a load:
+    with the same seeded random weights, every packed byte and quantization-state value is equal."""
+    settings = QuantizationSettings(bits=bits, compute_dtype="float32")
+    loaded = load_quantized_causal_lm(base, settings)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)  # materialize_random_weights' seed for `base`
+        with config_only_models():
+            built = load_quantized_causal_lm(str(TINY_MODEL), settings, random_init_dir=tmp_path)
+    assert list(tmp_path.iterdir()) == []  # nothing written
+    assert type(built) is type(loaded) and getattr(built, f"is_loaded_in_{bits}bit")
+    a, b = _quantized_tensors(loaded), _quantized_tensors(built)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert a[key].dtype == b[key].dtype and a[key].shape == b[key].shape, key
+        assert torch.equal(a[key], b[key]), key
+    assert quantized_weight_bytes(built) == quantized_weight_bytes(loaded)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    torch.testing.assert_close(built(input_ids=ids).logits, loaded(input_ids=ids).logits, rtol=0, atol=0)
+
+
+def test_config_only_refuses_a_device_map():
+    with config_only_models(), pytest.raises(NotImplementedError, match="model.device_map"):
+        load_quantized_causal_lm(str(TINY_MODEL), FP32, device_map={"": "cpu"})

@@ -368,7 +368,7 @@ def _fake_only(ledger: MemoryLedger) -> Callable[[Callable], Callable]:
 class _Run:
     """One estimate: the module, its optimizers and trainer pieces, the ledger, and the phases."""
 
-    def __init__(self, init: Any, cfg: Any, *, world_size: int, fake: bool, vocab: list[int]) -> None:
+    def __init__(self, init: Any, cfg: Any, *, world_size: int, fake: bool, vocab: list[int], workdir: Path) -> None:
         from lightning.pytorch import Trainer
 
         self.module = init.model
@@ -384,7 +384,10 @@ class _Run:
         self.ledger = MemoryLedger(set(vocab))
         self.mode = TrackingMode(self.ledger, fake=fake)
         # A CPU trainer for what the module's methods read from it (world size, device).
+        # Its root is the estimate's temporary folder: whatever a recipe writes under
+        # ``trainer.default_root_dir`` (a real run's saved random base) goes nowhere else.
         self.trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                               default_root_dir=str(workdir),
                                enable_progress_bar=False, enable_model_summary=False, callbacks=self.callbacks)
         self.phases: list[PhaseEstimate] = []
         self.optimizers: list[torch.optim.Optimizer] = []
@@ -429,7 +432,7 @@ class _Run:
     def retag(self) -> None:
         """Parameters and buffers are weights, gradients gradients, optimizer tensors state (unless on the host)."""
         ledger = self.ledger
-        for t in [*self.module.parameters(), *self.module.buffers()]:
+        for t in [*self.module.parameters(), *self.module.buffers(), *_quantization_state(self.module)]:
             if ledger.category_of(t) != HOST:
                 ledger.retag(t, "weights")
             if isinstance(t, nn.Parameter) and t.grad is not None and ledger.category_of(t.grad) != HOST:
@@ -483,6 +486,81 @@ class _Run:
         loss.backward()
         for cb in self.callbacks:
             cb.on_after_backward(self.trainer, self.module)
+
+
+@contextlib.contextmanager
+def _weights_source(fake: bool) -> Iterator[None]:
+    """Where a config-only base's weights come from: on fake tensors, from its config alone.
+
+    A LoRA or QLoRA recipe gives a config-only base seeded random weights on disk and reads them
+    back (quantizing as it reads); fake tensors can be neither written nor read, so inside
+    :func:`~lightning_mem.models.config_only_models` the same ``configure_model`` builds the base
+    from its config (and quantizes it with bitsandbytes' own ops). A real-tensor run (the accuracy
+    tests) takes the recipe's disk path, inside the estimate's temporary folder.
+    """
+    from lightning_mem.models import config_only_models
+
+    if not fake:
+        yield
+        return
+    with config_only_models(), _fake_params4bit():
+        yield
+
+
+@contextlib.contextmanager
+def _fake_params4bit() -> Iterator[None]:
+    """Let bitsandbytes' ``Params4bit`` wrap a fake tensor.
+
+    ``Params4bit(data)`` re-types ``data`` in place (``Tensor._make_subclass``), which a FakeTensor
+    (itself a subclass) refuses. For fake data it becomes an instance of a class that is both:
+    FakeTensor for dispatch (shapes, dtypes, the fake device), Params4bit for everything else, its
+    attributes set as ``Params4bit.__new__`` sets them. Quantization, the forward's dequantization
+    and the matmul then run bitsandbytes' own code and fake kernels, so the packed weight and its
+    quantization state have the shapes and dtypes a real load gives.
+    """
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        yield
+        return
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    params4bit = bnb.nn.Params4bit
+    fake_class = type("Params4bit", (FakeTensor, params4bit), {"__module__": __name__})
+    original = params4bit.__new__
+
+    def new(cls: type, data: torch.Tensor | None = None, requires_grad: bool = False, quant_state: Any = None,
+            blocksize: int | None = None, compress_statistics: bool = True, quant_type: str = "fp4",
+            quant_storage: torch.dtype = torch.uint8, module: Any = None, bnb_quantized: bool = False,
+            **kwargs: Any) -> Any:
+        if not isinstance(data, FakeTensor):
+            return original(cls, data, requires_grad, quant_state, blocksize, compress_statistics, quant_type,
+                            quant_storage, module, bnb_quantized, **kwargs)
+        self = data.detach()  # a new fake tensor on the same (fake) storage
+        self.__class__ = fake_class
+        self.requires_grad = requires_grad
+        self.blocksize = 64 if blocksize is None else blocksize
+        self.compress_statistics = compress_statistics
+        self.quant_type = quant_type
+        self.quant_state = quant_state
+        self.quant_storage = quant_storage
+        self.bnb_quantized = bnb_quantized
+        self.module = module
+        return self
+
+    params4bit.__new__ = new
+    try:
+        yield
+    finally:
+        params4bit.__new__ = original
+
+
+def _quantization_state(module: nn.Module) -> list[torch.Tensor]:
+    """The tensors a quantized weight holds besides its packed bytes (absmax, code books, ...):
+    weights, though neither parameters nor buffers."""
+    from lightning_mem.quantization import quant_state_tensors, is_quantized_linear
+
+    return [t for m in module.modules() if is_quantized_linear(m) for t in quant_state_tensors(m.weight)]
 
 
 def _convert(precision: Any, module: nn.Module) -> None:
@@ -800,20 +878,14 @@ def estimate(
     """
     module_name = recipe_for(config, recipe)
     cli, cfg, module_class = parse_config(module_name, ["--config", str(config), *overrides])
-    if "quantization" in inspect.signature(module_class.__init__).parameters:
-        # Its configure_model quantizes weights read from disk (and writes random ones first).
-        raise NotImplementedError(
-            f"{config}: the estimator does not cover quantized (QLoRA) recipes yet: their base is "
-            "quantized from weights read from disk, which a fake-tensor run cannot do"
-        )
     with tempfile.TemporaryDirectory(prefix="lightning_mem_estimate_") as tmp:
         vocab = _localize_models(cfg.model, Path(tmp))
         if cfg.get("data") is not None and "tokenizer" in cfg.data:
             cfg.data.tokenizer = cfg.model.name_or_path
         init = instantiate(cli, cfg)
         size = world_size or _world_size(cfg.trainer)
-        run = _Run(init, cfg, world_size=size, fake=fake, vocab=vocab)
-        with _attribution(run.ledger, fake), run.mode:
+        run = _Run(init, cfg, world_size=size, fake=fake, vocab=vocab, workdir=Path(tmp))
+        with _attribution(run.ledger, fake), _weights_source(fake), run.mode:
             try:
                 run.build()
                 if hasattr(run.module, "rollout_engine"):

@@ -73,6 +73,8 @@ class MemoryLedger:
     # -- adding, re-tagging, removing ----------------------------------------------------------
     def track(self, tensor: torch.Tensor, category: str | None = None) -> None:
         """Count ``tensor``'s storage (once); ``category`` overrides the automatic one."""
+        if tensor.device.type == "meta":  # no memory anywhere (a module's placeholder before loading)
+            return
         try:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):
@@ -182,8 +184,19 @@ class TrackingMode(TorchDispatchMode):
             return False if t.dtype == torch.bool else (0.0 if t.is_floating_point() or t.is_complex() else 0)
         if tensors and not has_fake:
             return func(*args, **kwargs)  # all inputs real: compute for real
-        with self.fake_mode:
-            fake_out = func(*args, **kwargs)
+        if any(isinstance(x, torch.UntypedStorage) for x in leaves):
+            # Not through the fake mode's op cache: its key would hold the storage (and so every
+            # tensor on it) alive for the rest of the run -- activation offload's byte views of
+            # what it stashes would then never be freed.
+            cached, self.fake_mode.cache_enabled = self.fake_mode.cache_enabled, False
+            try:
+                with self.fake_mode:
+                    fake_out = func(*args, **kwargs)
+            finally:
+                self.fake_mode.cache_enabled = cached
+        else:
+            with self.fake_mode:
+                fake_out = func(*args, **kwargs)
         if func._schema.is_mutable and tensors and not _is_fake(args[0]) and isinstance(args[0], torch.Tensor):
             return args[0]  # a real tensor written with fake values: it keeps its (worst-case) values
         if not tensors:  # a factory: small integer tensors are made for real
