@@ -1,6 +1,7 @@
 # Two commands on a fresh machine (each makes .venv and installs what it needs first):
 #   make demo   SFT of the tiny model on CPU (configs/sft/tiny_cpu.yaml), about 2 minutes on 2 cores
 #   make test   the test suite (CPU; `gpu`-marked tests run only where CUDA is present), then the
+#               memory estimator's gate over every GPU-tier config (`config_gate`-marked), then the
 #               vLLM rollout engine's tests (`vllm`-marked) in .venv-vllm
 PYTHON ?= python3
 VENV ?= .venv
@@ -9,7 +10,7 @@ PY := $(VENV)/bin/python
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 
-.PHONY: demo test test-vllm install vllm-install clean
+.PHONY: demo test test-gate test-vllm install vllm-install clean
 
 install: $(VENV)/.installed
 
@@ -41,7 +42,13 @@ demo: install
 
 test: install
 	HF_HUB_OFFLINE=1 $(PY) -m pytest
+	$(MAKE) test-gate
 	$(MAKE) test-vllm
+
+# The memory estimator's gate over every shipped GPU-tier config: a minute or two of fake-tensor
+# work per config, single-threaded Python, so it runs on two workers as a step of its own.
+test-gate: install
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -m "config_gate and not slow" -n 2 tests/estimate/test_config_gate.py
 
 # The vLLM engine's tests only (in the main env they are skipped: vLLM is not installed there).
 test-vllm: vllm-install

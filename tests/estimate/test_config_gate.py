@@ -5,7 +5,8 @@ its ``# tier: NxMGB`` header line; its header also carries the estimator's per-p
 ``# estimated peak per rank (GiB): <phase>=<value> ...``, which must agree with a fresh estimate
 within 5 %. Every phase's peak must be at most the tier's device memory less the margin.
 
-PPO configs are in the default suite too: their estimate runs generation's prefill and last decode
+The gate is its own step of ``make test`` (marker ``config_gate``, two workers), after the main
+suite. PPO configs are in it too: their estimate runs generation's prefill and last decode
 step and two micro-batches per shape (``lightning_mem.estimate.session.run_ppo``), about half a
 minute to two minutes per config on 2 cores, not the whole loops.
 """
@@ -19,6 +20,8 @@ from pathlib import Path
 import pytest
 
 from lightning_mem.estimate import estimate, tier_of, usable_bytes
+
+pytestmark = pytest.mark.config_gate
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU_CONFIGS = sorted(p for p in (ROOT / "configs").glob("*/*.yaml") if not p.name.startswith("tiny_"))
