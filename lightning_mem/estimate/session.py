@@ -549,10 +549,17 @@ def _fake_params4bit() -> Iterator[None]:
         return self
 
     params4bit.__new__ = new
+    # bitsandbytes caches the code of its nested (double) quantization in a module-level dict on
+    # first use; made inside the estimate it would be a fake tensor's leftovers, and every later
+    # real quantization in the process would quantize the absmax with it (different bytes).
+    qmaps = bnb.functional.name2qmap
+    cached = dict(qmaps)
     try:
         yield
     finally:
         params4bit.__new__ = original
+        qmaps.clear()
+        qmaps.update(cached)
 
 
 def _quantization_state(module: nn.Module) -> list[torch.Tensor]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from lightning_mem.estimate import estimate
 
@@ -100,6 +101,11 @@ def test_qlora(sft_plain):
     # config.json and quantized by the same transformers/bitsandbytes steps on fake tensors.
     fake, real = _both_writing_nothing("configs/qlora/tiny_cpu.yaml", [])
     _assert_close(fake, real)
+    # bitsandbytes' cached code for nested quantization is not left as the fake run made it
+    # (later real quantizations in the process would use it and pack different bytes).
+    from bitsandbytes.functional import create_dynamic_map, name2qmap
+
+    assert "dynamic" not in name2qmap or torch.equal(name2qmap["dynamic"], create_dynamic_map())
     b = fake.phases[0].device_breakdown_bytes
     # 4-bit block linears (packed + double-quantized state), fp32 embeddings/norms/head, fp32 adapters.
     held = _tiny_4bit_bytes()
