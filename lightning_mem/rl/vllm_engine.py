@@ -63,9 +63,7 @@ class VLLMRolloutEngine(RolloutEngine):
         trust_remote_code: bool = False,
     ) -> None:
         super().__init__(config, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id)
-        engine.validate()
-        if config.kv_cache == "static":
-            raise ValueError("`model.generation.kv_cache: static` is the Hugging Face engine's; vLLM pages its own KV cache")
+        engine.validate(config)
         self.engine_config = engine
         self.model_path = model_path
         self.dtype = resolve_dtype(engine.dtype) or dtype
