@@ -140,12 +140,7 @@ class PPOModule(LightningModule):
                        trust_remote_code=trust_remote_code)
         # logger=False: the CLI logs the whole resolved config (lightning_mem.cli.RunConfigCallback).
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "critic_optimizer", "reward"], logger=False)
-        rollout_engine.validate()
-        if rollout_engine.name != "hf" and generation.kv_cache == "static":
-            raise ValueError(
-                f"`model.generation.kv_cache: static` is the Hugging Face engine's; `model.rollout_engine.name:"
-                f" {rollout_engine.name}` pages its own KV cache (size it with its knobs)"
-            )
+        rollout_engine.validate(generation)
         self.rollout_engine_config = rollout_engine
         self.automatic_optimization = False  # several optimizer steps per rollout
         self.strict_loading = False  # checkpoints leave out the frozen models (on_save_checkpoint)

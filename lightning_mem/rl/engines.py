@@ -67,7 +67,10 @@ class RolloutEngineConfig:
     cpu_kv_cache_space_gb: int = 1
     seed: int | None = None
 
-    def validate(self, key: str = "model.rollout_engine") -> None:
+    def validate(self, generation: Any = None, key: str = "model.rollout_engine") -> None:
+        """Check the knobs, and (given the run's :class:`~lightning_mem.rl.rollout.GenerationConfig`)
+        that the generation settings suit this engine. The one place an engine config is checked:
+        the recipe calls it before any model loads, and an engine built directly calls it too."""
         if self.name not in ENGINES:
             raise ValueError(f"`{key}.name` must be one of {ENGINES}, got {self.name!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -90,6 +93,11 @@ class RolloutEngineConfig:
                 f"`{key}.name: vllm` needs vLLM, which is not installed in this environment: "
                 "`pip install '.[vllm]'` (vLLM's CPU build, in a venv of its own: `make vllm-install`), "
                 "or `pip install vllm` on a CUDA machine"
+            )
+        if generation is not None and self.name != "hf" and generation.kv_cache == "static":
+            raise ValueError(
+                f"`model.generation.kv_cache: static` is the Hugging Face engine's; `{key}.name:"
+                f" {self.name}` pages its own KV cache (size it with its knobs)"
             )
 
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 import gc
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -33,6 +35,30 @@ from lightning_mem.rl.rollout import Experience, GenerationConfig, RolloutEngine
 log = logging.getLogger(__name__)
 
 CPU_SLEEP_WARNING = "vLLM engine: sleep mode does not exist on CPU; sleep_level={level} is a no-op here (the engine stays awake)"
+
+
+@contextmanager
+def _trainer_threads_kept() -> Iterator[None]:
+    """Start vLLM without changing how the trainer, which shares this process, uses the CPU.
+
+    vLLM's CPU worker is written for a process of its own: it cuts torch to one intra-op thread
+    "for serving" and replaces ``torch.set_num_threads`` with a no-op that warns (so that nothing
+    undoes its OpenMP binding). In process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) no binding is
+    made: the OpenMP thread binding belongs to its multiprocess executor, and the process's CPU
+    affinity is left alone (measured: the same cores before and after start, 2026-11-23). So the
+    trainer's thread count, ``torch.set_num_threads`` itself and the CPU affinity are put back
+    as they were; vLLM calls ``set_num_threads`` only while it starts (model load, warm-up).
+    """
+    threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+    affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_threads
+        if torch.get_num_threads() != threads:
+            set_threads(threads)
+        if affinity is not None and os.sched_getaffinity(0) != affinity:
+            os.sched_setaffinity(0, affinity)
 
 
 class VLLMRolloutEngine(RolloutEngine):
@@ -63,9 +89,7 @@ class VLLMRolloutEngine(RolloutEngine):
         trust_remote_code: bool = False,
     ) -> None:
         super().__init__(config, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id)
-        engine.validate()
-        if config.kv_cache == "static":
-            raise ValueError("`model.generation.kv_cache: static` is the Hugging Face engine's; vLLM pages its own KV cache")
+        engine.validate(config)
         self.engine_config = engine
         self.model_path = model_path
         self.dtype = resolve_dtype(engine.dtype) or dtype
@@ -115,12 +139,8 @@ class VLLMRolloutEngine(RolloutEngine):
             # On CPU gpu_memory_utilization would reserve that fraction of host memory: size the
             # KV cache explicitly instead.
             kwargs["kv_cache_memory_bytes"] = cfg.cpu_kv_cache_space_gb << 30
-        # vLLM's CPU build drops torch to one thread "for serving" and then replaces
-        # torch.set_num_threads with a no-op; the trainer shares this process, so put the count back.
-        threads, set_threads = torch.get_num_threads(), torch.set_num_threads
-        self.llm = LLM(**kwargs)
-        if torch.get_num_threads() != threads:
-            set_threads(threads)
+        with _trainer_threads_kept():
+            self.llm = LLM(**kwargs)
         self.sleeping = 0
 
     def close(self) -> None:

@@ -43,6 +43,19 @@ def test_vllm_engine_without_vllm_says_how_to_install():
         RolloutEngineConfig(name="vllm").validate()
 
 
+def test_static_kv_cache_is_the_hf_engines_only(monkeypatch):
+    """The generation settings are checked with the engine's (one place: the recipe and a directly
+    built vLLM engine both call ``validate(generation)``)."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real(name, *a))
+    static = GenerationConfig(kv_cache="static")
+    RolloutEngineConfig(name="hf").validate(static)
+    RolloutEngineConfig(name="vllm").validate(GenerationConfig())
+    with pytest.raises(ValueError, match=r"`model.generation.kv_cache: static` is the Hugging Face engine's; "
+                                         r"`model.rollout_engine.name: vllm` pages its own KV cache"):
+        RolloutEngineConfig(name="vllm").validate(static)
+
+
 def test_hf_engine_is_the_default():
     engine = build_rollout_engine(RolloutEngineConfig(), GenerationConfig(), model_path=str(TINY_MODEL), eos_token_ids=[1], pad_token_id=0)
     assert type(engine) is RolloutEngine and not engine.needs_weight_sync
