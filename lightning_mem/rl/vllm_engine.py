@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_mem.dtypes import resolve_dtype
+from lightning_mem.padding import pad_sequences
 from lightning_mem.rl.engines import RolloutEngineConfig, checkpoint_weights, weight_buckets
 from lightning_mem.rl.rollout import Experience, GenerationConfig, RolloutEngine, experience_from_generation
 
@@ -254,15 +255,12 @@ class VLLMRolloutEngine(RolloutEngine):
         width = prompt_ids.shape[1]
         prompts = [TokensPrompt(prompt_token_ids=row[width - n :].tolist()) for row, n in zip(prompt_ids, lengths)]
         outputs = self.llm.generate(prompts, self._sampling_params(len(prompts)), use_tqdm=False)
-        max_new = max([len(out.outputs[0].token_ids) for out in outputs] + [1])
-        responses = torch.full((len(prompts), max_new), self.pad_token_id, dtype=prompt_ids.dtype)
-        logprobs = torch.zeros((len(prompts), max_new))
-        for i, out in enumerate(outputs):
-            completion = out.outputs[0]
-            ids = list(completion.token_ids)[:max_new]
-            responses[i, : len(ids)] = torch.tensor(ids, dtype=prompt_ids.dtype)
-            for j, (token, entry) in enumerate(zip(ids, completion.logprobs or [])):
-                logprobs[i, j] = entry[token].logprob
+        completions = [out.outputs[0] for out in outputs]
+        tokens = [list(c.token_ids) for c in completions]
+        max_new = max([len(ids) for ids in tokens] + [1])
+        responses, _ = pad_sequences(tokens, self.pad_token_id, length=max_new, dtype=prompt_ids.dtype)
+        sampled = [[entry[t].logprob for t, entry in zip(ids, c.logprobs or [])] for ids, c in zip(tokens, completions)]
+        logprobs, _ = pad_sequences(sampled, 0, length=max_new, dtype=torch.float32)
         device = prompt_ids.device
         sequences = torch.cat([prompt_ids, responses.to(device)], dim=1)
         exp = experience_from_generation(
