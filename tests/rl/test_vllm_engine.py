@@ -198,7 +198,8 @@ from tests.recipes.test_ppo import SHORT_EPOCHS, _ppo, _quarters, sft_export  # 
 
 @pytest.mark.slow  # SFT warm-up + 128 PPO steps. Passed once (2026-11-23, 2-core CPU, OMP_NUM_THREADS=1, load 4-7):
 # quarters 0.546 -> 0.613 (+0.067), max engine/actor logprob diff 1.3e-6, 540 s (setup 342 s + run 190 s).
-# Keep slow until a second run confirms it and the job fits CI's minutes.
+# A second run (idle machine, 2 threads, 251 s) missed the bar: 0.620 -> 0.646 (+0.025 < +0.03).
+# Keep slow until it clears the bar reliably (it is one sampled run; the HF test shares the bar).
 def test_short_run_with_vllm_raises_the_reward(tmp_path, sft_export):  # noqa: F811
     """tests/recipes/test_ppo.py's test_short_run_raises_the_reward with the vLLM engine: the tiny
     config's first quarter (128 PPO steps), same bar (+0.03 from the first quarter to the last)."""
