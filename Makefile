@@ -23,7 +23,7 @@ $(VENV)/.installed: pyproject.toml
 	else \
 		$(PY) -m pip install --quiet "torch==2.13.0"; \
 	fi
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet -e ".[dev,deepspeed]"
 	touch $@
 
 vllm-install: $(VLLM_VENV)/.installed

@@ -227,6 +227,10 @@ class Sharding:
     shard: tuple[str, ...] = ()  # categories divided by the world size
     host: tuple[str, ...] = ()  # categories kept in host memory
     gathered_units: int = 0  # largest units held unsharded at once on the device (FSDP2/ZeRO-3)
+    # DeepSpeed ZeRO: the optimizer steps fp32 master copies of 16-bit weights (see
+    # :class:`_MasterWeights`), and gradients pass through reduce buckets of this many elements.
+    master_weights: bool = False
+    bucket_elements: int = 0
 
 
 def sharding_of(strategy: Any) -> Sharding:
@@ -240,27 +244,36 @@ def sharding_of(strategy: Any) -> Sharding:
     tier = getattr(strategy, "tier", None)
     if tier is not None:  # ZeroStrategy
         shard = ("gradients", "optimizer_state") + (("weights",) if tier.stage == 3 else ())
-        host = (("optimizer_state",) if tier.offloads_optimizer else ()) + (("weights",) if tier.offloads_params else ())
+        # With the optimizer offloaded, each rank's reduced gradient partition goes to the host too,
+        # where CPU Adam steps it; only the reduce buckets stay on the device.
+        host = (("gradients", "optimizer_state") if tier.offloads_optimizer else ()) + (
+            ("weights",) if tier.offloads_params else ())
+        # Stage 2 with overlap_comm alternates two reduce buckets; stage 3 keeps one.
+        buckets = 2 if tier.stage == 2 and tier.overlap_comm else 1
         return Sharding(f"DeepSpeed ZeRO-{tier.stage}" + (" + offload" if host else ""), shard, host,
-                        gathered_units=2 if tier.stage == 3 else 0)
+                        gathered_units=2 if tier.stage == 3 else 0, master_weights=True,
+                        bucket_elements=buckets * tier.reduce_bucket_size)
     return Sharding(name)
 
 
 def shard_per_rank(breakdown: dict[str, int], host: int, sharding: Sharding, world_size: int,
-                   unit_bytes: tuple[int, int]) -> tuple[dict[str, int], int]:
+                   unit_bytes: tuple[int, int], grad_element_size: int = 4) -> tuple[dict[str, int], int]:
     """Per-rank device breakdown and host bytes of one unsharded measurement under ``sharding``.
 
     A sharded category holds 1/world_size of its measured bytes per rank (on the host when
     offloaded). A strategy that shards parameters gathers units (a decoder block, the root) to
     compute: ``gathered_units`` of the largest block plus the root unit stay on the device, with
     their gradients before the reduce-scatter (``unit_bytes`` = (largest block, root) parameter bytes).
+    DeepSpeed's reduce buckets (``bucket_elements`` of ``grad_element_size`` bytes, no more than the
+    gradients) stay on the device; a gradient partition it offloads is fp32 on the host.
     """
+    measured_grads = breakdown["gradients"]
     out = dict(breakdown)
     for cat in sharding.shard:
         share = math.ceil(breakdown[cat] / world_size)
         if cat in sharding.host:
             out[cat] = 0
-            host += share
+            host += share * 4 // grad_element_size if cat == "gradients" and sharding.master_weights else share
         else:
             out[cat] = share
     if "weights" in sharding.shard and sharding.gathered_units:
@@ -269,6 +282,8 @@ def shard_per_rank(breakdown: dict[str, int], host: int, sharding: Sharding, wor
         out["weights"] += min(gathered, breakdown["weights"])
         if breakdown["gradients"]:
             out["gradients"] += min(block + root, breakdown["gradients"])
+    if sharding.bucket_elements and measured_grads:
+        out["gradients"] += min(sharding.bucket_elements * grad_element_size, measured_grads)
     return out, host
 
 
@@ -412,10 +427,20 @@ class _Run:
         module.lr_scheduler_factory = None
         out = module.configure_optimizers()
         self.optimizers = _optimizer_list(out)
+        if self.sharding.master_weights:
+            self.optimizers = [_MasterWeights.wrap(opt, self.ledger) for opt in self.optimizers]
         for opt in self.optimizers:
             opt.register_step_post_hook(lambda o, *_: self._retag_optimizer(o))
         for cb in self.callbacks:
             cb.on_fit_start(self.trainer, module)
+        if self.sharding.shard or self.sharding.bucket_elements:
+            units, grad_size = self.unit_bytes(), self.grad_element_size()
+
+            def per_rank(totals: dict[str, int]) -> int:
+                breakdown = {c: totals[c] for c in CATEGORIES}
+                return sum(shard_per_rank(breakdown, 0, self.sharding, self.world_size, units, grad_size)[0].values())
+
+            self.ledger.per_rank = per_rank
 
     def _checkpointing(self) -> None:
         # FSDP2Strategy's own activation checkpointing, applied to the blocks it would shard.
@@ -459,6 +484,10 @@ class _Run:
             root += sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in in_blocks)
         return block, root
 
+    def grad_element_size(self) -> int:
+        trainable = [p for p in self.module.parameters() if p.requires_grad]
+        return trainable[0].element_size() if trainable else 4
+
     # -- measuring --------------------------------------------------------------------------------
     @contextlib.contextmanager
     def phase(self, name: str, shape: str) -> Iterator[None]:
@@ -467,7 +496,7 @@ class _Run:
         yield
         ledger = self.ledger
         breakdown, host = shard_per_rank(ledger.peak_breakdown, ledger.peak_host_bytes, self.sharding,
-                                         self.world_size, self.unit_bytes())
+                                         self.world_size, self.unit_bytes(), self.grad_element_size())
         self.phases.append(PhaseEstimate(name, sum(breakdown.values()), breakdown, host, shape))
 
     def step_optimizers(self) -> None:
@@ -486,6 +515,70 @@ class _Run:
         loss.backward()
         for cb in self.callbacks:
             cb.on_after_backward(self.trainer, self.module)
+
+
+class _MasterWeights:
+    """DeepSpeed ZeRO's mixed-precision optimizer, as far as memory goes.
+
+    Beside 16-bit weights DeepSpeed keeps an fp32 master copy of every trainable parameter; at
+    the step it gives the masters fp32 copies of the gradients, steps the client optimizer (or
+    CPU Adam, which allocates the same two fp32 moments) on them, and copies the masters back into
+    the 16-bit weights. Here the client optimizer's own class steps fp32 copies made the same way,
+    so the state bytes are whatever that optimizer allocates; the strategy's sharding then divides
+    them per rank (:func:`shard_per_rank`). fp32 weights need no master copy: the optimizer is
+    returned as it is.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, pairs: list[tuple[torch.Tensor, torch.Tensor]],
+                 ledger: MemoryLedger) -> None:
+        self.optimizer = optimizer
+        self.pairs = pairs
+        self.ledger = ledger
+
+    @classmethod
+    def wrap(cls, optimizer: torch.optim.Optimizer, ledger: MemoryLedger) -> Any:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if all(p.dtype == torch.float32 for p in params):
+            return optimizer
+        pairs, groups = [], []
+        with ledger.section("optimizer_state"), torch.no_grad():
+            for group in optimizer.param_groups:
+                masters = [p.detach().float().requires_grad_(p.requires_grad) for p in group["params"]]
+                pairs += zip(group["params"], masters)
+                groups.append({**group, "params": masters})
+        try:
+            inner = type(optimizer)(groups)
+        except TypeError:  # an optimizer whose constructor needs its defaults named
+            inner = type(optimizer)(groups, **optimizer.defaults)
+        return cls(inner, pairs, ledger)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    def register_step_post_hook(self, hook: Callable) -> Any:
+        return self.optimizer.register_step_post_hook(hook)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        # Everything the step allocates, its temporaries included, belongs to the rank's partition.
+        with self.ledger.section("optimizer_state"):
+            for param, master in self.pairs:
+                if param.grad is not None:
+                    master.grad = param.grad.float()
+                    param.grad = None  # DeepSpeed frees the 16-bit gradient partition at the step
+            self.optimizer.step()
+        for param, master in self.pairs:
+            param.copy_(master)
+            master.grad = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for param, _ in self.pairs:
+            param.grad = None
 
 
 @contextlib.contextmanager

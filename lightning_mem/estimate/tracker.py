@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -44,6 +44,11 @@ class MemoryLedger:
 
     def __init__(self, vocab_sizes: set[int] | None = None) -> None:
         self.vocab_sizes = set(vocab_sizes or ())
+        # What the peak is the peak of: by default the device bytes counted here; a sharded run
+        # measured as one process sets the per-rank device bytes of the category totals, so the
+        # peak is taken where one rank holds most (the moments differ: an optimizer step holds
+        # state that is sharded, a backward activations that are not).
+        self.per_rank: Callable[[dict[str, int]], int] | None = None
         self._live: dict[int, list[Any]] = {}  # id(storage) -> [weakref, nbytes, category]
         self.totals: dict[str, int] = dict.fromkeys((*CATEGORIES, HOST), 0)
         self.device_bytes = 0
@@ -120,8 +125,11 @@ class MemoryLedger:
             self.peak_host_bytes = max(self.peak_host_bytes, self.totals[HOST])
             return
         self.device_bytes += nbytes
-        if peak and self.device_bytes > self.peak_bytes:
-            self.peak_bytes = self.device_bytes
+        if not peak:
+            return
+        current = self.device_bytes if self.per_rank is None else self.per_rank(self.totals)
+        if current > self.peak_bytes:
+            self.peak_bytes = current
             self.peak_breakdown = {c: self.totals[c] for c in CATEGORIES}
 
     @contextlib.contextmanager
@@ -139,7 +147,7 @@ class MemoryLedger:
             self.peak_bytes, self.peak_breakdown, self.peak_host_bytes = saved
 
     def reset_peak(self) -> None:
-        self.peak_bytes = self.device_bytes
+        self.peak_bytes = self.device_bytes if self.per_rank is None else self.per_rank(self.totals)
         self.peak_breakdown = {c: self.totals[c] for c in CATEGORIES}
         self.peak_host_bytes = self.totals[HOST]
 
