@@ -22,8 +22,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import fsspec
 import torch
-from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch import Callback
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -50,7 +50,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"`{type(self).__name__}.save_checkpoint` takes no `storage_options`")
-        if not _is_local_file_protocol(path):
+        if fsspec.utils.get_protocol(str(path)) != "file":  # remote storage: fsspec's own writes
             return super().save_checkpoint(checkpoint, path)
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)

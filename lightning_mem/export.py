@@ -58,9 +58,7 @@ def load_checkpoint_weights(module: torch.nn.Module, ckpt_path: str | Path) -> d
         import warnings
 
         import torch.distributed.checkpoint as dcp
-        from lightning.fabric.utilities.load import _METADATA_FILENAME
-
-        from lightning_mem.strategies.fsdp2 import FSDP2Strategy
+        from lightning_mem.strategies.fsdp2 import CHECKPOINT_METADATA, FSDP2Strategy
 
         if not (path / ".metadata").is_file():
             raise ValueError(
@@ -76,7 +74,7 @@ def load_checkpoint_weights(module: torch.nn.Module, ckpt_path: str | Path) -> d
             # One process on purpose: the reader reassembles every rank's shard.
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load({"state_dict": state}, storage_reader=reader)
-        meta = torch.load(path / _METADATA_FILENAME, map_location="cpu", weights_only=False)
+        meta = torch.load(path / CHECKPOINT_METADATA, map_location="cpu", weights_only=False)
     else:
         meta = torch.load(path, map_location="cpu", weights_only=False)
         if not isinstance(meta, dict) or "state_dict" not in meta:

@@ -221,6 +221,16 @@ def optimizer_state_to_host(
     return ledger
 
 
+def optimizer_state_onto(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """Put every state tensor of ``optimizer`` on ``device`` (e.g. state a checkpoint loaded on the
+    CPU), except the scalar ``step`` counters: torch's optimizers keep those on the CPU unless
+    ``capturable``, and step them there."""
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and key != "step":
+                state[key] = value.to(device)
+
+
 def optimizer_state_to_device(optimizer: torch.optim.Optimizer, non_blocking: bool = True) -> OptimizerStateResidency:
     """Move what :func:`optimizer_state_to_host` moved back to where each tensor came from."""
     ledger = optimizer_state_residency(optimizer)

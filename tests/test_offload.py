@@ -253,3 +253,17 @@ def test_cuda_paged_state_is_prefetched_in_place() -> None:
         assert any(t.paged for t in ledger.moved)
         assert optimizer.state[model.weight]["state1"] is state1  # same buffer, pages on the host
     assert torch.equal(optimizer.state[model.weight]["state1"], value)
+
+
+def test_optimizer_state_onto_moves_state_but_not_the_step_counters():
+    from lightning_mem.offload import optimizer_state_onto
+
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    meta = torch.device("meta")  # another device than the CPU the state was made on
+    optimizer_state_onto(opt, meta)
+    for state in opt.state.values():
+        assert state["exp_avg"].device == meta and state["exp_avg_sq"].device == meta
+        assert state["step"].device.type == "cpu"  # torch steps the counter on the CPU

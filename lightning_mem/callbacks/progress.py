@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
-from lightning.pytorch.callbacks.progress.tqdm_progress import _update_n
 from typing_extensions import override
 
 
@@ -27,7 +26,7 @@ class StepProgressBar(TQDMProgressBar):
             bar = self.train_progress_bar
             bar.total = trainer.max_steps
             bar.initial = 0
-            _update_n(bar, trainer.global_step)
+            _show_step(bar, trainer.global_step)
             bar.set_description(f"Epoch {trainer.current_epoch}, step")
 
     @override
@@ -36,7 +35,7 @@ class StepProgressBar(TQDMProgressBar):
             return super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         bar = self.train_progress_bar
         if bar is not None and self._should_update(trainer.global_step, bar.total):
-            _update_n(bar, trainer.global_step)
+            _show_step(bar, trainer.global_step)
             bar.set_postfix(self.get_metrics(trainer, pl_module))
 
 
@@ -76,3 +75,10 @@ class StepRichProgressBar(RichProgressBar):
             self._initialize_train_progress_bar_id()
         self._update(self.train_progress_bar_id, trainer.global_step)
         self._update_metrics(trainer, pl_module)
+
+
+def _show_step(bar: Any, step: int) -> None:
+    """Set a tqdm bar's count to ``step`` and redraw it (a disabled bar stays silent)."""
+    if not bar.disable:
+        bar.n = step
+        bar.refresh()

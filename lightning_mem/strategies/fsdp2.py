@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -37,6 +36,7 @@ from typing_extensions import override
 
 from lightning_mem.checkpointing import AtomicCheckpointIO, remove_versioned, switch_link, version_dir
 from lightning_mem.dtypes import resolve_dtype
+from lightning_mem.offload import optimizer_state_onto
 from lightning_mem import activation_checkpointing, module_tree
 from lightning_mem.strategies import shard_plan
 from lightning_mem.strategies.consolidate import full_state_dict
@@ -54,6 +54,9 @@ DEFAULT_TIMEOUT_S = 600.0
 #: Written last into a sharded checkpoint folder, holding its global step: a folder without it
 #: (or with another step than its metadata) is the remains of an interrupted save.
 COMPLETE_MARKER = "COMPLETE"
+# Beside the shards, the rest of the checkpoint (loops, callbacks, step): the file name Lightning's
+# ModelParallelStrategy.load_checkpoint reads (tests/strategies/test_fsdp2.py holds the two equal).
+CHECKPOINT_METADATA = "meta.pt"
 
 def _zero_embedding_padding_rows(module: nn.Module) -> None:
     """Zero each sharded embedding's ``padding_idx`` row in whichever rank holds it.
@@ -280,7 +283,8 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING and not self._cpu_offload:
             # With offload the optimizer state must stay beside the (host) shards.
-            _optimizers_to_device(self.optimizers, self.root_device)
+            for optimizer in self.optimizers:
+                optimizer_state_onto(optimizer, self.root_device)
 
     def parallelize(self, module: nn.Module) -> None:
         """Shard, checkpoint and materialize ``module`` in place (idempotent).
@@ -513,8 +517,7 @@ class FSDP2Strategy(ModelParallelStrategy):
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         if storage_options is not None:
             raise TypeError(f"`{type(self).__name__}.save_checkpoint` takes no `storage_options` for sharded checkpoints")
-        from lightning.fabric.strategies.model_parallel import _distributed_checkpoint_save
-        from lightning.fabric.utilities.load import _METADATA_FILENAME
+        from torch.distributed.checkpoint import save as save_distributed
 
         # Every rank must write into the same new folder: rank 0 names it.
         link = Path(self.broadcast(str(filepath)))
@@ -525,9 +528,9 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.barrier("fsdp2_checkpoint_folder")
         state = {"state_dict": checkpoint.pop("state_dict")}
         state.update({f"optimizer_{i}": o for i, o in enumerate(checkpoint.pop("optimizer_states", []))})
-        _distributed_checkpoint_save(state, folder)
+        save_distributed(state, checkpoint_id=folder)
         if self.global_rank == 0:
-            torch.save(checkpoint, folder / _METADATA_FILENAME)
+            torch.save(checkpoint, folder / CHECKPOINT_METADATA)
         self.barrier("fsdp2_checkpoint_written")  # every rank's shard is on disk
         if self.global_rank == 0:
             (folder / COMPLETE_MARKER).write_text(f"{step}\n")
@@ -545,8 +548,6 @@ class FSDP2Strategy(ModelParallelStrategy):
     def check_complete(path: Path) -> None:
         """Raise unless the sharded checkpoint folder ``path`` was completely written (its marker
         is there and names the step its metadata has)."""
-        from lightning.fabric.utilities.load import _METADATA_FILENAME
-
         marker = path / COMPLETE_MARKER
         if not marker.is_file():
             raise RuntimeError(
@@ -554,7 +555,7 @@ class FSDP2Strategy(ModelParallelStrategy):
                 " interrupted. Resume from the previous one (the other `*.ckpt.step*` folder beside it) instead."
             )
         marked = int(marker.read_text().strip() or -1)
-        meta = torch.load(path / _METADATA_FILENAME, map_location="cpu", weights_only=False)
+        meta = torch.load(path / CHECKPOINT_METADATA, map_location="cpu", weights_only=False)
         if int(meta.get("global_step", -1)) != marked:
             raise RuntimeError(
                 f"The sharded checkpoint {path} is torn: its shards were completed at step {marked} but its"

@@ -529,18 +529,18 @@ def test_sharded_save_switches_atomically_and_keeps_the_previous_version(tmp_pat
 
 
 def test_interrupted_sharded_save_leaves_the_last_checkpoint_untouched(tmp_path, monkeypatch):
-    import lightning.fabric.strategies.model_parallel as fabric_mp
+    import torch.distributed.checkpoint as dcp
 
     strategy = FSDP2Strategy()
     link = tmp_path / "last.ckpt"
     _sharded_save(strategy, link, 5, 5)
     before = os.readlink(link)
 
-    def killed_mid_write(state, path):
-        (path / "__0_0.distcp").write_bytes(b"half a shard")
+    def killed_mid_write(state, checkpoint_id):
+        (checkpoint_id / "__0_0.distcp").write_bytes(b"half a shard")
         raise KeyboardInterrupt("killed")
 
-    monkeypatch.setattr(fabric_mp, "_distributed_checkpoint_save", killed_mid_write)
+    monkeypatch.setattr(dcp, "save", killed_mid_write)
     with pytest.raises(KeyboardInterrupt):
         _sharded_save(strategy, link, 6, 6)
     assert os.readlink(link) == before  # still the complete step-5 save
@@ -577,3 +577,12 @@ def test_a_subclass_overriding_an_old_underscore_step_name_is_told_the_new_name(
         class Old(FSDP2Strategy):
             def _shard_module(self, module, *, reshard_after_forward=None):
                 pass
+
+
+def test_checkpoint_metadata_is_the_file_lightning_loads():
+    # The sharded checkpoint's metadata file must be the one ModelParallelStrategy.load_checkpoint reads.
+    from lightning.fabric.utilities.load import _METADATA_FILENAME
+
+    from lightning_mem.strategies.fsdp2 import CHECKPOINT_METADATA
+
+    assert CHECKPOINT_METADATA == _METADATA_FILENAME
