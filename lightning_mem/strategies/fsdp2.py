@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -222,7 +221,7 @@ class FSDP2Strategy(ModelParallelStrategy):
     # ------------------------------------------------------------------ registry
 
     @classmethod
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: Any) -> None:  # Lightning's _StrategyRegistry
         """Register the short names ``fsdp2`` and ``fsdp2_cpu_offload`` (``Trainer(strategy="fsdp2")``)."""
         entries = {
             "fsdp2": ("FSDP2 per decoder block for every HF model in the module", {}),

@@ -196,16 +196,19 @@ def test_memory_plan_drives_the_engine_in_order_and_warns_once_on_cpu(tmp_path, 
 from tests.recipes.test_ppo import SHORT_EPOCHS, _ppo, _quarters, sft_export  # noqa: E402,F401
 
 
-@pytest.mark.slow  # SFT warm-up + 128 PPO steps. Passed once (2026-11-23, 2-core CPU, OMP_NUM_THREADS=1, load 4-7):
-# quarters 0.546 -> 0.613 (+0.067), max engine/actor logprob diff 1.3e-6, 540 s (setup 342 s + run 190 s).
-# A second run (idle machine, 2 threads, 251 s) missed the bar: 0.620 -> 0.646 (+0.025 < +0.03).
-# Keep slow until it clears the bar reliably (it is one sampled run; the HF test shares the bar).
+@pytest.mark.slow  # SFT warm-up + 128 PPO steps
 def test_short_run_with_vllm_raises_the_reward(tmp_path, sft_export):  # noqa: F811
-    """tests/recipes/test_ppo.py's test_short_run_raises_the_reward with the vLLM engine: the tiny
-    config's first quarter (128 PPO steps), same bar (+0.03 from the first quarter to the last)."""
+    """tests/recipes/test_ppo.py's short run with the vLLM engine: the tiny config's first quarter
+    (128 PPO steps). The check is the HF test's noise-free one: the probability the exported actor
+    gives the exact answer -- the expected reward of one rollout, averaged over the 512 prompts --
+    beats the SFT policy it started from by 0.03. (The sampled quarter means, the other HF check,
+    have a standard error of about 0.02 on their difference; two vLLM runs gave +0.067 and +0.025.)"""
+    from scripts.eval_arithmetic import evaluate
+
     root = _ppo(tmp_path, sft_export, f"--trainer.max_epochs={SHORT_EPOCHS}", "--model.rollout_engine.name=vllm",
                 "--model.rollout_engine.max_num_seqs=32")
-    first, *_, last = _quarters(root)
-    assert last >= first + 0.03, _quarters(root)
+    before = evaluate(str(sft_export), limit=512)
+    after = evaluate(str(root / "export"), limit=512)
+    assert after["answer_probability"] >= before["answer_probability"] + 0.03, (before, after, _quarters(root))
     diffs = list(read_metric(root, "engine_logprob_abs_diff").values())
     assert len(diffs) == 16 * SHORT_EPOCHS and max(diffs) < 1e-3, max(diffs)
