@@ -153,13 +153,8 @@ class PPOModule(LightningModule):
         self.logits_chunk_size = logits_chunk_size or None
         self.use_critic = advantage_estimator == "gae"
         self.shared_critic = self.use_critic and critic.layout == "shared"
-        self.reference_mode = (
-            None if not kl.enabled else ("adapters_off" if reference == "auto" and lora else
-                                         "copy" if reference == "auto" else reference)
-        )
-        self.kl_controller = (
-            AdaptiveKLController(kl.coef, kl.target, kl.horizon) if kl.target is not None else FixedKLController(kl.coef)
-        )
+        self.reference_mode = self._reference_mode(kl, reference, lora)
+        self.kl_controller = self._kl_controller(kl)
         # Built in configure_model (after the data are checked, and where a strategy can wrap them).
         self.actor: nn.Module | None = None
         self.value_head: ValueHead | None = None  # shared layout
@@ -171,6 +166,22 @@ class PPOModule(LightningModule):
         self.memory: PhaseMemory | None = None
         # The stream rollouts and shuffles draw from; in the checkpoint, so a resume is exact.
         self.sampling_rng: SamplingRNG | None = None
+
+    @staticmethod
+    def _reference_mode(kl: KLConfig, reference: str, lora: LoraSettings | None) -> str | None:
+        """No reference without a KL penalty; ``auto``: the adapters switched off for a LoRA actor,
+        else a frozen copy."""
+        if not kl.enabled:
+            return None
+        if reference == "auto":
+            return "adapters_off" if lora else "copy"
+        return reference
+
+    @staticmethod
+    def _kl_controller(kl: KLConfig) -> AdaptiveKLController | FixedKLController:
+        if kl.target is not None:
+            return AdaptiveKLController(kl.coef, kl.target, kl.horizon)
+        return FixedKLController(kl.coef)
 
     @staticmethod
     def _validate(name_or_path, dtype, lora, advantage_estimator, reward, reward_model, reference,

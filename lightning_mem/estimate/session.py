@@ -792,23 +792,7 @@ def run_ppo(run: _Run, rows: list[dict[str, Any]], *, full_loops: bool = False) 
             exp.scores = _scores(module, exp)
             module._logprobs_and_values(exp)
         module._advantages(exp)
-        mini_size = math.ceil(len(exp) / ppo.num_mini_batches)
-        with run.phase("train", f"mini-batch of {mini_size} sequences, micro-batches of <= "
-                                f"{ppo.max_tokens_per_microbatch} tokens"), module.memory.phase("train"):
-            run.retag()
-            for cb in run.callbacks:
-                cb.on_train_batch_start(run.trainer, module, batch, 0)
-            mini = exp.select(torch.arange(mini_size))
-            scale = 1.0 / max(float(mini.response_mask.sum()), 1.0)
-            for idx in batching(mini.sequence_lengths, ppo.max_tokens_per_microbatch,
-                                agree_on_count=module._agree_on_count):
-                with run.precision.train_step_context():
-                    loss, _ = module._loss(mini.select(idx))
-                run.backward(loss * scale)
-                del loss
-            run.step_optimizers()
-            for cb in run.callbacks:
-                cb.on_train_batch_end(run.trainer, module, None, batch, 0)
+        _ppo_update(run, exp, batch, batching)
 
     generation = engine.config
     try:
@@ -816,6 +800,29 @@ def run_ppo(run: _Run, rows: list[dict[str, Any]], *, full_loops: bool = False) 
         iteration(run.data.batch_size, run.data.max_prompt_length, generation.max_new_tokens)
     finally:
         engine.config = generation
+
+
+def _ppo_update(run: _Run, exp: Any, batch: dict[str, Any], batching: Callable) -> None:
+    """The train phase: the first mini-batch's micro-batches through the module's loss, backward
+    and one optimizer step (later mini-batches have the same shapes)."""
+    module, ppo = run.module, run.module.ppo
+    mini_size = math.ceil(len(exp) / ppo.num_mini_batches)
+    with run.phase("train", f"mini-batch of {mini_size} sequences, micro-batches of <= "
+                            f"{ppo.max_tokens_per_microbatch} tokens"), module.memory.phase("train"):
+        run.retag()
+        for cb in run.callbacks:
+            cb.on_train_batch_start(run.trainer, module, batch, 0)
+        mini = exp.select(torch.arange(mini_size))
+        scale = 1.0 / max(float(mini.response_mask.sum()), 1.0)
+        for idx in batching(mini.sequence_lengths, ppo.max_tokens_per_microbatch,
+                            agree_on_count=module._agree_on_count):
+            with run.precision.train_step_context():
+                loss, _ = module._loss(mini.select(idx))
+            run.backward(loss * scale)
+            del loss
+        run.step_optimizers()
+        for cb in run.callbacks:
+            cb.on_train_batch_end(run.trainer, module, None, batch, 0)
 
 
 def _warm_up_optimizers(run: _Run) -> None:

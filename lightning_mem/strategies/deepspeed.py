@@ -22,6 +22,7 @@ when a strategy is built or a phase is offloaded.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Iterator, Sequence
@@ -102,22 +103,9 @@ class ZeroStrategy(DeepSpeedStrategy):
     ) -> None:
         self._hf_zero3_config: Any = None
         # Validate the whole plan before DeepSpeed is even imported: a bad YAML fails in a second.
-        self.tier: ZeroTier = zero_tier(
-            preset,
-            stage=stage,
-            offload_optimizer=offload_optimizer,
-            offload_params=offload_params,
-            nvme_path=nvme_path,
-            pin_memory=pin_memory,
-            reduce_bucket_size=reduce_bucket_size,
-            allgather_bucket_size=allgather_bucket_size,
-            prefetch_bucket_size=prefetch_bucket_size,
-            param_persistence_threshold=param_persistence_threshold,
-            max_live_parameters=max_live_parameters,
-            sub_group_size=sub_group_size,
-            overlap_comm=overlap_comm,
-            contiguous_gradients=contiguous_gradients,
-        )
+        # Every ZeroTier field is an argument of the same name here (None keeps the preset's value).
+        arguments = locals()
+        self.tier: ZeroTier = zero_tier(preset, **{f.name: arguments[f.name] for f in dataclasses.fields(ZeroTier)})
         _check_nvme_path(self.tier)
         self.cpu_adam = cpu_adam
         config = deepspeed_config(self.tier, cpu_adam=cpu_adam, extra_config=extra_config)

@@ -153,9 +153,33 @@ class FSDP2Strategy(ModelParallelStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Union[float, timedelta, None] = DEFAULT_TIMEOUT_S,
     ) -> None:
+        self._check_sizes(data_parallel_size, tensor_parallel_size)
+        self._check_plan(cpu_offload, reshard_after_forward, activation_checkpointing, tensor_parallel_size)
+        shard_modules = self._shard_module_names(shard_modules)
+        timeout = self._timeout_of(timeout)
+        super().__init__(
+            data_parallel_size=data_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout if timeout is not None else default_pg_timeout,
+        )
+        # Full (non-sharded) checkpoints are one file written by rank 0: write it beside the
+        # target and rename it, so a crash never leaves a truncated `last.ckpt`.
+        self.checkpoint_io = AtomicCheckpointIO()
+        self._cpu_offload = cpu_offload
+        self._reshard_after_forward = reshard_after_forward
+        self._param_dtype = resolve_dtype(param_dtype, key="param_dtype")
+        self._reduce_dtype = resolve_dtype(reduce_dtype, key="reduce_dtype")
+        # `True` means every block; an int counts blocks; bool is an int, so normalize.
+        self._checkpoint_every = int(activation_checkpointing)
+        self._shard_modules = shard_modules
+
+    @staticmethod
+    def _check_plan(cpu_offload: Any, reshard_after_forward: Any, activation_checkpointing: Any,
+                    tensor_parallel_size: int) -> None:
         if not isinstance(cpu_offload, bool):
             raise TypeError(f"`cpu_offload` must be a bool, got {cpu_offload!r}.")
-        self._check_sizes(data_parallel_size, tensor_parallel_size)
         if cpu_offload and tensor_parallel_size != 1:
             raise ValueError(
                 f"`cpu_offload=True` cannot be combined with `tensor_parallel_size={tensor_parallel_size}`:"
@@ -173,34 +197,24 @@ class FSDP2Strategy(ModelParallelStrategy):
                 "`activation_checkpointing` must be a bool or an int k >= 0 (checkpoint every k-th block),"
                 f" got {activation_checkpointing!r}."
             )
-        if shard_modules is not None:
-            if isinstance(shard_modules, str):
-                shard_modules = [shard_modules]
-            if not shard_modules or not all(isinstance(name, str) and name for name in shard_modules):
-                raise ValueError(
-                    f"`shard_modules` must be a non-empty list of class names, got {shard_modules!r}."
-                )
-        if timeout is not None and not isinstance(timeout, timedelta):
-            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-                raise ValueError(f"`timeout` must be a positive number of seconds, got {timeout!r}.")
-            timeout = timedelta(seconds=timeout)
-        super().__init__(
-            data_parallel_size=data_parallel_size,
-            tensor_parallel_size=tensor_parallel_size,
-            save_distributed_checkpoint=save_distributed_checkpoint,
-            process_group_backend=process_group_backend,
-            timeout=timeout if timeout is not None else default_pg_timeout,
-        )
-        # Full (non-sharded) checkpoints are one file written by rank 0: write it beside the
-        # target and rename it, so a crash never leaves a truncated `last.ckpt`.
-        self.checkpoint_io = AtomicCheckpointIO()
-        self._cpu_offload = cpu_offload
-        self._reshard_after_forward = reshard_after_forward
-        self._param_dtype = resolve_dtype(param_dtype, key="param_dtype")
-        self._reduce_dtype = resolve_dtype(reduce_dtype, key="reduce_dtype")
-        # `True` means every block; an int counts blocks; bool is an int, so normalize.
-        self._checkpoint_every = int(activation_checkpointing)
-        self._shard_modules = list(shard_modules) if shard_modules is not None else None
+
+    @staticmethod
+    def _shard_module_names(shard_modules: Any) -> Optional[list[str]]:
+        if shard_modules is None:
+            return None
+        if isinstance(shard_modules, str):
+            shard_modules = [shard_modules]
+        if not shard_modules or not all(isinstance(name, str) and name for name in shard_modules):
+            raise ValueError(f"`shard_modules` must be a non-empty list of class names, got {shard_modules!r}.")
+        return list(shard_modules)
+
+    @staticmethod
+    def _timeout_of(timeout: Union[float, timedelta, None]) -> Optional[timedelta]:
+        if timeout is None or isinstance(timeout, timedelta):
+            return timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise ValueError(f"`timeout` must be a positive number of seconds, got {timeout!r}.")
+        return timedelta(seconds=timeout)
 
     @staticmethod
     def _check_sizes(data_parallel_size: Any, tensor_parallel_size: Any) -> None:
