@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lightning_mem.callbacks import ActivationOffloader  # noqa: E402
+from lightning_mem.activation_offload import ActivationOffloader  # noqa: E402
 from lightning_mem.models import load_causal_lm, resolve_dtype  # noqa: E402
 from lightning_mem.offload import optimizer_state_to_device, optimizer_state_to_host  # noqa: E402
 from lightning_mem.optim import optimizer_state_bytes, param_groups  # noqa: E402

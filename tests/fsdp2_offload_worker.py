@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from lightning_mem.callbacks import ActivationOffloader
+from lightning_mem.activation_offload import ActivationOffloader
 from lightning_mem.offload import move_module, offload_optimizer_state, optimizer_state_location
 from lightning_mem.optim import optimizer_state_bytes
 from memtest_utils import lm_loss, tiny_llama, token_batches

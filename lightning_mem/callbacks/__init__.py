@@ -7,7 +7,8 @@ Each is a thin wrapper over a primitive a recipe can also call directly:
 """
 
 from lightning_mem.callbacks.activation_checkpointing import ActivationCheckpointing
-from lightning_mem.callbacks.activation_offload import ActivationOffload, ActivationOffloader, ActivationOffloadStats
+from lightning_mem.activation_offload import ActivationOffloader, ActivationOffloadStats
+from lightning_mem.callbacks.activation_offload import ActivationOffload
 from lightning_mem.callbacks.fit_check import FitCheck
 from lightning_mem.callbacks.memory_monitor import MemoryMonitor, memory_phase
 from lightning_mem.callbacks.optimizer_in_backward import OptimizerInBackward

@@ -320,7 +320,7 @@ def _attribution(ledger: MemoryLedger, fake: bool) -> Iterator[None]:
     from transformers import cache_utils
 
     from lightning_mem import offload
-    from lightning_mem.callbacks import activation_offload
+    from lightning_mem import activation_offload
 
     with contextlib.ExitStack() as stack:
         for cls in (cache_utils.DynamicLayer, cache_utils.StaticLayer):

@@ -193,10 +193,12 @@ def test_memory_plan_drives_the_engine_in_order_and_warns_once_on_cpu(tmp_path, 
 
 # -- the short PPO run, as the Hugging Face engine's end-to-end test ----------------------------
 
+from tests.helpers import HANG_GUARD_S  # noqa: E402
 from tests.recipes.test_ppo import SHORT_EPOCHS, _ppo, _quarters, sft_export  # noqa: E402,F401
 
 
 @pytest.mark.slow  # SFT warm-up + 128 PPO steps
+@pytest.mark.timeout(HANG_GUARD_S)  # a hang guard: minutes on an idle machine, many more on a loaded one
 def test_short_run_with_vllm_raises_the_reward(tmp_path, sft_export):  # noqa: F811
     """tests/recipes/test_ppo.py's short run with the vLLM engine: the tiny config's first quarter
     (128 PPO steps). The check is the HF test's noise-free one: the probability the exported actor
