@@ -30,11 +30,16 @@ def checkpointed_indices(num_blocks: int, every: int) -> list[int]:
     return list(range(0, num_blocks, every))
 
 
+def is_checkpointed(block: nn.Module) -> bool:
+    """Whether :func:`checkpoint_block` made ``block`` recompute its activations."""
+    return getattr(block, _MARK, False)
+
+
 def checkpoint_block(block: nn.Module) -> bool:
     """Make ``block`` recompute its activations in backward; False if it already does."""
     from torch.distributed._composable import checkpoint
 
-    if getattr(block, _MARK, False):
+    if is_checkpointed(block):
         return False
     checkpoint(block)
     setattr(block, _MARK, True)

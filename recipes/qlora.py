@@ -30,6 +30,7 @@ import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_mem.activation_checkpointing import checkpoint_blocks
 from lightning_mem.cli import RecipeCLI
 from lightning_mem.data import SFTDataModule
 from lightning_mem.export import export_main
@@ -150,9 +151,10 @@ class QLoRAModule(SFTModule):
         # gradient_checkpointing_enable.
         base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
         if hp.activation_checkpointing:
-            # Non-reentrant: it recomputes correctly even though no input of a block needs a grad
-            # (the embeddings are frozen), so no hook has to force requires_grad on the inputs.
-            base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            # The library's one checkpointing primitive, per decoder block, non-reentrant: it
+            # recomputes correctly even though no input of a block needs a grad (the embeddings
+            # are frozen), so no hook has to force requires_grad on the inputs.
+            checkpoint_blocks(base)
         # from_pretrained returns a model in eval mode; Lightning keeps modules in the mode they
         # are in, so without this the adapters' dropout would never be active.
         self.model = apply_lora(base, self.lora).train()

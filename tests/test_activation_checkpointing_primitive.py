@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from lightning_mem.activation_checkpointing import checkpoint_block, checkpoint_blocks, checkpointed_indices
+from lightning_mem.activation_checkpointing import checkpoint_block, checkpoint_blocks, checkpointed_indices, is_checkpointed
 from tests import memtest_utils as h
 
 
@@ -17,6 +17,7 @@ def test_checkpointing_keeps_the_gradients_and_is_applied_once():
     ckpt = h.tiny_llama(seed=0)
     assert checkpoint_blocks(ckpt, every=1) == (len(ckpt.model.layers), len(ckpt.model.layers))
     assert not checkpoint_block(ckpt.model.layers[0])  # already checkpointed: no second wrapper
+    assert all(is_checkpointed(b) for b in ckpt.model.layers) and not is_checkpointed(ckpt.model)
     ids = torch.randint(0, plain.config.vocab_size, (2, 12))
     for model in (plain, ckpt):
         model(input_ids=ids, labels=ids).loss.backward()

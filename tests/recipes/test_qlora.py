@@ -66,7 +66,10 @@ def test_only_adapters_train_and_the_base_is_4bit(run):
         (256 + 256) * 2 + (256 + 128) * 2 + (256 + 688) * 3
     )
     assert type(cli.trainer.optimizers[0]).__name__ == "PagedAdamW8bit"
-    assert model.base_model.model.is_activation_checkpointing
+    from lightning_mem.activation_checkpointing import is_checkpointed
+
+    blocks = model.base_model.model.model.layers
+    assert len(blocks) == 4 and all(is_checkpointed(b) for b in blocks)
 
 
 def test_checkpoint_holds_the_adapters_only_and_resumes(run, tmp_path):
