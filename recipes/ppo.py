@@ -53,7 +53,6 @@ from lightning_mem.rl.algorithms import (
     gae_advantages,
     grpo_advantages,
     kl_estimate,
-    masked_mean_var,
     masked_sum,
     rewards_with_kl_penalty,
     whiten,
@@ -357,8 +356,12 @@ class PPOModule(LightningModule):
         # 5. Update: ppo_epochs over shuffled mini-batches of token-budget micro-batches.
         with self.memory.phase("train"):
             stats = self._update(exp)
-        # 6. Metrics, and the KL coefficient for the next step.
-        self._log_metrics(exp, kl_per_sample, stats)
+        # 6. The KL coefficient for the next step, and the step's metrics.
+        metrics = self._step_metrics(exp, kl_per_sample, stats)
+        self.kl_controller.update(float(metrics["kl"]), int(metrics.pop("samples")))
+        metrics["kl_coef"] = self.kl_controller.value
+        self.log_dict({k: float(v) for k, v in metrics.items()}, on_step=True, on_epoch=False)
+        self.log("reward", float(metrics["reward_mean"]), prog_bar=True, on_step=True, on_epoch=False)
 
     # 1. Rollout ---------------------------------------------------------------------------------
     def _rollout(self, batch: dict[str, Any]) -> Experience:
@@ -504,36 +507,37 @@ class PPOModule(LightningModule):
             scheduler.step()
 
     # 6. Metrics ---------------------------------------------------------------------------------
-    def _log_metrics(self, exp: Experience, kl_per_sample: Tensor, totals: dict[str, Tensor]) -> None:
-        ones = torch.ones_like(exp.scores)
-        reward_mean, reward_var = masked_mean_var(exp.scores, ones, reduce=self._sum_over_ranks)
-        samples = self._sum_over_ranks(ones.sum())
-        response_tokens = self._sum_over_ranks(exp.response_mask.sum().float())
-        t = {name: self._sum_over_ranks(torch.as_tensor(v, device=self.device).float()) for name, v in totals.items()}
+    def _step_metrics(self, exp: Experience, kl_per_sample: Tensor, totals: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The step's metrics over all ranks, from one all-reduce of their sums (float64)."""
+        scores = exp.scores.to(torch.float64)
+        sums = {"score": scores.sum(), "score_sq": (scores * scores).sum(), "samples": len(scores),
+                "response_tokens": exp.response_mask.sum(), "kl_rollout": kl_per_sample.sum(), **totals}
+        stacked = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device) for v in sums.values()])
+        t = dict(zip(sums, self._sum_over_ranks(stacked)))
+        samples = t["samples"]
+        reward_mean = t["score"] / samples
+        reward_var = (t["score_sq"] - samples * reward_mean * reward_mean) / (samples - 1).clamp(min=1)
         # On-policy the KL was measured in the (single) update pass, each token once.
-        kl_sum = t["kl_sum"] if exp.old_logprobs is None and "kl_sum" in t else self._sum_over_ranks(kl_per_sample.sum())
-        kl_mean = kl_sum / samples
-        self.kl_controller.update(float(kl_mean), int(samples))
+        kl_sum = t["kl_sum"] if exp.old_logprobs is None and "kl_sum" in t else t["kl_rollout"]
         # Token means over every update of this step (each token counted once per epoch).
         per_token = lambda name: t[name] / t["tokens"]  # noqa: E731
         metrics = {
+            "samples": samples,
             "reward_mean": reward_mean,
-            "reward_std": reward_var.sqrt(),
-            "kl": kl_mean,
-            "kl_coef": self.kl_controller.value,
+            "reward_std": reward_var.clamp(min=0).sqrt(),
+            "kl": kl_sum / samples,
             "policy_loss": per_token("policy_loss"),
             "clipfrac": per_token("clipped"),
             "approx_kl": per_token("approx_kl"),
-            "response_length": response_tokens / samples,
-            "gen_tokens_per_s": response_tokens / max(self.memory.seconds["rollout"], 1e-9),
+            "response_length": t["response_tokens"] / samples,
+            "gen_tokens_per_s": t["response_tokens"] / max(self.memory.seconds["rollout"], 1e-9),
             **{f"time_{phase}_s": seconds for phase, seconds in self.memory.seconds.items()},
+            "entropy": per_token("entropy"),
         }
-        metrics["entropy"] = per_token("entropy")
         if "value_loss" in t:
             metrics["value_loss"] = per_token("value_loss")
             metrics["value_clipfrac"] = per_token("value_clipped")
-        self.log_dict({k: float(v) for k, v in metrics.items()}, on_step=True, on_epoch=False)
-        self.log("reward", float(reward_mean), prog_bar=True, on_step=True, on_epoch=False)
+        return metrics
 
     # -- ranks --------------------------------------------------------------------------------
     def _sum_over_ranks(self, value: Tensor) -> Tensor:
