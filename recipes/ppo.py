@@ -612,12 +612,6 @@ def _eos_ids(model: nn.Module, tokenizer: Any) -> list[int]:
     return sorted(ids)
 
 
-class PPOCLI(RecipeCLI):
-    """The recipe CLI; the prompt datamodule loads the tokenizer of ``model.name_or_path``."""
-
-    link_tokenizer = True
-
-
 def main(args: list[str] | None = None) -> RecipeCLI:
     # Two Lightning warnings that every PPO run would print and that are by design here: the frozen
     # reference (and reward model) are in eval mode; and with manual optimization a checkpoint
@@ -626,8 +620,8 @@ def main(args: list[str] | None = None) -> RecipeCLI:
     warnings.filterwarnings("ignore", message=r"Using ModelCheckpoint with manual optimization")
     argv = sys.argv[1:] if args is None else list(args)
     if argv[:1] == ["export"]:  # from a checkpoint; not a Trainer subcommand
-        return export_main(PPOCLI, PPOModule, PromptDataModule, argv[1:])
-    return PPOCLI(PPOModule, PromptDataModule, args=args, save_config_kwargs={"overwrite": True})
+        return export_main(RecipeCLI, PPOModule, PromptDataModule, argv[1:])
+    return RecipeCLI(PPOModule, PromptDataModule, args=args, save_config_kwargs={"overwrite": True})
 
 
 if __name__ == "__main__":
