@@ -240,19 +240,6 @@ def clipped_value_loss(
     return ValueLossTerms(0.5 * masked_sum(torch.maximum(unclipped, clipped), mask), clipped_tokens)
 
 
-def entropy_from_logits(logits: Tensor) -> Tensor:
-    """Entropy of the softmax over the last dimension: logsumexp(z) - sum(softmax(z) * z)."""
-    logits = logits.float()
-    return torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
-
-
-def token_logprobs(logits: Tensor, tokens: Tensor) -> Tensor:
-    """log softmax(logits)[token] without materialising the whole log-softmax (vocab-sized) tensor."""
-    logits = logits.float()
-    picked = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
-
-
 # ---------------------------------------------------------------------------------------------
 # KL coefficient
 # ---------------------------------------------------------------------------------------------

@@ -10,7 +10,6 @@ from lightning_mem.rl.algorithms import (
     FixedKLController,
     clipped_policy_loss,
     clipped_value_loss,
-    entropy_from_logits,
     gae_advantages,
     grpo_advantages,
     kl_estimate,
@@ -18,7 +17,6 @@ from lightning_mem.rl.algorithms import (
     masked_mean,
     masked_mean_var,
     rewards_with_kl_penalty,
-    token_logprobs,
     whiten,
 )
 
@@ -172,13 +170,6 @@ def test_clipped_value_loss_by_hand():
     assert float(terms.clipped_tokens) == 1.0
     plain = clipped_value_loss(values, old, returns, torch.ones(1, 2), clip_range=None)
     assert float(plain.loss_sum) == pytest.approx(0.5 * (0.25 + 1.21))
-
-
-def test_entropy_and_token_logprobs():
-    logits = torch.log(t([0.5, 0.25, 0.25])).unsqueeze(0)  # [1, 1, 3]
-    # H = -(0.5 ln 0.5 + 2 * 0.25 ln 0.25) = 1.5 ln 2
-    assert float(entropy_from_logits(logits)) == pytest.approx(1.5 * math.log(2), abs=1e-6)
-    assert float(token_logprobs(logits + 3.0, torch.tensor([[1]]))) == pytest.approx(math.log(0.25), abs=1e-6)
 
 
 # -- KL controllers -----------------------------------------------------------------------------
