@@ -16,7 +16,10 @@ The steps, in the order the real run takes them:
 
 Sharding strategies (FSDP2, DeepSpeed ZeRO) run here as one unsharded process; their per-rank
 bytes are derived from the measured weights, gradients and optimizer state (see
-:func:`shard_per_rank`).
+:func:`shard_per_rank`). For FSDP2 the derivation is the ledger's per-rank view, applied at every
+allocation (a rank peaks where its own bytes do, not where the unsharded process does), with the
+gradients followed unit by unit as FSDP2 reduce-scatters them (:class:`_GradientFlight`);
+:mod:`.sharded` runs the same step really sharded, one process per rank, to check it.
 """
 
 from __future__ import annotations
@@ -432,10 +435,9 @@ class _Run:
             opt.register_step_post_hook(lambda o, *_: self._retag_optimizer(o))
         for cb in self.callbacks:
             cb.on_fit_start(self.trainer, module)
-        if self.sharding.shard:  # from now on the ledger's peaks are one rank's
-            self._units = self.unit_bytes()
-            if self.sharding.unit_gradients:
-                self._flight = _GradientFlight.of(module, self.strategy)
+        self._units = self.unit_bytes()
+        if self.sharding.shard and self.sharding.unit_gradients:  # FSDP2: the ledger's peaks are one rank's
+            self._flight = _GradientFlight.of(module, self.strategy)
             self.ledger.view = self._per_rank
 
     def _per_rank(self, breakdown: dict[str, int], host: int) -> tuple[dict[str, int], int]:
@@ -502,9 +504,13 @@ class _Run:
         self.retag()
         self.ledger.reset_peak()
         yield
-        ledger = self.ledger  # per rank (its view) when sharded
-        breakdown = dict(ledger.peak_breakdown)
-        self.phases.append(PhaseEstimate(name, sum(breakdown.values()), breakdown, ledger.peak_host_bytes, shape))
+        ledger = self.ledger
+        if ledger.view is not None:  # the peak of one rank's view, taken at every moment
+            breakdown, host = dict(ledger.peak_breakdown), ledger.peak_host_bytes
+        else:  # the unsharded peak, divided over the ranks
+            breakdown, host = shard_per_rank(ledger.peak_breakdown, ledger.peak_host_bytes, self.sharding,
+                                             self.world_size, self._units)
+        self.phases.append(PhaseEstimate(name, sum(breakdown.values()), breakdown, host, shape))
 
     def step_optimizers(self) -> None:
         self._stepping = True  # a sharded model is resharded: nothing gathered, nothing in flight
@@ -1036,5 +1042,7 @@ def run_config(
         notes.append(f"{run.sharding.name}: per rank, {', '.join(run.sharding.shard)} are 1/{size} of the measured "
                      f"bytes" + (f"; {', '.join(run.sharding.host)} on the host" if run.sharding.host else "")
                      + ("; the largest block (x2, prefetch) and the root unit are gathered on the device"
-                        if run.sharding.gathered_units else ""))
+                        if run.sharding.gathered_units else "")
+                     + ("; gradients stay whole on the device until backward leaves their unit"
+                        if run.sharding.unit_gradients else ""))
     return Estimate(str(config), module_name, size, run.sharding.name, run.phases, notes, parsed=cfg)

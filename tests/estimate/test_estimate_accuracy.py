@@ -173,3 +173,46 @@ def test_ppo_fast_loops_equal_full_loops(fake, monkeypatch):
     rollout = {p.phase: p for p in fast.phases}["rollout"].device_breakdown_bytes
     # The last decode step's cache: 32 sequences x (8 + 31) tokens x 4 layers x (k, v) x 4 heads x 32 x 4 B.
     assert rollout["kv_cache"] >= 32 * 39 * 4 * 2 * 4 * 32 * 4
+
+
+# FSDP2 on 2 ranks: the estimate runs one unsharded process and derives each rank's bytes; the
+# same step really sharded (lightning_mem.estimate.sharded: 2 CPU processes, gloo, the config's
+# FSDP2Strategy sharding the recipe's model) is what it must match, rank by rank.
+FSDP2 = "configs/sft/tiny_cpu_fsdp2.yaml"
+TINY_PARAMS = 3_059_456
+TINY_BLOCK_PARAMS = 725_504  # one LlamaDecoderLayer of tiny-llama
+TINY_ROOT_PARAMS = TINY_PARAMS - 4 * TINY_BLOCK_PARAMS  # embeddings, head, final norm
+
+
+@pytest.mark.parametrize("offload", [True, False], ids=["cpu_offload", "on_device"])
+def test_sft_fsdp2_two_ranks_per_rank(offload):
+    from lightning_mem.estimate.sharded import measure_sharded
+
+    overrides = [] if offload else ["--trainer.strategy.init_args.cpu_offload=false"]
+    ranks = measure_sharded(FSDP2, overrides, world_size=2)
+    fake = estimate(FSDP2, overrides, world_size=2)
+    assert fake.world_size == 2 and len(ranks) == 2
+    (est,) = fake.phases
+    for phases in ranks:
+        (real,) = phases
+        assert real.phase == est.phase == "train"
+        assert abs(est.device_peak_bytes - real.device_peak_bytes) <= 0.05 * real.device_peak_bytes, (est, real)
+        assert abs(est.host_peak_bytes - real.host_peak_bytes) <= 0.05 * max(real.host_peak_bytes, 1), (est, real)
+        for cat, value in real.device_breakdown_bytes.items():  # the same bytes, not only the same sum
+            assert abs(est.device_breakdown_bytes[cat] - value) <= max(0.05 * value, 65536), (cat, est, real)
+    worst = max(phases[0].device_peak_bytes for phases in ranks)
+    assert abs(fake.device_peak_bytes - worst) <= 0.05 * worst
+
+    # The sharding shows in what each rank really held at its peak.
+    real = ranks[0][0].device_breakdown_bytes
+    adamw = 2 * 4 * TINY_PARAMS  # exp_avg + exp_avg_sq, fp32, unsharded
+    # Gathered for compute: the root unit and two blocks (the one computing, the one prefetched);
+    # each parameter's rows are padded to an even split over the ranks (at most a few KB).
+    gathered = 4 * (TINY_ROOT_PARAMS + 2 * TINY_BLOCK_PARAMS)
+    if offload:  # shards, their gradients and the optimizer live on the host: half of each per rank
+        assert real["optimizer_state"] == 0
+        assert gathered <= real["weights"] <= gathered + 4096
+        assert ranks[0][0].host_peak_bytes >= (4 + 4 + 8) * TINY_PARAMS / 2
+    else:  # half the optimizer state per rank; half the weights plus the gathered units
+        assert adamw / 2 <= real["optimizer_state"] <= adamw / 2 + 4096
+        assert 4 * TINY_PARAMS / 2 + gathered <= real["weights"] <= 4 * TINY_PARAMS / 2 + gathered + 8192
