@@ -59,6 +59,9 @@ def measure_sharded(
     CPU processes on real tensors: ``result[rank]`` is that rank's list of phases.
 
     For small models (the tiny test model): every rank builds the whole model before sharding it.
+    The ranks are started with ``multiprocessing``'s spawn method, so a script calling this must
+    guard its top level with ``if __name__ == "__main__":``. A rank that fails makes this raise
+    with that rank's traceback; ranks still running after ``timeout`` seconds are stopped.
     """
     import torch.multiprocessing as mp
 
@@ -202,7 +205,13 @@ class ShardedRun(_Run):
 
 @contextlib.contextmanager
 def _fsdp_accounting(run: ShardedRun) -> Iterator[None]:
-    """Tell the ledger what FSDP2 does out of the operators' sight, and what its buffers are."""
+    """Tell the ledger what FSDP2 does out of the operators' sight, and what its buffers are.
+
+    NOTE: these are torch's private FSDP2 modules (torch 2.13): the storage resizes that gather and
+    free a unit, its post-backward, and its collectives. A measuring tool only, never the product's
+    training path; a torch that renames the resize helpers or the post-backward fails here loudly
+    (AttributeError) rather than measuring wrong; the collectives only name categories.
+    """
     from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
 
     ledger = run.ledger
