@@ -537,38 +537,49 @@ class _Run:
 
 
 @dataclass
+class _RootFlight:
+    """One FSDP2 root's (one model's) gradients not reduce-scattered yet, and its buffer."""
+
+    root: int = 0  # gradients of the root unit (outside the blocks) so far: reduced at the end of backward
+    current: int | None = None  # the block whose gradients arrive now
+    current_bytes: int = 0
+    buffered: int = 0  # the last reduced block's reduce-scatter input
+
+
+@dataclass
 class _GradientFlight:
     """FSDP2's gradients on their way to the reduce-scatter, followed through one backward.
 
     FSDP2 reduce-scatters a unit's gradients when backward leaves the unit: until then they are
     whole (unsharded) on the device. Its reduce-scatter input, a unit-sized buffer, stays
-    allocated until the next unit reduces (FSDP2 keeps one in flight, so the collective may
-    overlap the next unit's compute); the root units (embeddings, final norm, head: everything
-    outside the blocks) reduce at the end of backward. Fed by each parameter's gradient as the
-    unsharded run accumulates it, and by the gradient of each block's input, which is when
-    backward leaves the block (FSDP2 hooks the same moment) -- before the previous block's
-    recomputation, whose activations must not meet this block's gradients twice over.
+    allocated until the next unit of the same root reduces (FSDP2 keeps one in flight per root,
+    so the collective may overlap the next unit's compute); the root units (embeddings, final
+    norm, head: everything outside the blocks) reduce at the end of backward. Each model is its
+    own root (PPO's actor and critic backpropagate in one backward, each with its own buffer).
+    Fed by each parameter's gradient as the unsharded run accumulates it, and by the gradient of
+    each block's input, which is when backward leaves the block (FSDP2 hooks the same moment) --
+    before the previous block's recomputation, whose activations must not meet this block's
+    gradients twice over.
     """
 
-    unit_of: dict[int, int]  # id(parameter) -> id(its block); parameters outside the blocks: absent
-    unit_bytes: dict[int, int]  # id(block) -> its parameters' bytes
-    index: dict[int, int] = field(default_factory=dict)  # id(block) -> its place in forward order
-    root: int = 0  # gradients of the root units so far
-    current: int | None = None  # the block whose gradients arrive now
-    current_bytes: int = 0
-    buffered: int = 0  # the last reduced block's reduce-scatter input
-    last_block: bool = False  # backward is in its model's first block: nothing left to prefetch
+    unit_of: dict[int, tuple[int, int | None]] = field(default_factory=dict)  # id(param) -> (root, id(block) | None)
+    unit_bytes: dict[int, int] = field(default_factory=dict)  # id(block) -> its parameters' bytes
+    index: dict[int, tuple[int, int]] = field(default_factory=dict)  # id(block) -> (root, place in forward order)
+    roots: dict[int, _RootFlight] = field(default_factory=dict)
+    last_block: bool = False  # backward is in a model's first block: nothing left to prefetch
 
     @classmethod
     def of(cls, module: nn.Module, strategy: Any) -> "_GradientFlight":
         from lightning_mem import module_tree
 
-        flight = cls({}, {})
+        flight = cls()
         for _, model in module_tree.find_hf_models(module):
+            key = id(model)
+            flight.unit_of.update({id(p): (key, None) for p in model.parameters()})
             for index, block in enumerate(strategy.blocks_to_shard(model)):
-                flight.index[id(block)] = index
+                flight.index[id(block)] = (key, index)
                 flight.unit_bytes[id(block)] = sum(p.numel() * p.element_size() for p in block.parameters())
-                flight.unit_of.update({id(p): id(block) for p in block.parameters()})
+                flight.unit_of.update({id(p): (key, id(block)) for p in block.parameters()})
                 block.register_forward_pre_hook(flight._entered, with_kwargs=True)
         return flight
 
@@ -578,32 +589,40 @@ class _GradientFlight:
             inputs[0].register_hook(lambda grad, unit=id(block): self._left(unit))
 
     def _left(self, unit: int) -> None:
-        if unit == self.current:  # its gradients are reduced now; the reduce-scatter input stays
-            self.buffered = self.unit_bytes[unit]
-            self.current, self.current_bytes = None, 0
+        key, index = self.index[unit]
+        state = self.roots.setdefault(key, _RootFlight())
+        if unit == state.current:  # its gradients are reduced now; the reduce-scatter input stays
+            state.buffered = self.unit_bytes[unit]
+            state.current, state.current_bytes = None, 0
         # Backward enters the block before this one, which was prefetched; with no block before
         # that, FSDP2 has nothing more to prefetch: one block stays gathered, not two.
-        self.last_block = self.index[unit] == 1
+        self.last_block = index == 1
 
     @property
     def unreduced(self) -> int:
-        return self.root + self.current_bytes
+        return sum(state.root + state.current_bytes for state in self.roots.values())
+
+    @property
+    def buffered(self) -> int:
+        return sum(state.buffered for state in self.roots.values())
 
     def add(self, param: torch.Tensor) -> None:
         nbytes = param.grad.numel() * param.grad.element_size()
-        unit = self.unit_of.get(id(param))
+        key, unit = self.unit_of.get(id(param), (0, None))  # 0: a unit of its own (a value head)
+        state = self.roots.setdefault(key, _RootFlight())
         if unit is None:
-            self.root += nbytes
+            state.root += nbytes
             return
-        if unit != self.current:
-            if self.current is not None:  # backward left that block: it reduced
-                self.buffered = self.unit_bytes[self.current]
-            self.current, self.current_bytes = unit, 0
-        self.current_bytes += nbytes
+        if self.index[unit][1] > 0:
+            self.last_block = False
+        if unit != state.current:
+            if state.current is not None:  # backward left that block: it reduced
+                state.buffered = self.unit_bytes[state.current]
+            state.current, state.current_bytes = unit, 0
+        state.current_bytes += nbytes
 
     def reset(self) -> None:
-        self.root = self.current_bytes = self.buffered = 0
-        self.current = None
+        self.roots.clear()
         self.last_block = False
 
 
