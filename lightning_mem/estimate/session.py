@@ -563,7 +563,7 @@ class _GradientFlight:
     """
 
     unit_of: dict[int, tuple[int, int | None]] = field(default_factory=dict)  # id(param) -> (root, id(block) | None)
-    unit_bytes: dict[int, int] = field(default_factory=dict)  # id(block) -> its parameters' bytes
+    unit_bytes: dict[int, int] = field(default_factory=dict)  # id(block) -> its trainable parameters' bytes
     index: dict[int, tuple[int, int]] = field(default_factory=dict)  # id(block) -> (root, place in forward order)
     roots: dict[int, _RootFlight] = field(default_factory=dict)
     last_block: bool = False  # backward is in a model's first block: nothing left to prefetch
@@ -578,7 +578,9 @@ class _GradientFlight:
             flight.unit_of.update({id(p): (key, None) for p in model.parameters()})
             for index, block in enumerate(strategy.blocks_to_shard(model)):
                 flight.index[id(block)] = (key, index)
-                flight.unit_bytes[id(block)] = sum(p.numel() * p.element_size() for p in block.parameters())
+                # The reduce-scatter input holds the gradients of what trains (LoRA: the adapters).
+                flight.unit_bytes[id(block)] = sum(p.numel() * p.element_size() for p in block.parameters()
+                                                   if p.requires_grad)
                 flight.unit_of.update({id(p): (key, id(block)) for p in block.parameters()})
                 block.register_forward_pre_hook(flight._entered, with_kwargs=True)
         return flight

@@ -87,7 +87,8 @@ def measure_sharded(
                 proc.terminate()
                 proc.join(10)
         if hung:
-            raise TimeoutError(f"measure_sharded({config}): ranks {[p.name for p in hung]} still ran after {timeout:.0f} s")
+            names = [p.name for p in hung]
+            raise TimeoutError(f"measure_sharded({config}): ranks {names} still ran after {timeout:.0f} s")
         failed = [(rank, proc.exitcode) for rank, proc in enumerate(procs) if proc.exitcode != 0]
         if failed:
             errors = [(Path(tmp) / f"rank{rank}.err") for rank, _ in failed]

@@ -3,7 +3,9 @@
 Each case runs the recipe's own step twice through :func:`lightning_mem.estimate.estimate`: on
 fake tensors (the estimate) and with ``fake=False`` on real CPU tensors of the tiny model; the
 per-phase peaks of tracked tensor bytes must agree within 5 % (they agree exactly today), and each
-technique must show its effect in the breakdown.
+technique must show its effect in the breakdown. FSDP2, which the estimate runs unsharded and
+derives per rank, is compared with the same step really sharded over 2 CPU processes
+(:func:`lightning_mem.estimate.measure_sharded`), rank by rank.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_mem.estimate import estimate
+from lightning_mem.estimate import estimate, measure_sharded
 
 TINY_PPO = ["--model.name_or_path=assets/tiny-llama"]
 GRPO_LORA = TINY_PPO + [
@@ -186,8 +188,8 @@ TINY_ROOT_PARAMS = TINY_PARAMS - 4 * TINY_BLOCK_PARAMS  # embeddings, head, fina
 
 @pytest.mark.parametrize("offload", [True, False], ids=["cpu_offload", "on_device"])
 def test_sft_fsdp2_two_ranks_per_rank(offload):
-    from lightning_mem.estimate.sharded import measure_sharded
-
+    """The tiny FSDP2 SFT config (every block checkpointed), with and without CPU offload: each
+    rank's device peak, host peak and every category against the estimate's per-rank figures."""
     overrides = [] if offload else ["--trainer.strategy.init_args.cpu_offload=false"]
     ranks = measure_sharded(FSDP2, overrides, world_size=2)
     fake = estimate(FSDP2, overrides, world_size=2)
@@ -221,8 +223,6 @@ def test_sft_fsdp2_two_ranks_per_rank(offload):
 def test_ppo_fsdp2_two_ranks_per_rank():
     """PPO under FSDP2 on 2 ranks (actor, critic and reference each sharded per block; CPU offload;
     checkpointing; activation offload): every phase of each rank against the estimate."""
-    from lightning_mem.estimate.sharded import measure_sharded
-
     config = "configs/ppo/tiny_cpu_fsdp2.yaml"
     ranks = measure_sharded(config, TINY_PPO, world_size=2)
     fake = estimate(config, TINY_PPO, world_size=2)
