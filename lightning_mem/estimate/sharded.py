@@ -187,6 +187,10 @@ class ShardedRun(_Run):
                 if isinstance(value, torch.Tensor):
                     self.ledger.retag(value, self._shard_category("optimizer_state"))
 
+    def _gradient_ready(self, param: torch.Tensor) -> None:
+        # The hook the run put on each (sharded) parameter: FSDP2 calls it with the reduced shard.
+        self.ledger.retag(param.grad, self._shard_category("gradients"))
+
     def _retag_sharded_grads(self, group: Any) -> None:
         for fsdp_param in group.fsdp_params:
             grad = fsdp_param.sharded_param.grad
