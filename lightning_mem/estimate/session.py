@@ -16,7 +16,10 @@ The steps, in the order the real run takes them:
 
 Sharding strategies (FSDP2, DeepSpeed ZeRO) run here as one unsharded process; their per-rank
 bytes are derived from the measured weights, gradients and optimizer state (see
-:func:`shard_per_rank`).
+:func:`shard_per_rank`). For FSDP2 the derivation is the ledger's per-rank view, applied at every
+allocation (a rank peaks where its own bytes do, not where the unsharded process does), with the
+gradients followed unit by unit as FSDP2 reduce-scatters them (:class:`_GradientFlight`);
+:mod:`.sharded` runs the same step really sharded, one process per rank, to check it.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_mem.estimate.tracker import CATEGORIES, HOST, MemoryLedger, TrackingMode
+from lightning_mem.estimate.tracker import HOST, MemoryLedger, TrackingMode
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
 HUB_ASSETS = ASSETS / "hub"
@@ -231,6 +234,10 @@ class Sharding:
     # :class:`_MasterWeights`), and gradients pass through reduce buckets of this many elements.
     master_weights: bool = False
     bucket_elements: int = 0
+    # Gradients are reduce-scattered unit by unit as backward leaves each unit (FSDP2): until then a
+    # unit's gradients are whole on the device, and its reduce-scatter input stays allocated until
+    # the next unit reduces (see :class:`_GradientFlight`).
+    unit_gradients: bool = False
 
 
 def sharding_of(strategy: Any) -> Sharding:
@@ -240,7 +247,7 @@ def sharding_of(strategy: Any) -> Sharding:
     if hasattr(strategy, "_cpu_offload") and hasattr(strategy, "_reshard_after_forward"):  # FSDP2Strategy
         cats = ("weights", "gradients", "optimizer_state")
         return Sharding("FSDP2" + (" + CPU offload" if strategy.cpu_offload else ""), cats,
-                        cats if strategy.cpu_offload else (), gathered_units=2)
+                        cats if strategy.cpu_offload else (), gathered_units=2, unit_gradients=True)
     tier = getattr(strategy, "tier", None)
     if tier is not None:  # ZeroStrategy
         shard = ("gradients", "optimizer_state") + (("weights",) if tier.stage == 3 else ())
@@ -257,30 +264,39 @@ def sharding_of(strategy: Any) -> Sharding:
 
 
 def shard_per_rank(breakdown: dict[str, int], host: int, sharding: Sharding, world_size: int,
-                   unit_bytes: tuple[int, int], grad_element_size: int = 4) -> tuple[dict[str, int], int]:
+                   unit_bytes: tuple[int, int], grad_element_size: int = 4, *, gathered: bool = True,
+                   in_flight: tuple[int, int] | None = None,
+                   gathered_units: int | None = None) -> tuple[dict[str, int], int]:
     """Per-rank device breakdown and host bytes of one unsharded measurement under ``sharding``.
 
     A sharded category holds 1/world_size of its measured bytes per rank (on the host when
     offloaded). A strategy that shards parameters gathers units (a decoder block, the root) to
     compute: ``gathered_units`` of the largest block plus the root unit stay on the device, with
     their gradients before the reduce-scatter (``unit_bytes`` = (largest block, root) parameter bytes).
+    ``gathered=False``: the optimizer step, where no unit is gathered and no gradient is in flight.
+    ``in_flight`` (with ``sharding.unit_gradients``): the measured gradients not reduced yet (whole
+    on the device, not sharded) and the reduce-scatter buffer held beside them; ``gathered_units``
+    overrides the sharding's count of gathered blocks (1 in a model's last block of backward).
     DeepSpeed's reduce buckets (``bucket_elements`` of ``grad_element_size`` bytes, no more than the
     gradients) stay on the device; a gradient partition it offloads is fp32 on the host.
     """
     measured_grads = breakdown["gradients"]
     out = dict(breakdown)
+    unreduced, buffered = in_flight if in_flight is not None and gathered else (0, 0)
     for cat in sharding.shard:
-        share = math.ceil(breakdown[cat] / world_size)
+        share = math.ceil((breakdown[cat] - (unreduced if cat == "gradients" else 0)) / world_size)
         if cat in sharding.host:
             out[cat] = 0
             host += share * 4 // grad_element_size if cat == "gradients" and sharding.master_weights else share
         else:
             out[cat] = share
-    if "weights" in sharding.shard and sharding.gathered_units:
+    if "weights" in sharding.shard and sharding.gathered_units and gathered:
         block, root = unit_bytes
-        gathered = sharding.gathered_units * block + root
-        out["weights"] += min(gathered, breakdown["weights"])
-        if breakdown["gradients"]:
+        units = sharding.gathered_units if gathered_units is None else gathered_units
+        out["weights"] += min(units * block + root, breakdown["weights"])
+        if in_flight is not None:
+            out["gradients"] += unreduced + buffered
+        elif breakdown["gradients"]:
             out["gradients"] += min(block + root, breakdown["gradients"])
     if sharding.bucket_elements and measured_grads:
         out["gradients"] += min(sharding.bucket_elements * grad_element_size, measured_grads)
@@ -406,6 +422,10 @@ class _Run:
                                enable_progress_bar=False, enable_model_summary=False, callbacks=self.callbacks)
         self.phases: list[PhaseEstimate] = []
         self.optimizers: list[torch.optim.Optimizer] = []
+        self._units = (0, 0)
+        self._grad_size = 4
+        self._flight: _GradientFlight | None = None
+        self._stepping = False
 
     # -- building ---------------------------------------------------------------------------------
     def build(self) -> None:
@@ -422,7 +442,7 @@ class _Run:
         self.retag()
         for p in module.parameters():
             if p.requires_grad:
-                p.register_post_accumulate_grad_hook(lambda q: self.ledger.retag(q.grad, "gradients"))
+                p.register_post_accumulate_grad_hook(self._gradient_ready)
         # A learning-rate schedule holds no tensors, and its horizon needs a running trainer.
         module.lr_scheduler_factory = None
         out = module.configure_optimizers()
@@ -433,14 +453,23 @@ class _Run:
             opt.register_step_post_hook(lambda o, *_: self._retag_optimizer(o))
         for cb in self.callbacks:
             cb.on_fit_start(self.trainer, module)
-        if self.sharding.shard or self.sharding.bucket_elements:
-            units, grad_size = self.unit_bytes(), self.grad_element_size()
+        self._units, self._grad_size = self.unit_bytes(), self.grad_element_size()
+        if self.sharding.shard:  # a sharded run: the ledger's peaks are one rank's
+            if self.sharding.unit_gradients:  # FSDP2 reduce-scatters gradients unit by unit
+                self._flight = _GradientFlight.of(module, self.strategy)
+            self.ledger.view = self._per_rank
 
-            def per_rank(totals: dict[str, int]) -> int:
-                breakdown = {c: totals[c] for c in CATEGORIES}
-                return sum(shard_per_rank(breakdown, 0, self.sharding, self.world_size, units, grad_size)[0].values())
+    def _per_rank(self, breakdown: dict[str, int], host: int) -> tuple[dict[str, int], int]:
+        flight = self._flight
+        return shard_per_rank(breakdown, host, self.sharding, self.world_size, self._units, self._grad_size,
+                              gathered=not self._stepping,
+                              in_flight=(flight.unreduced, flight.buffered) if flight is not None else None,
+                              gathered_units=1 if flight is not None and flight.last_block else None)
 
-            self.ledger.per_rank = per_rank
+    def _gradient_ready(self, param: torch.Tensor) -> None:
+        if self._flight is not None:  # before the retag: the view then sees the unit's progress
+            self._flight.add(param)
+        self.ledger.retag(param.grad, "gradients")
 
     def _checkpointing(self) -> None:
         # FSDP2Strategy's own activation checkpointing, applied to the blocks it would shard.
@@ -489,30 +518,43 @@ class _Run:
         return trainable[0].element_size() if trainable else 4
 
     # -- measuring --------------------------------------------------------------------------------
+    def accounting(self) -> contextlib.AbstractContextManager:
+        """What the run adds to the ledger's view for its whole length (a subclass's hooks)."""
+        return contextlib.nullcontext()
+
     @contextlib.contextmanager
     def phase(self, name: str, shape: str) -> Iterator[None]:
         self.retag()
         self.ledger.reset_peak()
         yield
         ledger = self.ledger
-        breakdown, host = shard_per_rank(ledger.peak_breakdown, ledger.peak_host_bytes, self.sharding,
-                                         self.world_size, self.unit_bytes(), self.grad_element_size())
+        if ledger.view is not None:  # the peak of one rank's view, taken at every moment
+            breakdown, host = dict(ledger.peak_breakdown), ledger.peak_host_bytes
+        else:  # the unsharded peak, divided over the ranks
+            breakdown, host = shard_per_rank(ledger.peak_breakdown, ledger.peak_host_bytes, self.sharding,
+                                             self.world_size, self._units, self._grad_size)
         self.phases.append(PhaseEstimate(name, sum(breakdown.values()), breakdown, host, shape))
 
     def step_optimizers(self) -> None:
-        for opt in self.optimizers:
-            for cb in self.callbacks:
-                cb.on_before_optimizer_step(self.trainer, self.module, opt)
-            if self.clip:
-                params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
-                torch.nn.utils.clip_grad_norm_(params, float(self.clip))
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        self._stepping = True  # a sharded model is resharded: nothing gathered, nothing in flight
+        try:
+            for opt in self.optimizers:
+                for cb in self.callbacks:
+                    cb.on_before_optimizer_step(self.trainer, self.module, opt)
+                if self.clip:
+                    params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+                    torch.nn.utils.clip_grad_norm_(params, float(self.clip))
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        finally:
+            self._stepping = False
 
     def backward(self, loss: torch.Tensor) -> None:
         for cb in self.callbacks:
             cb.on_before_backward(self.trainer, self.module, loss)
         loss.backward()
+        if self._flight is not None:  # FSDP2 reduces the root units and frees its buffers at the end
+            self._flight.reset()
         for cb in self.callbacks:
             cb.on_after_backward(self.trainer, self.module)
 
@@ -579,6 +621,98 @@ class _MasterWeights:
     def zero_grad(self, set_to_none: bool = True) -> None:
         for param, _ in self.pairs:
             param.grad = None
+
+
+@dataclass
+class _RootFlight:
+    """One FSDP2 root's (one model's) gradients not reduce-scattered yet, and its buffer."""
+
+    root: int = 0  # gradients of the root unit (outside the blocks) so far: reduced at the end of backward
+    current: int | None = None  # the block whose gradients arrive now
+    current_bytes: int = 0
+    buffered: int = 0  # the last reduced block's reduce-scatter input
+
+
+@dataclass
+class _GradientFlight:
+    """FSDP2's gradients on their way to the reduce-scatter, followed through one backward.
+
+    FSDP2 reduce-scatters a unit's gradients when backward leaves the unit: until then they are
+    whole (unsharded) on the device. Its reduce-scatter input, a unit-sized buffer, stays
+    allocated until the next unit of the same root reduces (FSDP2 keeps one in flight per root,
+    so the collective may overlap the next unit's compute); the root units (embeddings, final
+    norm, head: everything outside the blocks) reduce at the end of backward. Each model is its
+    own root (PPO's actor and critic backpropagate in one backward, each with its own buffer).
+    Fed by each parameter's gradient as the unsharded run accumulates it, and by the gradient of
+    each block's input, which is when backward leaves the block (FSDP2 hooks the same moment) --
+    before the previous block's recomputation, whose activations must not meet this block's
+    gradients twice over.
+    """
+
+    unit_of: dict[int, tuple[int, int | None]] = field(default_factory=dict)  # id(param) -> (root, id(block) | None)
+    unit_bytes: dict[int, int] = field(default_factory=dict)  # id(block) -> its trainable parameters' bytes
+    index: dict[int, tuple[int, int]] = field(default_factory=dict)  # id(block) -> (root, place in forward order)
+    roots: dict[int, _RootFlight] = field(default_factory=dict)
+    last_block: bool = False  # backward is in a model's first block: nothing left to prefetch
+
+    @classmethod
+    def of(cls, module: nn.Module, strategy: Any) -> "_GradientFlight":
+        from lightning_mem import module_tree
+
+        flight = cls()
+        for _, model in module_tree.find_hf_models(module):
+            key = id(model)
+            flight.unit_of.update({id(p): (key, None) for p in model.parameters()})
+            for index, block in enumerate(strategy.blocks_to_shard(model)):
+                flight.index[id(block)] = (key, index)
+                # The reduce-scatter input holds the gradients of what trains (LoRA: the adapters).
+                flight.unit_bytes[id(block)] = sum(p.numel() * p.element_size() for p in block.parameters()
+                                                   if p.requires_grad)
+                flight.unit_of.update({id(p): (key, id(block)) for p in block.parameters()})
+                block.register_forward_pre_hook(flight._entered, with_kwargs=True)
+        return flight
+
+    def _entered(self, block: nn.Module, args: tuple, kwargs: dict) -> None:
+        inputs = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if inputs and torch.is_grad_enabled():
+            inputs[0].register_hook(lambda grad, unit=id(block): self._left(unit))
+
+    def _left(self, unit: int) -> None:
+        key, index = self.index[unit]
+        state = self.roots.setdefault(key, _RootFlight())
+        if unit == state.current:  # its gradients are reduced now; the reduce-scatter input stays
+            state.buffered = self.unit_bytes[unit]
+            state.current, state.current_bytes = None, 0
+        # Backward enters the block before this one, which was prefetched; with no block before
+        # that, FSDP2 has nothing more to prefetch: one block stays gathered, not two.
+        self.last_block = index == 1
+
+    @property
+    def unreduced(self) -> int:
+        return sum(state.root + state.current_bytes for state in self.roots.values())
+
+    @property
+    def buffered(self) -> int:
+        return sum(state.buffered for state in self.roots.values())
+
+    def add(self, param: torch.Tensor) -> None:
+        nbytes = param.grad.numel() * param.grad.element_size()
+        key, unit = self.unit_of.get(id(param), (0, None))  # 0: a unit of its own (a value head)
+        state = self.roots.setdefault(key, _RootFlight())
+        if unit is None:
+            state.root += nbytes
+            return
+        if self.index[unit][1] > 0:
+            self.last_block = False
+        if unit != state.current:
+            if state.current is not None:  # backward left that block: it reduced
+                state.buffered = self.unit_bytes[state.current]
+            state.current, state.current_bytes = unit, 0
+        state.current_bytes += nbytes
+
+    def reset(self) -> None:
+        self.roots.clear()
+        self.last_block = False
 
 
 @contextlib.contextmanager
@@ -983,6 +1117,21 @@ def estimate(
     ``full_loops=True`` runs PPO's every decode step and micro-batch instead of the ones that
     decide the peak (:func:`run_ppo`): the same figures, many times slower.
     """
+    return run_config(config, overrides, recipe=recipe, world_size=world_size, fake=fake, full_loops=full_loops)
+
+
+def run_config(
+    config: str | Path,
+    overrides: list[str] | tuple[str, ...] = (),
+    *,
+    recipe: str | None = None,
+    world_size: int | None = None,
+    fake: bool = True,
+    full_loops: bool = False,
+    run_class: type[_Run] = _Run,
+) -> Estimate:
+    """:func:`estimate`'s steps with the run made by ``run_class`` (:class:`_Run` or a subclass,
+    e.g. :mod:`.sharded`'s, which really shards the model)."""
     module_name = recipe_for(config, recipe)
     cli, cfg, module_class = parse_config(module_name, ["--config", str(config), *overrides])
     with tempfile.TemporaryDirectory(prefix="lightning_mem_estimate_") as tmp:
@@ -991,8 +1140,8 @@ def estimate(
             cfg.data.tokenizer = cfg.model.name_or_path
         init = instantiate(cli, cfg)
         size = world_size or _world_size(cfg.trainer)
-        run = _Run(init, cfg, world_size=size, fake=fake, vocab=vocab, workdir=Path(tmp))
-        with _attribution(run.ledger, fake), _weights_source(fake), run.mode:
+        run = run_class(init, cfg, world_size=size, fake=fake, vocab=vocab, workdir=Path(tmp))
+        with _attribution(run.ledger, fake), _weights_source(fake), run.mode, run.accounting():
             try:
                 run.build()
                 if hasattr(run.module, "rollout_engine"):
@@ -1008,5 +1157,7 @@ def estimate(
         notes.append(f"{run.sharding.name}: per rank, {', '.join(run.sharding.shard)} are 1/{size} of the measured "
                      f"bytes" + (f"; {', '.join(run.sharding.host)} on the host" if run.sharding.host else "")
                      + ("; the largest block (x2, prefetch) and the root unit are gathered on the device"
-                        if run.sharding.gathered_units else ""))
+                        if run.sharding.gathered_units else "")
+                     + ("; gradients stay whole on the device until backward leaves their unit"
+                        if run.sharding.unit_gradients else ""))
     return Estimate(str(config), module_name, size, run.sharding.name, run.phases, notes, parsed=cfg)

@@ -5,8 +5,10 @@ its bytes and its category. Categories are assigned when a storage is made (the 
 that is running says ``kv_cache``, ``optimizer_state`` or ``host``; a floating tensor whose last
 dimension is a vocabulary size is ``logits``; other floating tensors are ``activations``; integer
 and boolean tensors -- token ids, masks, indices -- are ``other``) and re-assigned when the
-estimator learns more (parameters become ``weights``, ``p.grad`` becomes ``gradients``). The
-ledger keeps the running total of device bytes, its peak, and the breakdown at that peak.
+estimator learns more (parameters become ``weights``, ``p.grad`` becomes ``gradients``). A
+``DTensor`` counts as its local shard: the bytes this rank holds. The ledger keeps the running
+total of device bytes, its peak, and the breakdown at that peak (or, with a per-rank ``view``,
+the peak of what one rank holds).
 
 :class:`TrackingMode` is the ``TorchDispatchMode`` that feeds the ledger with every tensor an
 operator returns. With ``fake=True`` it also makes the step run without memory: floating tensors
@@ -44,11 +46,6 @@ class MemoryLedger:
 
     def __init__(self, vocab_sizes: set[int] | None = None) -> None:
         self.vocab_sizes = set(vocab_sizes or ())
-        # What the peak is the peak of: by default the device bytes counted here; a sharded run
-        # measured as one process sets the per-rank device bytes of the category totals, so the
-        # peak is taken where one rank holds most (the moments differ: an optimizer step holds
-        # state that is sharded, a backward activations that are not).
-        self.per_rank: Callable[[dict[str, int]], int] | None = None
         self._live: dict[int, list[Any]] = {}  # id(storage) -> [weakref, nbytes, category]
         self.totals: dict[str, int] = dict.fromkeys((*CATEGORIES, HOST), 0)
         self.device_bytes = 0
@@ -56,6 +53,11 @@ class MemoryLedger:
         self.peak_breakdown: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
         self.peak_host_bytes = 0
         self._context: list[str] = []
+        #: One rank's view of the live bytes, when the measured process stands for several ranks
+        #: (a sharding strategy measured unsharded): ``view(device breakdown, host bytes)`` gives
+        #: the rank's ``(breakdown, host bytes)``. The peaks are then the view's, taken at every
+        #: moment -- the rank's peak need not fall where the unsharded process peaks.
+        self.view: Callable[[dict[str, int], int], tuple[dict[str, int], int]] | None = None
 
     # -- sections of code that decide the category of what they allocate ----------------------
     @contextlib.contextmanager
@@ -78,6 +80,7 @@ class MemoryLedger:
     # -- adding, re-tagging, removing ----------------------------------------------------------
     def track(self, tensor: torch.Tensor, category: str | None = None) -> None:
         """Count ``tensor``'s storage (once); ``category`` overrides the automatic one."""
+        tensor = _local(tensor)
         if tensor.device.type == "meta":  # no memory anywhere (a module's placeholder before loading)
             return
         try:
@@ -105,7 +108,7 @@ class MemoryLedger:
             self.track(tensor, category)
 
     def category_of(self, tensor: torch.Tensor) -> str | None:
-        entry = self._live.get(id(tensor.untyped_storage()))
+        entry = self._live.get(id(_local(tensor).untyped_storage()))
         return entry[2] if entry is not None else None
 
     def _forget(self, key: int, ref: weakref.ref) -> None:
@@ -121,15 +124,18 @@ class MemoryLedger:
 
     def _add(self, category: str, nbytes: int, peak: bool = True) -> None:
         self.totals[category] += nbytes
+        if self.view is not None:
+            if category != HOST:
+                self.device_bytes += nbytes
+            if peak:
+                self._observe_view()
+            return
         if category == HOST:
             self.peak_host_bytes = max(self.peak_host_bytes, self.totals[HOST])
             return
         self.device_bytes += nbytes
-        if not peak:
-            return
-        current = self.device_bytes if self.per_rank is None else self.per_rank(self.totals)
-        if current > self.peak_bytes:
-            self.peak_bytes = current
+        if peak and self.device_bytes > self.peak_bytes:
+            self.peak_bytes = self.device_bytes
             self.peak_breakdown = {c: self.totals[c] for c in CATEGORIES}
 
     @contextlib.contextmanager
@@ -146,10 +152,29 @@ class MemoryLedger:
         finally:
             self.peak_bytes, self.peak_breakdown, self.peak_host_bytes = saved
 
+    def _observe_view(self) -> None:
+        assert self.view is not None
+        breakdown, host = self.view({c: self.totals[c] for c in CATEGORIES}, self.totals[HOST])
+        self.peak_host_bytes = max(self.peak_host_bytes, host)
+        total = sum(breakdown.values())
+        if total > self.peak_bytes:
+            self.peak_bytes = total
+            self.peak_breakdown = breakdown
+
     def reset_peak(self) -> None:
-        self.peak_bytes = self.device_bytes if self.per_rank is None else self.per_rank(self.totals)
+        if self.view is not None:
+            self.peak_bytes, self.peak_host_bytes = -1, 0
+            self._observe_view()
+            return
+        self.peak_bytes = self.device_bytes
         self.peak_breakdown = {c: self.totals[c] for c in CATEGORIES}
         self.peak_host_bytes = self.totals[HOST]
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank (the bytes it holds here); any other tensor as it is."""
+    local = getattr(tensor, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else tensor
 
 
 def _is_fake(x: Any) -> bool:

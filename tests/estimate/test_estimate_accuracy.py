@@ -3,7 +3,9 @@
 Each case runs the recipe's own step twice through :func:`lightning_mem.estimate.estimate`: on
 fake tensors (the estimate) and with ``fake=False`` on real CPU tensors of the tiny model; the
 per-phase peaks of tracked tensor bytes must agree within 5 % (they agree exactly today), and each
-technique must show its effect in the breakdown.
+technique must show its effect in the breakdown. FSDP2, which the estimate runs unsharded and
+derives per rank, is compared with the same step really sharded over 2 CPU processes
+(:func:`lightning_mem.estimate.measure_sharded`), rank by rank.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_mem.estimate import estimate
+from lightning_mem.estimate import estimate, measure_sharded
 
 TINY_PPO = ["--model.name_or_path=assets/tiny-llama"]
 GRPO_LORA = TINY_PPO + [
@@ -173,3 +175,63 @@ def test_ppo_fast_loops_equal_full_loops(fake, monkeypatch):
     rollout = {p.phase: p for p in fast.phases}["rollout"].device_breakdown_bytes
     # The last decode step's cache: 32 sequences x (8 + 31) tokens x 4 layers x (k, v) x 4 heads x 32 x 4 B.
     assert rollout["kv_cache"] >= 32 * 39 * 4 * 2 * 4 * 32 * 4
+
+
+# FSDP2 on 2 ranks: the estimate runs one unsharded process and derives each rank's bytes; the
+# same step really sharded (lightning_mem.estimate.sharded: 2 CPU processes, gloo, the config's
+# FSDP2Strategy sharding the recipe's model) is what it must match, rank by rank.
+FSDP2 = "configs/sft/tiny_cpu_fsdp2.yaml"
+TINY_PARAMS = 3_059_456
+TINY_BLOCK_PARAMS = 725_504  # one LlamaDecoderLayer of tiny-llama
+TINY_ROOT_PARAMS = TINY_PARAMS - 4 * TINY_BLOCK_PARAMS  # embeddings, head, final norm
+
+
+@pytest.mark.parametrize("offload", [True, False], ids=["cpu_offload", "on_device"])
+def test_sft_fsdp2_two_ranks_per_rank(offload):
+    """The tiny FSDP2 SFT config (every block checkpointed), with and without CPU offload: each
+    rank's device peak, host peak and every category against the estimate's per-rank figures."""
+    overrides = [] if offload else ["--trainer.strategy.init_args.cpu_offload=false"]
+    ranks = measure_sharded(FSDP2, overrides, world_size=2)
+    fake = estimate(FSDP2, overrides, world_size=2)
+    assert fake.world_size == 2 and len(ranks) == 2
+    (est,) = fake.phases
+    for phases in ranks:
+        (real,) = phases
+        assert real.phase == est.phase == "train"
+        assert abs(est.device_peak_bytes - real.device_peak_bytes) <= 0.05 * real.device_peak_bytes, (est, real)
+        assert abs(est.host_peak_bytes - real.host_peak_bytes) <= 0.05 * max(real.host_peak_bytes, 1), (est, real)
+        for cat, value in real.device_breakdown_bytes.items():  # the same bytes, not only the same sum
+            assert abs(est.device_breakdown_bytes[cat] - value) <= max(0.05 * value, 65536), (cat, est, real)
+    worst = max(phases[0].device_peak_bytes for phases in ranks)
+    assert abs(fake.device_peak_bytes - worst) <= 0.05 * worst
+
+    # The sharding shows in what each rank really held at its peak.
+    real = ranks[0][0].device_breakdown_bytes
+    adamw = 2 * 4 * TINY_PARAMS  # exp_avg + exp_avg_sq, fp32, unsharded
+    # Gathered for compute: the root unit and two blocks (the one computing, the one prefetched);
+    # each parameter's rows are padded to an even split over the ranks (at most a few KB).
+    gathered = 4 * (TINY_ROOT_PARAMS + 2 * TINY_BLOCK_PARAMS)
+    if offload:  # shards, their gradients and the optimizer live on the host: half of each per rank
+        assert real["optimizer_state"] == 0
+        assert gathered <= real["weights"] <= gathered + 4096
+        assert ranks[0][0].host_peak_bytes >= (4 + 4 + 8) * TINY_PARAMS / 2
+    else:  # half the optimizer state per rank; half the weights plus the gathered units
+        assert adamw / 2 <= real["optimizer_state"] <= adamw / 2 + 4096
+        assert 4 * TINY_PARAMS / 2 + gathered <= real["weights"] <= 4 * TINY_PARAMS / 2 + gathered + 8192
+
+
+def test_ppo_fsdp2_two_ranks_per_rank():
+    """PPO under FSDP2 on 2 ranks (actor, critic and reference each sharded per block; CPU offload;
+    checkpointing; activation offload): every phase of each rank against the estimate."""
+    config = "configs/ppo/tiny_cpu_fsdp2.yaml"
+    ranks = measure_sharded(config, TINY_PPO, world_size=2)
+    fake = estimate(config, TINY_PPO, world_size=2)
+    assert [p.phase for p in fake.phases] == ["rollout", "score", "train"]
+    for phases in ranks:
+        _assert_close(fake, type(fake)(config, fake.recipe, 2, fake.strategy, phases))
+        est, real = fake.phases[-1].device_breakdown_bytes, phases[-1].device_breakdown_bytes
+        # In the update the critic's last reduce-scatter input and root gradients wait while the
+        # actor's backward runs: the gradients in flight are followed per model.
+        assert abs(est["gradients"] - real["gradients"]) <= 65536, (est, real)
+        # The estimate counts every model's root unit as gathered (the reference's too): never less.
+        assert all(f.device_peak_bytes >= r.device_peak_bytes - 65536 for f, r in zip(fake.phases, phases))
