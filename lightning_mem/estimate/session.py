@@ -309,7 +309,7 @@ def shard_per_rank(breakdown: dict[str, int], host: int, sharding: Sharding, wor
 
 
 @contextlib.contextmanager
-def _patched(obj: Any, name: str, wrapper: Callable[[Callable], Callable]) -> Iterator[None]:
+def patched(obj: Any, name: str, wrapper: Callable[[Callable], Callable]) -> Iterator[None]:
     original = getattr(obj, name)
     setattr(obj, name, wrapper(original))
     try:
@@ -341,13 +341,13 @@ def _attribution(ledger: MemoryLedger, fake: bool) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         for cls in (cache_utils.DynamicLayer, cache_utils.StaticLayer):
             for method in ("lazy_initialization", "update"):
-                stack.enter_context(_patched(cls, method, _in_section(ledger, "kv_cache")))
+                stack.enter_context(patched(cls, method, _in_section(ledger, "kv_cache")))
         for fn in ("optimizer_state_to_host", "offload_module"):
-            stack.enter_context(_patched(offload, fn, _in_section(ledger, HOST)))
-        stack.enter_context(_patched(activation_offload.ActivationOffloader, "_stash", _in_section(ledger, HOST)))
-        stack.enter_context(_patched(torch.utils, "swap_tensors", _swap_or_set_data))
+            stack.enter_context(patched(offload, fn, _in_section(ledger, HOST)))
+        stack.enter_context(patched(activation_offload.ActivationOffloader, "_stash", _in_section(ledger, HOST)))
+        stack.enter_context(patched(torch.utils, "swap_tensors", _swap_or_set_data))
         if fake:
-            stack.enter_context(_patched(activation_offload.ActivationOffloader, "_should_stash", _fake_only(ledger)))
+            stack.enter_context(patched(activation_offload.ActivationOffloader, "_should_stash", _fake_only(ledger)))
         yield
 
 
@@ -396,7 +396,7 @@ def _fake_only(ledger: MemoryLedger) -> Callable[[Callable], Callable]:
     return wrap
 
 
-class _Run:
+class EstimateRun:
     """One estimate: the module, its optimizers and trainer pieces, the ledger, and the phases."""
 
     def __init__(self, init: Any, cfg: Any, *, world_size: int, fake: bool, vocab: list[int], workdir: Path) -> None:
@@ -851,7 +851,7 @@ def sft_batch_shape(data: Any) -> tuple[int, int]:
     return data.batch_size, length
 
 
-def run_sft(run: _Run, accumulate: int) -> None:
+def run_sft(run: EstimateRun, accumulate: int) -> None:
     """The SFT/QLoRA training step (``module._loss``, backward, optimizer step), largest micro-batch."""
     module = run.module
     config = module.model.config
@@ -878,7 +878,7 @@ def run_sft(run: _Run, accumulate: int) -> None:
         step(shape, min(accumulate, 2))
 
 
-def run_ppo(run: _Run, rows: list[dict[str, Any]], *, full_loops: bool = False) -> None:
+def run_ppo(run: EstimateRun, rows: list[dict[str, Any]], *, full_loops: bool = False) -> None:
     """A PPO iteration through the module's own rollout, score and update methods, at the largest
     shapes: every prompt ``max_prompt_length`` long, every response ``max_new_tokens`` long.
 
@@ -936,7 +936,7 @@ def run_ppo(run: _Run, rows: list[dict[str, Any]], *, full_loops: bool = False) 
         engine.config = generation
 
 
-def _ppo_update(run: _Run, exp: Any, batch: dict[str, Any], batching: Callable) -> None:
+def _ppo_update(run: EstimateRun, exp: Any, batch: dict[str, Any], batching: Callable) -> None:
     """The train phase: the first mini-batch's micro-batches through the module's loss, backward
     and one optimizer step (later mini-batches have the same shapes)."""
     module, ppo = run.module, run.module.ppo
@@ -959,7 +959,7 @@ def _ppo_update(run: _Run, exp: Any, batch: dict[str, Any], batching: Callable) 
             cb.on_train_batch_end(run.trainer, module, None, batch, 0)
 
 
-def _warm_up_optimizers(run: _Run) -> None:
+def _warm_up_optimizers(run: EstimateRun) -> None:
     """One optimizer step on zero gradients: every optimizer makes its real state tensors (AdamW's
     moments, bitsandbytes' 8-bit blocks), as they exist at any step after the first; the gradients
     are freed again by the step's ``zero_grad``."""
@@ -1010,7 +1010,7 @@ def _steady_micro_batches(micro_batches: Callable) -> Callable:
 
 
 @contextlib.contextmanager
-def _last_decode_step(run: _Run, model: nn.Module) -> Iterator[None]:
+def _last_decode_step(run: EstimateRun, model: nn.Module) -> Iterator[None]:
     """Generation's memory peak without its whole loop: ``model.generate`` runs twice, for real.
 
     Autoregressive decoding peaks either in its prefill (every prompt token at once) or in its last
@@ -1128,9 +1128,9 @@ def run_config(
     world_size: int | None = None,
     fake: bool = True,
     full_loops: bool = False,
-    run_class: type[_Run] = _Run,
+    run_class: type[EstimateRun] = EstimateRun,
 ) -> Estimate:
-    """:func:`estimate`'s steps with the run made by ``run_class`` (:class:`_Run` or a subclass,
+    """:func:`estimate`'s steps with the run made by ``run_class`` (:class:`EstimateRun` or a subclass,
     e.g. :mod:`.sharded`'s, which really shards the model)."""
     module_name = recipe_for(config, recipe)
     cli, cfg, module_class = parse_config(module_name, ["--config", str(config), *overrides])

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_mem.estimate.session import HOST, PhaseEstimate, Sharding, _patched, _Run, run_config
+from lightning_mem.estimate.session import HOST, PhaseEstimate, Sharding, patched, EstimateRun, run_config
 
 #: How long the ranks may take before they are stopped (a hang guard: the tiny model takes seconds).
 DEFAULT_TIMEOUT_S = 1800.0
@@ -127,7 +127,7 @@ def _rank_main(rank: int, world_size: int, port: int, config: str, overrides: li
             dist.destroy_process_group()
 
 
-class ShardedRun(_Run):
+class ShardedRun(EstimateRun):
     """The estimator's run with the model really sharded by the config's FSDP2Strategy, on this rank."""
 
     def __init__(self, init: Any, cfg: Any, *, world_size: int, fake: bool, vocab: list[int], workdir: Path) -> None:
@@ -248,12 +248,12 @@ def _fsdp_accounting(run: ShardedRun) -> Iterator[None]:
 
     with contextlib.ExitStack() as stack:
         for name in ("alloc_storage", "free_storage"):
-            stack.enter_context(_patched(_fsdp_param, name, resized))
-        stack.enter_context(_patched(_fsdp_param_group.FSDPParamGroup, "post_backward", post_backward))
+            stack.enter_context(patched(_fsdp_param, name, resized))
+        stack.enter_context(patched(_fsdp_param_group.FSDPParamGroup, "post_backward", post_backward))
         for name, category in (("foreach_all_gather", "weights"), ("foreach_all_gather_copy_out", "weights"),
                                ("foreach_reduce", "gradients")):
             if hasattr(_fsdp_param_group, name):
-                stack.enter_context(_patched(_fsdp_param_group, name, in_section(category)))
+                stack.enter_context(patched(_fsdp_param_group, name, in_section(category)))
         yield
 
 
