@@ -197,7 +197,7 @@ from tests.helpers import HANG_GUARD_S  # noqa: E402
 from tests.recipes.test_ppo import SHORT_EPOCHS, _ppo, _quarters, sft_export  # noqa: E402,F401
 
 
-@pytest.mark.slow  # SFT warm-up + 128 PPO steps
+# The SFT warm-up and 128 PPO steps: minutes on an idle 2-core machine; in `make test-vllm`.
 @pytest.mark.timeout(HANG_GUARD_S)  # a hang guard: minutes on an idle machine, many more on a loaded one
 def test_short_run_with_vllm_raises_the_reward(tmp_path, sft_export):  # noqa: F811
     """tests/recipes/test_ppo.py's short run with the vLLM engine: the tiny config's first quarter
