@@ -51,3 +51,30 @@ def read_metric(root: Path, name: str) -> dict[int, float]:
                 if row.get(name):
                     values[int(row["step"])] = float(row[name])
     return values
+
+
+#: Token ids of the tiny tokenizer that a model trained by a short adapter fit is scored on, to
+#: compare the trained model with its export, reload or merge.
+PROBE_IDS = [[3, 40, 41, 42, 17, 18, 60, 61], [5, 6, 7, 8, 9, 10, 11, 12]]
+
+
+def short_fit_args(config: str, root: Path, steps: int, *extra: str) -> list[str]:
+    """``fit`` arguments for a short run of a tiny config: ``steps`` optimizer steps, validation and a
+    checkpoint halfway and at the end, 256-token batches, metrics to CSV under ``root``."""
+    return [
+        "fit", "--config", config, f"--trainer.default_root_dir={root}", "--trainer.log_every_n_steps=1",
+        "--trainer.enable_progress_bar=false", f"--trainer.max_steps={steps}",
+        f"--trainer.val_check_interval={steps // 2}", f"--checkpoint.every_n_train_steps={steps // 2}",
+        "--data.max_tokens_per_batch=256", *csv_logger_args(root), *extra,
+    ]  # fmt: skip
+
+
+def fit_and_probe(main, args: list[str]):  # noqa: ANN001
+    """Run a recipe's ``main(args)`` in this process; its CLI and the trained model's logits on PROBE_IDS."""
+    import torch
+
+    cli = main(args)
+    model = cli.model.model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(PROBE_IDS)).logits
+    return cli, logits

@@ -9,12 +9,11 @@ from safetensors.torch import load_file
 import recipes.qlora as qlora
 from lightning_mem.lora import BASE_SIDECAR, load_adapter_model, merge_adapter
 from lightning_mem.models import load_causal_lm
-from tests.helpers import REPO, csv_logger_args, read_metric, run_recipe
+from tests.helpers import PROBE_IDS, REPO, fit_and_probe, read_metric, run_recipe, short_fit_args
 
 CONFIG = str(REPO / "configs" / "qlora" / "tiny_cpu.yaml")
 STEPS = 24
-# Prompts the model is scored on when comparing logits (token ids of the tiny tokenizer).
-PROBE = torch.tensor([[3, 40, 41, 42, 17, 18, 60, 61], [5, 6, 7, 8, 9, 10, 11, 12]])
+PROBE = torch.tensor(PROBE_IDS)
 
 
 def assert_bf16_close(actual, expected):
@@ -25,23 +24,14 @@ def assert_bf16_close(actual, expected):
 
 
 def _fit_args(root, *extra):
-    return [
-        "fit", "--config", CONFIG, f"--trainer.default_root_dir={root}", "--trainer.log_every_n_steps=1",
-        "--trainer.enable_progress_bar=false", f"--trainer.max_steps={STEPS}", "--trainer.val_check_interval=12",
-        "--checkpoint.every_n_train_steps=12",
-        "--data.max_tokens_per_batch=256", *csv_logger_args(root), *extra,
-    ]  # fmt: skip
+    return short_fit_args(CONFIG, root, STEPS, *extra)
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """One short fit, in this process (so the trained model itself can be compared with its export)."""
     root = tmp_path_factory.mktemp("qlora")
-    cli = qlora.main(_fit_args(root))
-    model = cli.model.model.eval()
-    with torch.no_grad():
-        logits = model(input_ids=PROBE).logits
-    return root, cli, logits
+    return (root, *fit_and_probe(qlora.main, _fit_args(root)))
 
 
 def test_loss_falls(run):

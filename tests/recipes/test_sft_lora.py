@@ -10,32 +10,23 @@ from safetensors.torch import load_file
 
 import recipes.sft as sft
 from lightning_mem.lora import BASE_SIDECAR, load_adapter_model
-from tests.helpers import REPO, csv_logger_args, read_metric, run_recipe
+from tests.helpers import PROBE_IDS, REPO, fit_and_probe, read_metric, run_recipe, short_fit_args
 
 CONFIG = str(REPO / "configs" / "sft" / "tiny_cpu_lora.yaml")
 STEPS = 24
-PROBE = torch.tensor([[3, 40, 41, 42, 17, 18, 60, 61], [5, 6, 7, 8, 9, 10, 11, 12]])
+PROBE = torch.tensor(PROBE_IDS)
 BLOCK_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def _fit_args(root, *extra):
-    return [
-        "fit", "--config", CONFIG, f"--trainer.default_root_dir={root}", "--trainer.log_every_n_steps=1",
-        "--trainer.enable_progress_bar=false", f"--trainer.max_steps={STEPS}", "--trainer.val_check_interval=12",
-        "--checkpoint.every_n_train_steps=12", f"--model.lr_scheduler.init_args.total_steps={STEPS}",
-        "--data.max_tokens_per_batch=256", *csv_logger_args(root), *extra,
-    ]  # fmt: skip
+    return short_fit_args(CONFIG, root, STEPS, f"--model.lr_scheduler.init_args.total_steps={STEPS}", *extra)
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """One short fit in this process, so the trained model itself can be compared with its export."""
     root = tmp_path_factory.mktemp("sft_lora")
-    cli = sft.main(_fit_args(root))
-    model = cli.model.model.eval()
-    with torch.no_grad():
-        logits = model(input_ids=PROBE).logits
-    return root, cli, logits
+    return (root, *fit_and_probe(sft.main, _fit_args(root)))
 
 
 def test_loss_falls(run):
