@@ -318,7 +318,9 @@ def patched(obj: Any, name: str, wrapper: Callable[[Callable], Callable]) -> Ite
         setattr(obj, name, original)
 
 
-def _in_section(ledger: MemoryLedger, category: str) -> Callable[[Callable], Callable]:
+def in_section(ledger: MemoryLedger, category: str) -> Callable[[Callable], Callable]:
+    """Wrap a function so that what it allocates is counted as ``category``."""
+
     def wrap(fn: Callable) -> Callable:
         def inner(*args: Any, **kwargs: Any) -> Any:
             with ledger.section(category):
@@ -341,10 +343,10 @@ def _attribution(ledger: MemoryLedger, fake: bool) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         for cls in (cache_utils.DynamicLayer, cache_utils.StaticLayer):
             for method in ("lazy_initialization", "update"):
-                stack.enter_context(patched(cls, method, _in_section(ledger, "kv_cache")))
+                stack.enter_context(patched(cls, method, in_section(ledger, "kv_cache")))
         for fn in ("optimizer_state_to_host", "offload_module"):
-            stack.enter_context(patched(offload, fn, _in_section(ledger, HOST)))
-        stack.enter_context(patched(activation_offload.ActivationOffloader, "_stash", _in_section(ledger, HOST)))
+            stack.enter_context(patched(offload, fn, in_section(ledger, HOST)))
+        stack.enter_context(patched(activation_offload.ActivationOffloader, "_stash", in_section(ledger, HOST)))
         stack.enter_context(patched(torch.utils, "swap_tensors", _swap_or_set_data))
         if fake:
             stack.enter_context(patched(activation_offload.ActivationOffloader, "_should_stash", _fake_only(ledger)))
@@ -1110,28 +1112,16 @@ def estimate(
     world_size: int | None = None,
     fake: bool = True,
     full_loops: bool = False,
+    run_class: type[EstimateRun] = EstimateRun,
 ) -> Estimate:
     """Estimate every phase of ``config`` (plus recipe CLI ``overrides``) per rank.
 
     ``fake=False`` runs the same steps on real tensors (for tests on small models).
     ``full_loops=True`` runs PPO's every decode step and micro-batch instead of the ones that
-    decide the peak (:func:`run_ppo`): the same figures, many times slower.
+    decide the peak (:func:`run_ppo`): the same figures, many times slower. ``run_class`` makes
+    the run: :class:`EstimateRun`, or a subclass such as :mod:`.sharded`'s, which really shards
+    the model.
     """
-    return run_config(config, overrides, recipe=recipe, world_size=world_size, fake=fake, full_loops=full_loops)
-
-
-def run_config(
-    config: str | Path,
-    overrides: list[str] | tuple[str, ...] = (),
-    *,
-    recipe: str | None = None,
-    world_size: int | None = None,
-    fake: bool = True,
-    full_loops: bool = False,
-    run_class: type[EstimateRun] = EstimateRun,
-) -> Estimate:
-    """:func:`estimate`'s steps with the run made by ``run_class`` (:class:`EstimateRun` or a subclass,
-    e.g. :mod:`.sharded`'s, which really shards the model)."""
     module_name = recipe_for(config, recipe)
     cli, cfg, module_class = parse_config(module_name, ["--config", str(config), *overrides])
     with tempfile.TemporaryDirectory(prefix="lightning_mem_estimate_") as tmp:

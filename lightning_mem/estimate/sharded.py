@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_mem.estimate.session import HOST, PhaseEstimate, Sharding, patched, EstimateRun, run_config
+from lightning_mem.estimate.session import HOST, EstimateRun, PhaseEstimate, Sharding, estimate, in_section, patched
 
 #: How long the ranks may take before they are stopped (a hang guard: the tiny model takes seconds).
 DEFAULT_TIMEOUT_S = 1800.0
@@ -114,9 +114,9 @@ def _rank_main(rank: int, world_size: int, port: int, config: str, overrides: li
                       LOCAL_RANK=str(rank), NODE_RANK="0")
     torch.set_num_threads(1)  # the tiny model: more threads per rank only contend for the cores
     try:
-        estimate = run_config(config, overrides, recipe=recipe, world_size=world_size, fake=False,
-                              run_class=ShardedRun)
-        (Path(out) / f"rank{rank}.json").write_text(json.dumps([p.to_dict() for p in estimate.phases]))
+        result = estimate(config, overrides, recipe=recipe, world_size=world_size, fake=False,
+                          run_class=ShardedRun)
+        (Path(out) / f"rank{rank}.json").write_text(json.dumps([p.to_dict() for p in result.phases]))
     except BaseException:
         (Path(out) / f"rank{rank}.err").write_text(f"rank {rank}:\n{traceback.format_exc()}")
         raise
@@ -236,16 +236,6 @@ def _fsdp_accounting(run: ShardedRun) -> Iterator[None]:
 
         return inner
 
-    def in_section(category: str) -> Callable[[Callable], Callable]:
-        def wrap(fn: Callable) -> Callable:
-            def inner(*args: Any, **kwargs: Any) -> Any:
-                with ledger.section(category):
-                    return fn(*args, **kwargs)
-
-            return inner
-
-        return wrap
-
     with contextlib.ExitStack() as stack:
         for name in ("alloc_storage", "free_storage"):
             stack.enter_context(patched(_fsdp_param, name, resized))
@@ -253,7 +243,7 @@ def _fsdp_accounting(run: ShardedRun) -> Iterator[None]:
         for name, category in (("foreach_all_gather", "weights"), ("foreach_all_gather_copy_out", "weights"),
                                ("foreach_reduce", "gradients")):
             if hasattr(_fsdp_param_group, name):
-                stack.enter_context(patched(_fsdp_param_group, name, in_section(category)))
+                stack.enter_context(patched(_fsdp_param_group, name, in_section(run.ledger, category)))
         yield
 
 
