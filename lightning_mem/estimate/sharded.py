@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import tempfile
 import time
 import traceback
@@ -39,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 from torch import nn
 
 from lightning_mem.estimate.session import HOST, EstimateRun, PhaseEstimate, Sharding, estimate, in_section, patched
@@ -68,7 +68,7 @@ def measure_sharded(
     if world_size < 2:
         raise ValueError(f"`world_size`: a sharded measurement needs at least 2 ranks, got {world_size}")
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = find_free_network_port()
     with tempfile.TemporaryDirectory(prefix="lightning_mem_sharded_") as tmp:
         procs = [
             ctx.Process(target=_rank_main, args=(rank, world_size, port, str(config), list(overrides), recipe, tmp),
@@ -99,12 +99,6 @@ def measure_sharded(
             phases = json.loads((Path(tmp) / f"rank{rank}.json").read_text())
             results.append([PhaseEstimate(**p) for p in phases])
     return results
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _rank_main(rank: int, world_size: int, port: int, config: str, overrides: list[str], recipe: str | None,

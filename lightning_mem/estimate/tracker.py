@@ -32,6 +32,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from lightning_mem.offload import local_tensor
+
 CATEGORIES = ("weights", "gradients", "optimizer_state", "activations", "logits", "kv_cache", "other")
 HOST = "host"
 # Integer/bool tensors up to this many elements are computed for real in fake mode.
@@ -80,7 +82,7 @@ class MemoryLedger:
     # -- adding, re-tagging, removing ----------------------------------------------------------
     def track(self, tensor: torch.Tensor, category: str | None = None) -> None:
         """Count ``tensor``'s storage (once); ``category`` overrides the automatic one."""
-        tensor = _local(tensor)
+        tensor = local_tensor(tensor)
         if tensor.device.type == "meta":  # no memory anywhere (a module's placeholder before loading)
             return
         try:
@@ -108,7 +110,7 @@ class MemoryLedger:
             self.track(tensor, category)
 
     def category_of(self, tensor: torch.Tensor) -> str | None:
-        entry = self._live.get(id(_local(tensor).untyped_storage()))
+        entry = self._live.get(id(local_tensor(tensor).untyped_storage()))
         return entry[2] if entry is not None else None
 
     def _forget(self, key: int, ref: weakref.ref) -> None:
@@ -169,12 +171,6 @@ class MemoryLedger:
         self.peak_bytes = self.device_bytes
         self.peak_breakdown = {c: self.totals[c] for c in CATEGORIES}
         self.peak_host_bytes = self.totals[HOST]
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's shard on this rank (the bytes it holds here); any other tensor as it is."""
-    local = getattr(tensor, "_local_tensor", None)
-    return local if isinstance(local, torch.Tensor) else tensor
 
 
 def _is_fake(x: Any) -> bool:
