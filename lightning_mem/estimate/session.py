@@ -590,11 +590,7 @@ class _MasterWeights:
                 masters = [p.detach().float().requires_grad_(p.requires_grad) for p in group["params"]]
                 pairs += zip(group["params"], masters)
                 groups.append({**group, "params": masters})
-        try:
-            inner = type(optimizer)(groups)
-        except TypeError:  # an optimizer whose constructor needs its defaults named
-            inner = type(optimizer)(groups, **optimizer.defaults)
-        return cls(inner, pairs, ledger)
+        return cls(type(optimizer)(groups), pairs, ledger)  # every group names all its hyperparameters
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
