@@ -59,9 +59,10 @@ from lightning_mem.rl.algorithms import (
 )
 from lightning_mem.rl.config import CriticConfig, GRPOConfig, KLConfig, PPOConfig, RewardModelConfig
 from lightning_mem.rl.engines import RolloutEngineConfig, build_rollout_engine, logprob_mismatch
-from lightning_mem.rl.critic import ValueHead, ValueModel, critic_values, load_value_model
+from lightning_mem.rl.critic import SeparateCritic, SharedHead, ValueHead, ValueModel, load_value_model, value_function
 from lightning_mem.rl.memory_plan import PhaseMemory, PhaseMemoryPlan
 from lightning_mem.rl.microbatch import micro_batches
+from lightning_mem.rl.reference import AdaptersOff, FrozenCopy, ReferenceMode, disable_dropout, reference_policy
 from lightning_mem.rl.reward import RewardFunction, RewardModel, load_reward_model
 from lightning_mem.rl.rng import SamplingRNG
 from lightning_mem.rl.rollout import Experience, GenerationConfig, RolloutEngine, policy_forward
@@ -119,7 +120,7 @@ class PPOModule(LightningModule):
         advantage_estimator: Literal["gae", "grpo"] = "gae",
         reward: RewardFunction | None = None,
         reward_model: RewardModelConfig | None = None,
-        reference: Literal["auto", "copy", "adapters_off"] = "auto",
+        reference: ReferenceMode = "auto",
         generation: GenerationConfig = GenerationConfig(),
         ppo: PPOConfig = PPOConfig(),
         kl: KLConfig = KLConfig(),
@@ -151,14 +152,20 @@ class PPOModule(LightningModule):
         self.critic_config, self.memory_plan = critic, memory_plan
         self.logits_chunk_size = logits_chunk_size or None
         self.use_critic = advantage_estimator == "gae"
-        self.shared_critic = self.use_critic and critic.layout == "shared"
-        self.reference_mode = self._reference_mode(kl, reference, lora)
+        # What the KL penalty compares with, and where values come from: one object each, chosen
+        # here from the config; the step only calls them (rl/reference.py, rl/critic.py).
+        self.reference_policy: FrozenCopy | AdaptersOff | None = reference_policy(
+            reference, kl_enabled=kl.enabled, lora=lora is not None)
+        self.value_function: SharedHead | SeparateCritic | None = (
+            value_function(critic.layout) if self.use_critic else None)
         self.kl_controller = self._kl_controller(kl)
-        # Built in configure_model (after the data are checked, and where a strategy can wrap them).
+        # Built in configure_model (after the data are checked, and where a strategy can wrap them);
+        # the modules are attributes of this module so that strategies, the memory plan and
+        # checkpoints see them.
         self.actor: nn.Module | None = None
-        self.value_head: ValueHead | None = None  # shared layout
-        self.critic: ValueModel | None = None  # separate layout
-        self.reference: nn.Module | None = None  # a frozen copy (None with adapters_off)
+        self.value_head: ValueHead | None = None  # the shared layout's module
+        self.critic: ValueModel | None = None  # the separate layout's module
+        self.reference: nn.Module | None = None  # a frozen copy's module (None with adapters_off)
         self.reward_model: RewardModel | None = None
         self.tokenizer: Any = None
         self.rollout_engine: RolloutEngine | None = None  # or a VLLMRolloutEngine (same interface)
@@ -166,15 +173,15 @@ class PPOModule(LightningModule):
         # The stream rollouts and shuffles draw from; in the checkpoint, so a resume is exact.
         self.sampling_rng: SamplingRNG | None = None
 
-    @staticmethod
-    def _reference_mode(kl: KLConfig, reference: str, lora: LoraSettings | None) -> str | None:
-        """No reference without a KL penalty; ``auto``: the adapters switched off for a LoRA actor,
-        else a frozen copy."""
-        if not kl.enabled:
-            return None
-        if reference == "auto":
-            return "adapters_off" if lora else "copy"
-        return reference
+    @property
+    def reference_mode(self) -> str | None:
+        """``copy``, ``adapters_off``, or None (no KL penalty, no reference)."""
+        return None if self.reference_policy is None else self.reference_policy.mode
+
+    @property
+    def reads_actor_hidden(self) -> bool:
+        """Whether the actor's forwards must return hidden states (a shared value head reads them)."""
+        return self.value_function is not None and self.value_function.reads_actor_hidden
 
     @staticmethod
     def _kl_controller(kl: KLConfig) -> AdaptiveKLController | FixedKLController:
@@ -197,8 +204,10 @@ class PPOModule(LightningModule):
         if reward_model is not None:
             check_model_source(reward_model.name_or_path, key="model.reward_model.name_or_path")
             resolve_dtype(reward_model.dtype, key="model.reward_model.dtype")
-        if reference == "adapters_off" and not lora:
-            raise ValueError("`model.reference: adapters_off` needs `model.lora`: without adapters there is nothing to disable")
+        try:
+            reference_policy(reference, kl_enabled=kl.enabled, lora=lora is not None)
+        except ValueError as err:
+            raise ValueError(f"`model.reference`: {err} (`model.lora`)") from None
         if lora is not None:
             # On a meta-device twin: a target typo fails here, before the policy is read.
             check_lora_targets(meta_model(name_or_path, trust_remote_code=trust_remote_code), lora)
@@ -257,19 +266,11 @@ class PPOModule(LightningModule):
         if self.lora is not None:
             self.actor = apply_lora(self.actor, self.lora)
         # After the adapters exist: their lora_dropout too would give the ratio pi/pi_old two masks.
-        _disable_dropout(self.actor)
-        if self.reference_mode == "copy":
-            self.reference = _frozen(load_causal_lm(hp.name_or_path, **load))
-        if self.shared_critic:
-            self.value_head = ValueHead(self.actor.config.hidden_size)
-        elif self.use_critic:
-            self.critic = load_value_model(
-                self.critic_config.name_or_path or hp.name_or_path,
-                dtype=self.critic_config.dtype or hp.dtype,
-                attn_implementation=hp.attn_implementation,
-                trust_remote_code=hp.trust_remote_code,
-            )
-            _disable_dropout(self.critic)
+        disable_dropout(self.actor)
+        if self.reference_policy is not None:
+            self.reference = self.reference_policy.build(lambda: load_causal_lm(hp.name_or_path, **load))
+        if self.value_function is not None:
+            setattr(self, self.value_function.attribute, self.value_function.build(self.actor, self._load_critic))
         if hp.reward_model is not None:
             rm = hp.reward_model
             self.reward_model = load_reward_model(
@@ -281,13 +282,22 @@ class PPOModule(LightningModule):
             dtype=next(self.actor.parameters()).dtype, trust_remote_code=hp.trust_remote_code,
         )
 
+    def _load_critic(self) -> ValueModel:
+        hp = self.hparams
+        critic = load_value_model(
+            self.critic_config.name_or_path or hp.name_or_path,
+            dtype=self.critic_config.dtype or hp.dtype,
+            attn_implementation=hp.attn_implementation,
+            trust_remote_code=hp.trust_remote_code,
+        )
+        return disable_dropout(critic)
+
     def configure_optimizers(self) -> Any:
-        actor_params = param_groups(self.actor, weight_decay=None)
-        if self.value_head is not None:
-            actor_params.append({"params": list(self.value_head.parameters()), "weight_decay": 0.0})
+        vf = self.value_function
+        actor_params = param_groups(self.actor, weight_decay=None) + (vf.actor_param_groups() if vf else [])
         optimizers = [self.optimizer_factory(actor_params)]
-        if self.critic is not None:
-            optimizers.append(self.critic_optimizer_factory(param_groups(self.critic, weight_decay=None)))
+        if vf is not None and vf.has_own_optimizer:
+            optimizers.append(self.critic_optimizer_factory(param_groups(vf.module, weight_decay=None)))
         for optimizer in optimizers:
             warn_if_paged_on_cpu(optimizer)
         if self.lr_scheduler_factory is None:
@@ -301,9 +311,9 @@ class PPOModule(LightningModule):
     def _schedule_steps(self) -> dict[str, int]:
         # Each scheduler steps once per mini-batch update; global_step (what max_steps counts)
         # counts every optimizer's step, so a separate critic doubles it.
-        separate_critic = self.use_critic and not self.shared_critic
+        separate = self.value_function is not None and self.value_function.has_own_optimizer
         return {"steps_per_batch": self.ppo.ppo_epochs * self.ppo.num_mini_batches,
-                "optimizers": 2 if separate_critic else 1}
+                "optimizers": 2 if separate else 1}
 
     def on_fit_start(self) -> None:
         optimizers = self._optimizers()
@@ -340,24 +350,26 @@ class PPOModule(LightningModule):
                 frozen.eval()
 
     # -- one PPO iteration --------------------------------------------------------------------
+    # The stages share one convention: the rollout makes the step's Experience; each later stage
+    # takes it and fills its own fields (named in the stage's docstring), returning nothing.
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         # 1. Rollout: sample responses with the actor.
         with self.memory.phase("rollout"):
             exp = self._rollout(batch)
         # 2-3. Score the responses; old and reference logprobs, and values, without gradients.
         with self.memory.phase("score"):
-            exp.scores = self._score(exp)
+            self._score(exp)
             self._logprobs_and_values(exp)
         if exp.engine_logprobs is not None:  # an engine with weights of its own: how far off-policy it sampled
             self.log("engine_logprob_abs_diff", float(logprob_mismatch(exp.engine_logprobs, exp.old_logprobs, exp.response_mask)),
                      on_step=True, on_epoch=False)
         # 4. Advantages: KL-penalised rewards and GAE, or GRPO's group-relative scores.
-        kl_per_sample = self._advantages(exp)
+        self._advantages(exp)
         # 5. Update: ppo_epochs over shuffled mini-batches of token-budget micro-batches.
         with self.memory.phase("train"):
             stats = self._update(exp)
         # 6. The KL coefficient for the next step, and the step's metrics.
-        metrics = self._step_metrics(exp, kl_per_sample, stats)
+        metrics = self._step_metrics(exp, stats)
         self.kl_controller.update(float(metrics["kl"]), int(metrics.pop("samples")))
         metrics["kl_coef"] = self.kl_controller.value
         self.log_dict({k: float(v) for k, v in metrics.items()}, on_step=True, on_epoch=False)
@@ -365,6 +377,7 @@ class PPOModule(LightningModule):
 
     # 1. Rollout ---------------------------------------------------------------------------------
     def _rollout(self, batch: dict[str, Any]) -> Experience:
+        """A new Experience: the prompts (each ``group_size`` times under GRPO) and the sampled responses."""
         prompt_ids, prompt_mask, rows = batch["input_ids"], batch["attention_mask"], batch["rows"]
         group = self.grpo.group_size if not self.use_critic else 1
         if group > 1:  # GRPO: each prompt `group_size` times, side by side
@@ -382,13 +395,16 @@ class PPOModule(LightningModule):
         return exp
 
     # 2. Score -----------------------------------------------------------------------------------
-    def _score(self, exp: Experience) -> Tensor:
+    def _score(self, exp: Experience) -> None:
+        """Fills ``exp.scores``: the reward rule's or the reward model's score of each response."""
         if self.reward_fn is not None:
-            return self.reward_fn(exp.prompts, exp.responses, exp.rows).to(self.device)
-        messages = [row_to_prompt_messages(row) for row in exp.rows]
-        return self.reward_model(
-            messages, exp.responses, max_tokens=self.ppo.logprob_budget, agree_on_count=self._agree_on_count
-        ).to(self.device)
+            scores = self.reward_fn(exp.prompts, exp.responses, exp.rows)
+        else:
+            messages = [row_to_prompt_messages(row) for row in exp.rows]
+            scores = self.reward_model(
+                messages, exp.responses, max_tokens=self.ppo.logprob_budget, agree_on_count=self._agree_on_count
+            )
+        exp.scores = scores.to(self.device)
 
     # 3. Logprobs and values ---------------------------------------------------------------------
     @property
@@ -397,7 +413,7 @@ class PPOModule(LightningModule):
         logprobs (detached) serve as the old ones and the separate old-logprob pass is skipped,
         unless something before the update needs them (a KL penalty in the reward, a shared
         value head that reads the actor's hidden states)."""
-        uses_old = self.shared_critic or (self.reference_mode is not None and self.kl.in_reward)
+        uses_old = self.reads_actor_hidden or (self.reference_policy is not None and self.kl.in_reward)
         return self.ppo.ppo_epochs == 1 and self.ppo.num_mini_batches == 1 and not uses_old
 
     def _policy(self, model: nn.Module, mb: Experience, **kwargs: Any) -> Any:
@@ -407,29 +423,29 @@ class PPOModule(LightningModule):
 
     @torch.no_grad()
     def _logprobs_and_values(self, exp: Experience) -> None:
+        """Fills ``exp.old_logprobs`` (None on-policy), ``exp.ref_logprobs`` (None without a
+        reference) and ``exp.old_values`` (None without a critic), micro-batch by micro-batch."""
         shape = exp.response_ids.shape
+        reference, values = self.reference_policy, self.value_function
         exp.old_logprobs = None if self.on_policy else torch.zeros(shape, device=self.device)
-        exp.ref_logprobs = torch.zeros(shape, device=self.device) if self.reference_mode else None
-        exp.old_values = torch.zeros(shape, device=self.device) if self.use_critic else None
+        exp.ref_logprobs = torch.zeros(shape, device=self.device) if reference is not None else None
+        exp.old_values = torch.zeros(shape, device=self.device) if values is not None else None
         for idx in micro_batches(exp.sequence_lengths, self.ppo.logprob_budget, agree_on_count=self._agree_on_count):
             mb = exp.select(idx)
             cols = mb.response_ids.shape[1]
+            hidden = None
             if exp.old_logprobs is not None:
-                out = self._policy(self.actor, mb, with_hidden=self.shared_critic)
-                exp.old_logprobs[idx, :cols] = out.logprobs
-            if self.reference_mode == "copy":
-                exp.ref_logprobs[idx, :cols] = self._policy(self.reference, mb).logprobs
-            elif self.reference_mode == "adapters_off":
-                with self.actor.disable_adapter():  # the base model = the policy before training
-                    exp.ref_logprobs[idx, :cols] = self._policy(self.actor, mb).logprobs
-            if self.shared_critic:
-                exp.old_values[idx, :cols] = self.value_head(out.hidden)
-            elif self.critic is not None:
-                exp.old_values[idx, :cols] = critic_values(self.critic, mb)
+                out = self._policy(self.actor, mb, with_hidden=self.reads_actor_hidden)
+                exp.old_logprobs[idx, :cols], hidden = out.logprobs, out.hidden
+            if reference is not None:
+                exp.ref_logprobs[idx, :cols] = reference.logprobs(self.actor, lambda model: self._policy(model, mb).logprobs)
+            if values is not None:
+                exp.old_values[idx, :cols] = values.values(mb, hidden)
 
     # 4. Advantages ------------------------------------------------------------------------------
-    def _advantages(self, exp: Experience) -> Tensor:
-        """Fill ``exp.advantages`` (and ``exp.returns`` for the critic); return each sample's KL."""
+    def _advantages(self, exp: Experience) -> None:
+        """Fills ``exp.advantages``, ``exp.returns`` (with a critic) and ``exp.kl`` (each sample's KL
+        to the reference, zeros without one or when the update measures it on-policy)."""
         mask = exp.response_mask.float()
         # On-policy, the old logprobs come with the update (the KL is then measured there).
         kl = (
@@ -449,7 +465,7 @@ class PPOModule(LightningModule):
             # group that scored all alike keeps exactly 0; Dr. GRPO stays unscaled).
             advantages = grpo_advantages(exp.scores, exp.group_ids, mask, scale=self.grpo.scale_rewards)
         exp.advantages = advantages
-        return kl.sum(dim=1)
+        exp.kl = kl.sum(dim=1)
 
     # 5. Update ----------------------------------------------------------------------------------
     def _update(self, exp: Experience) -> dict[str, Tensor]:
@@ -476,7 +492,7 @@ class PPOModule(LightningModule):
         mask = mb.response_mask.float()
         # With no entropy bonus, the entropy is a metric: no gradient through a vocabulary-wide softmax.
         bonus = self.ppo.entropy_coef > 0
-        out = self._policy(self.actor, mb, with_entropy=True, entropy_grad=bonus, with_hidden=self.shared_critic)
+        out = self._policy(self.actor, mb, with_entropy=True, entropy_grad=bonus, with_hidden=self.reads_actor_hidden)
         old_logprobs = out.logprobs.detach() if mb.old_logprobs is None else mb.old_logprobs
         pg = clipped_policy_loss(out.logprobs, old_logprobs, mb.advantages, mask, clip_ratio=self.ppo.clip_ratio)
         entropy = masked_sum(out.entropy, mask)
@@ -488,8 +504,8 @@ class PPOModule(LightningModule):
             terms["kl_sum"] = kl.detach()
             if not self.kl.in_reward:
                 loss = loss + self.kl_controller.value * kl
-        if self.use_critic:
-            values = self.value_head(out.hidden) if self.shared_critic else critic_values(self.critic, mb)
+        if self.value_function is not None:
+            values = self.value_function.values(mb, out.hidden)
             vl = clipped_value_loss(values, mb.old_values, mb.returns, mask, clip_range=self.ppo.value_clip)
             loss = loss + self.ppo.vf_coef * vl.loss_sum
             terms.update(value_loss=vl.loss_sum.detach(), value_clipped=vl.clipped_tokens)
@@ -507,11 +523,11 @@ class PPOModule(LightningModule):
             scheduler.step()
 
     # 6. Metrics ---------------------------------------------------------------------------------
-    def _step_metrics(self, exp: Experience, kl_per_sample: Tensor, totals: dict[str, Tensor]) -> dict[str, Tensor]:
+    def _step_metrics(self, exp: Experience, totals: dict[str, Tensor]) -> dict[str, Tensor]:
         """The step's metrics over all ranks, from one all-reduce of their sums (float64)."""
         scores = exp.scores.to(torch.float64)
         sums = {"score": scores.sum(), "score_sq": (scores * scores).sum(), "samples": len(scores),
-                "response_tokens": exp.response_mask.sum(), "kl_rollout": kl_per_sample.sum(), **totals}
+                "response_tokens": exp.response_mask.sum(), "kl_rollout": exp.kl.sum(), **totals}
         stacked = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device) for v in sums.values()])
         t = dict(zip(sums, self._sum_over_ranks(stacked)))
         samples = t["samples"]
@@ -582,20 +598,6 @@ class PPOModule(LightningModule):
         """Write the actor and tokenizer to ``out`` in HF format (also ``python -m recipes.ppo export``)."""
         export_hf(self.trainer, self.actor, self.tokenizer, out)
         rank_zero_info(f"exported the actor and tokenizer to {out}")
-
-
-def _frozen(model: nn.Module) -> nn.Module:
-    _disable_dropout(model)
-    return model.requires_grad_(False).eval()
-
-
-def _disable_dropout(model: nn.Module) -> None:
-    """PPO compares one forward's logprobs with another's: dropout would make the ratio noise."""
-    for module in model.modules():
-        if isinstance(module, nn.Dropout):
-            module.p = 0.0
-        if isinstance(getattr(module, "attention_dropout", None), float):
-            module.attention_dropout = 0.0
 
 
 def _eos_ids(model: nn.Module, tokenizer: Any) -> list[int]:

@@ -921,7 +921,7 @@ def run_ppo(run: EstimateRun, rows: list[dict[str, Any]], *, full_loops: bool = 
         with run.phase("score", f"{seqs}, no-grad micro-batches of <= {ppo.logprob_budget} tokens"), \
                 module.memory.phase("score"), _replaced(recipe_globals, "micro_batches", batching):
             run.retag()
-            exp.scores = _scores(module, exp)
+            _score(module, exp)
             module._logprobs_and_values(exp)
         module._advantages(exp)
         _ppo_update(run, exp, batch, batching)
@@ -1066,14 +1066,14 @@ def _grown_cache(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> Any
     return cache
 
 
-def _scores(module: Any, exp: Any) -> torch.Tensor:
+def _score(module: Any, exp: Any) -> None:
     # A rule scores strings (no tensors to speak of); a reward model runs for real on fake tensors.
     try:
-        return module._score(exp)
+        module._score(exp)
     except (KeyError, TypeError, ValueError):
         if module.reward_model is not None:
             raise
-        return torch.zeros(len(exp))
+        exp.scores = torch.zeros(len(exp))
 
 
 def _as_list(value: Any) -> list[int]:

@@ -9,10 +9,15 @@ Two layouts, one head:
 - **shared**: a :class:`ValueHead` reads the actor's final hidden states; one forward gives
   logits and values, and one optimizer trains both. Cheapest, but the value loss pulls on the
   policy's features (weight it with ``vf_coef``).
+
+A recipe holds one value-function object (:func:`value_function`), :class:`SharedHead` or
+:class:`SeparateCritic`, and asks it for values; the layout's differences (which module it
+builds, whether it reads the actor's hidden states, which optimizer steps it) live here.
 """
 
 from __future__ import annotations
 
+from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
@@ -82,3 +87,57 @@ def critic_values(critic: ValueModel, batch: Experience) -> Tensor:
     """``[n, R]`` values of the states before each response token (same positions as the logits)."""
     values = critic(batch.input_ids, batch.attention_mask)
     return gather_response(values, batch.prompt_lengths, batch.response_ids.shape[1])
+
+
+class SharedHead:
+    """The ``shared`` layout: a :class:`ValueHead` on the actor's final hidden states, stepped by the
+    actor's optimizer. Registered by the recipe under :attr:`attribute`."""
+
+    attribute = "value_head"
+    reads_actor_hidden = True  # the values come from the actor's forward
+    has_own_optimizer = False
+
+    def __init__(self) -> None:
+        self.module: ValueHead | None = None
+
+    def build(self, actor: nn.Module, load_critic: Callable[[], ValueModel]) -> ValueHead:
+        self.module = ValueHead(actor.config.hidden_size)
+        return self.module
+
+    def actor_param_groups(self) -> list[dict[str, Any]]:
+        """Parameter groups the actor's optimizer takes on (no weight decay on a head)."""
+        return [{"params": list(self.module.parameters()), "weight_decay": 0.0}]
+
+    def values(self, batch: Experience, actor_hidden: Tensor | None) -> Tensor:
+        if actor_hidden is None:
+            raise ValueError("the shared value head reads the actor's hidden states: run the actor with_hidden=True")
+        return self.module(actor_hidden)
+
+
+class SeparateCritic:
+    """The ``separate`` layout: a :class:`ValueModel` with its own backbone and its own optimizer."""
+
+    attribute = "critic"
+    reads_actor_hidden = False
+    has_own_optimizer = True
+
+    def __init__(self) -> None:
+        self.module: ValueModel | None = None
+
+    def build(self, actor: nn.Module, load_critic: Callable[[], ValueModel]) -> ValueModel:
+        self.module = load_critic()
+        return self.module
+
+    def actor_param_groups(self) -> list[dict[str, Any]]:
+        return []
+
+    def values(self, batch: Experience, actor_hidden: Tensor | None = None) -> Tensor:
+        return critic_values(self.module, batch)
+
+
+def value_function(layout: str) -> SharedHead | SeparateCritic:
+    """The value function of a critic ``layout`` (``shared`` or ``separate``), not yet built."""
+    kinds = {"shared": SharedHead, "separate": SeparateCritic}
+    if layout not in kinds:
+        raise ValueError(f"critic layout must be one of {sorted(kinds)}, got {layout!r}")
+    return kinds[layout]()

@@ -83,6 +83,7 @@ class Experience:
     # Filled by the advantage phase.
     advantages: Tensor | None = None
     returns: Tensor | None = None
+    kl: Tensor | None = None  # [N] each sample's summed KL to the reference (the rollout's policy)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]

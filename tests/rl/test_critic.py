@@ -38,3 +38,35 @@ def test_missing_backbone_weights_are_named(policy_dir):
     save_file(weights, policy_dir / "model.safetensors", metadata={"format": "pt"})
     with pytest.warns(UserWarning, match=r"`model.critic.name_or_path` \(.*\): the checkpoint has no weights for norm.weight; they start at random"):
         load_value_model(str(policy_dir))
+
+
+def test_value_function_layouts():
+    """The shared head reads the actor's hidden states and joins the actor's optimizer; the
+    separate critic runs its own backbone and has an optimizer of its own."""
+    from lightning_mem.rl.critic import SeparateCritic, SharedHead, critic_values, value_function
+    from lightning_mem.rl.rollout import Experience, policy_forward
+
+    torch.manual_seed(0)
+    actor = load_causal_lm(str(TINY_MODEL))
+    exp = Experience(input_ids=torch.tensor([[5, 6, 7, 8]]), attention_mask=torch.ones(1, 4, dtype=torch.long),
+                     prompt_lengths=torch.tensor([2]), response_ids=torch.tensor([[7, 8]]),
+                     response_mask=torch.ones(1, 2, dtype=torch.long), group_ids=torch.tensor([0]))
+
+    shared = value_function("shared")
+    assert isinstance(shared, SharedHead) and shared.reads_actor_hidden and not shared.has_own_optimizer
+    head = shared.build(actor, lambda: pytest.fail("the shared layout loads no critic"))
+    torch.nn.init.normal_(head.summary.weight)
+    hidden = policy_forward(actor, exp, with_hidden=True, chunk_size=None).hidden
+    assert torch.equal(shared.values(exp, hidden), head(hidden))
+    assert shared.actor_param_groups() == [{"params": [head.summary.weight, head.summary.bias], "weight_decay": 0.0}]
+    with pytest.raises(ValueError, match="reads the actor's hidden states"):
+        shared.values(exp, None)
+
+    separate = value_function("separate")
+    assert isinstance(separate, SeparateCritic) and not separate.reads_actor_hidden and separate.has_own_optimizer
+    critic = separate.build(actor, lambda: load_value_model(str(TINY_MODEL)))
+    torch.nn.init.normal_(critic.value_head.summary.weight)
+    assert torch.equal(separate.values(exp, hidden), critic_values(critic, exp))
+    assert separate.actor_param_groups() == []
+    with pytest.raises(ValueError, match="critic layout must be one of"):
+        value_function("both")
