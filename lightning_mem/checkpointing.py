@@ -10,6 +10,8 @@
 * :class:`ResumeCheck` warns when a resumed run keeps optimizer settings (``lr``...) from the
   checkpoint that differ from the config.
 * :func:`find_last_checkpoint` tells ``--ckpt_path last`` where it looked.
+* :func:`keep_trainable` / :func:`check_trainable_kept`: a checkpoint holds only what trains (a
+  LoRA or 4-bit base, a PPO reference or reward model is re-read from its source on resume).
 """
 
 from __future__ import annotations
@@ -217,3 +219,79 @@ class ResumeCheck(Callback):
                     " value, start a new run from the exported model instead of resuming."
                 )
         self._configured = None
+
+
+# -- checkpoint only what trains -----------------------------------------------------------------
+
+
+def _trainable_names(module: torch.nn.Module) -> set[str]:
+    return {name for name, param in module.named_parameters() if param.requires_grad}
+
+
+def keep_trainable(module: torch.nn.Module, checkpoint: dict[str, Any]) -> None:
+    """For ``on_save_checkpoint``: cut ``checkpoint["state_dict"]`` to ``module``'s trainable parameters.
+
+    Frozen weights (a LoRA or 4-bit base, a PPO reference or reward model) never change: they are
+    re-read from their source on resume, and saving them would make every checkpoint as large as
+    the models (tens of GB at 70B) for nothing. The module must load non-strictly
+    (``strict_loading = False``). A strategy that keeps the weights out of the checkpoint dict
+    (DeepSpeed saves them itself) leaves no ``state_dict`` here, and nothing is done.
+    """
+    if "state_dict" in checkpoint:
+        keep = _trainable_names(module)
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in keep}
+
+
+def check_trainable_kept(module: torch.nn.Module, checkpoint: dict[str, Any]) -> None:
+    """For ``on_load_checkpoint``: loading is non-strict for the frozen weights' sake, so check that
+    every trainable parameter is still there (a checkpoint of another config is an error, not a
+    silently fresh adapter)."""
+    if "state_dict" not in checkpoint:
+        return
+    missing = sorted(_trainable_names(module) - set(checkpoint["state_dict"]))
+    if missing:
+        raise KeyError(f"the checkpoint lacks {len(missing)} trainable tensors, e.g. {missing[:3]}")
+
+
+def saved_module_keys(path: str | Path) -> set[str]:
+    """The module tensors a sharded (torch distributed) checkpoint folder holds, under the module's
+    own names (the folder stores them as ``state_dict.<name>``)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return {k.removeprefix("state_dict.") for k in metadata if k.startswith("state_dict.")}
+
+
+def load_sharded_checkpoint(
+    module: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], path: str | Path, *, strict: bool
+) -> None:
+    """Load a sharded checkpoint folder's module tensors and optimizer states into ``module`` (and
+    its ``optimizers``, saved as ``optimizer_<i>``) in place, on every rank.
+
+    Lightning's loader asks the folder for every tensor the module has, so a checkpoint that holds
+    only what trains (:func:`keep_trainable`) could not be resumed. Here a non-strict module gets
+    the tensors the folder has and keeps the rest as loaded (the frozen weights, re-read from
+    their source); a strict one is told which tensors are missing.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    saved = saved_module_keys(path)
+    own = get_model_state_dict(module)
+    missing = sorted(set(own) - saved)
+    if missing and strict:
+        raise KeyError(f"the checkpoint {path} lacks {len(missing)} of the model's tensors (e.g. {missing[:3]})")
+    state = {k: v for k, v in own.items() if k in saved}
+    dcp.load({"state_dict": state}, checkpoint_id=str(path))
+    module.load_state_dict(state, strict=False)
+    for i, optimizer in enumerate(optimizers):
+        key = f"optimizer_{i}"
+        optimizer_state = {key: get_optimizer_state_dict(module, optimizer)}
+        dcp.load(optimizer_state, checkpoint_id=str(path))
+        set_optimizer_state_dict(module, optimizer, optim_state_dict=optimizer_state[key],
+                                 options=StateDictOptions(cpu_offload=True))

@@ -3,30 +3,73 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
+from torch import Tensor
 
-from lightning_mem.checkpointing import staged_directory
+from lightning_mem.checkpointing import saved_module_keys, staged_directory
 
 
-def gather_full_state_dict(trainer: Any, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
-    """The model's full (unsharded) state dict on CPU on rank 0, None on other ranks.
+@runtime_checkable
+class GathersStateDict(Protocol):
+    """A strategy whose modules' weights are spread over ranks (FSDP2 shards, ZeRO-3 partitions)
+    gathers them itself; every other strategy's modules are whole on every rank."""
 
-    A strategy that shards parameters provides ``full_state_dict(module)`` (a collective: every
-    rank must call it); otherwise the module's own tensors are complete on every rank.
+    def full_state_dict(self, module: torch.nn.Module, *, trainable_only: bool = False) -> dict[str, Tensor]:
+        """``module``'s whole state dict on the host on rank 0, ``{}`` elsewhere; every rank calls it."""
+        ...
+
+
+def full_state_dict(module: torch.nn.Module, *, trainable_only: bool = False) -> dict[str, Tensor]:
+    """The whole, unsharded state dict of ``module`` (plain or FSDP2-sharded), on rank 0 on the host.
+
+    A collective when a process group exists: every rank must call it. Rank 0 gets plain CPU
+    tensors under the module's own keys (so ``module.save_pretrained(path, state_dict=sd)``
+    writes a normal HF checkpoint); the other ranks get ``{}``. One tensor is gathered at a time,
+    so rank 0 needs host memory for the result, not device memory for the model.
+
+    ``trainable_only``: the trainable parameters only (for LoRA the adapters and
+    ``modules_to_save``); the frozen base is never gathered or copied.
     """
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return local_state_dict(module, trainable_only=trainable_only)  # no process group: nothing is sharded
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    # cpu_offload=True: each tensor is gathered on the device, then moved to the host, and
+    # only rank 0 keeps it.
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
+    state = get_model_state_dict(module, options=options)
+    if trainable_only:  # the gathered dict keeps buffers too
+        trainable = _trainable(module)
+        state = {name: t for name, t in state.items() if name in trainable}
+    return state
+
+
+def local_state_dict(module: torch.nn.Module, *, trainable_only: bool = False) -> dict[str, Tensor]:
+    """``module``'s own tensors copied to the host, when they are whole on this rank (not sharded);
+    ``trainable_only``: its trainable parameters only, the rest is not copied."""
+    trainable = _trainable(module) if trainable_only else None
+    return {name: t.detach().cpu() for name, t in module.state_dict().items() if trainable is None or name in trainable}
+
+
+def _trainable(module: torch.nn.Module) -> set[str]:
+    return {name for name, param in module.named_parameters() if param.requires_grad}
+
+
+def gather_state_dict(trainer: Any, model: torch.nn.Module, *, trainable_only: bool = False) -> dict[str, Tensor] | None:
+    """``model``'s whole state dict on the host on rank 0 (None on other ranks), whatever strategy
+    trained it: a :class:`GathersStateDict` strategy gathers its shards (a collective), any other
+    strategy's module is whole already. ``trainable_only`` as in :func:`full_state_dict`."""
     strategy = trainer.strategy
-    if hasattr(strategy, "full_state_dict"):
-        state = strategy.full_state_dict(model)
-    else:
-        state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    gather = strategy.full_state_dict if isinstance(strategy, GathersStateDict) else full_state_dict
+    state = gather(model, trainable_only=trainable_only)
     return state if trainer.is_global_zero else None
 
 
 def export_hf(trainer: Any, model: torch.nn.Module, tokenizer: Any, out_dir: str | Path) -> None:
     """Save ``model`` (a ``PreTrainedModel``, or a peft model: adapters only) and the tokenizer to ``out_dir``."""
-    state = gather_full_state_dict(trainer, model)
+    state = gather_state_dict(trainer, model)
     if state is not None:
         # Written beside out_dir and renamed into place: a failed export leaves the previous one
         # (or nothing), never a folder with a config and no weights.
@@ -67,7 +110,7 @@ def load_checkpoint_weights(module: torch.nn.Module, ckpt_path: str | Path) -> d
             )
         FSDP2Strategy.check_complete(path)
         reader = dcp.FileSystemReader(str(path))
-        saved = {k.removeprefix("state_dict.") for k in reader.read_metadata().state_dict_metadata if k.startswith("state_dict.")}
+        saved = saved_module_keys(path)
         _check_keys(saved, own, module, path)
         state = {k: v for k, v in own.items() if k in saved}
         with warnings.catch_warnings():

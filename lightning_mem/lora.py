@@ -6,9 +6,9 @@ adapter is peft's own format (``adapter_config.json`` + ``adapter_model.safetens
 user can load it; a small side file records how the base was loaded (quantized or not, dtype), so
 that the exact model that was trained can be rebuilt (:func:`load_adapter_model`) or merged
 (:func:`merge_adapter`). The same pieces serve LoRA on a bf16/fp32 base (the SFT recipe's
-``model.lora``), QLoRA (a 4-bit base) and a LoRA actor in PPO: adapter-only checkpoints
-(:func:`trainable_checkpoint_state`, :func:`check_checkpoint_has_trainables`), a saved base for a
-config-only model (:func:`saved_base`), export, reload, merge and its command (:func:`merge_main`).
+``model.lora``), QLoRA (a 4-bit base) and a LoRA actor in PPO: a saved base for a config-only
+model (:func:`saved_base`), export, reload, merge and its command (:func:`merge_main`). Adapter-only
+checkpoints are :mod:`lightning_mem.checkpointing`'s trainable-only checkpoints.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from lightning_mem.checkpointing import staged_directory
-from lightning_mem.export import gather_full_state_dict
+from lightning_mem.export import gather_state_dict
 from lightning_mem.dtypes import resolve_dtype
 from lightning_mem.models import building_config_only, check_model_source, has_weights, load_causal_lm, load_tokenizer
 from lightning_mem.quantization import (
@@ -210,22 +210,6 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
 # ---------------------------------------------------------------------------------------------
 
 
-def trainable_state_dict(trainer: Any, model: nn.Module) -> dict[str, torch.Tensor] | None:
-    """The trainable tensors (adapters, modules_to_save) on CPU, full names, on rank 0; else None.
-
-    Copies only what trains: the frozen base can be tens of GB and is not part of the adapter.
-    A strategy that shards parameters gathers through its ``full_state_dict`` (a collective).
-    """
-    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
-    if hasattr(trainer.strategy, "full_state_dict"):
-        state = gather_full_state_dict(trainer, model)
-    else:
-        state = model.state_dict() if trainer.is_global_zero else None  # references: nothing copied yet
-    if state is None:
-        return None
-    return {k: v.detach().cpu() for k, v in state.items() if k in trainable}
-
-
 def export_adapter(
     trainer: Any,
     model: nn.Module,
@@ -240,7 +224,8 @@ def export_adapter(
     ``attn_implementation``, ``trust_remote_code``); peft's ``adapter_config.json`` already names
     the base model itself.
     """
-    state = trainable_state_dict(trainer, model)
+    # Only what trains is gathered: the frozen base can be tens of GB and is not part of the adapter.
+    state = gather_state_dict(trainer, model, trainable_only=True)
     if state is not None:
         # Written beside out_dir and renamed into place: a failure leaves no half-written adapter.
         with staged_directory(out_dir) as out:
@@ -402,23 +387,6 @@ def saved_base(trainer: Any, name_or_path: str, cache_dir: str, *, seed: int) ->
         materialize_random_weights(name_or_path, cache, seed=seed)
     trainer.strategy.barrier("materialize_random_weights")
     return str(materialize_random_weights(name_or_path, cache, seed=seed))
-
-
-def trainable_checkpoint_state(module: nn.Module, state_dict: dict[str, Any]) -> dict[str, Any]:
-    """``state_dict`` cut to ``module``'s trainable tensors (adapters, modules_to_save).
-
-    The frozen base is re-read from its source on resume; saving it would make every checkpoint as
-    large as the model (tens of GB at 70B) for nothing.
-    """
-    keep = {name for name, p in module.named_parameters() if p.requires_grad}
-    return {k: v for k, v in state_dict.items() if k in keep}
-
-
-def check_checkpoint_has_trainables(module: nn.Module, state_dict: dict[str, Any]) -> None:
-    """Loading is non-strict for the base's sake; every trainable tensor must still be there."""
-    missing = sorted({name for name, p in module.named_parameters() if p.requires_grad} - set(state_dict))
-    if missing:
-        raise KeyError(f"the checkpoint lacks {len(missing)} trainable tensors, e.g. {missing[:3]}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
+from lightning_mem.checkpointing import check_trainable_kept, keep_trainable
 from lightning_mem.cli import RecipeCLI
 from lightning_mem.data import PromptDataModule, row_to_prompt_messages
 from lightning_mem.export import export_hf, export_main
@@ -143,7 +144,7 @@ class PPOModule(LightningModule):
         rollout_engine.validate(generation)
         self.rollout_engine_config = rollout_engine
         self.automatic_optimization = False  # several optimizer steps per rollout
-        self.strict_loading = False  # checkpoints leave out the frozen models (on_save_checkpoint)
+        self.strict_loading = False  # checkpoints hold only what trains (on_save_checkpoint)
         self.optimizer_factory, self.critic_optimizer_factory = optimizer, critic_optimizer
         self.lr_scheduler_factory = lr_scheduler
         self.reward_fn = reward
@@ -159,9 +160,12 @@ class PPOModule(LightningModule):
         self.value_function: SharedHead | SeparateCritic | None = (
             value_function(critic.layout) if self.use_critic else None)
         self.kl_controller = self._kl_controller(kl)
-        # Built in configure_model (after the data are checked, and where a strategy can wrap them);
-        # the modules are attributes of this module so that strategies, the memory plan and
-        # checkpoints see them.
+        self._unbuilt()
+
+    def _unbuilt(self) -> None:
+        """What configure_model builds (after the data are checked, where a strategy can wrap it).
+        The modules are attributes of this module so that strategies, the memory plan and
+        checkpoints see them."""
         self.actor: nn.Module | None = None
         self.value_head: ValueHead | None = None  # the shared layout's module
         self.critic: ValueModel | None = None  # the separate layout's module
@@ -570,15 +574,15 @@ class PPOModule(LightningModule):
 
     # -- checkpoints and export ---------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # The reference and reward models never change: they reload from their checkpoints, so
-        # the training checkpoint skips them (for a 7B policy, 14 GB each in bf16).
-        frozen = tuple(f"{name}." for name in ("reference", "reward_model"))
-        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith(frozen)}
+        # What trains only: the reference and reward models and a LoRA actor's base never change
+        # and reload from their sources (for a 7B policy, 14 GB each in bf16).
+        keep_trainable(self, checkpoint)
         checkpoint["kl_controller"] = self.kl_controller.state_dict()
         if self.sampling_rng is not None:
             checkpoint["sampling_rng"] = self.sampling_rng.state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        check_trainable_kept(self, checkpoint)
         if "kl_controller" in checkpoint:
             self.kl_controller.load_state_dict(checkpoint["kl_controller"])
         if "sampling_rng" in checkpoint:

@@ -25,6 +25,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_mem.checkpointing import check_trainable_kept, keep_trainable
 from lightning_mem.cli import RecipeCLI
 from lightning_mem.data import SFTDataModule
 from lightning_mem.export import export_hf, export_main
@@ -33,13 +34,11 @@ from lightning_mem.lora import (
     LoraSettings,
     apply_lora,
     base_record,
-    check_checkpoint_has_trainables,
     check_lora_targets,
     export_adapter,
     merge_main,
     meta_model,
     saved_base,
-    trainable_checkpoint_state,
 )
 from lightning_mem.models import check_model_source, load_causal_lm, load_tokenizer
 from lightning_mem.dtypes import resolve_dtype
@@ -194,11 +193,11 @@ class SFTModule(LightningModule):
     # -- checkpoints: with adapters, the trainable tensors only ---------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self.lora is not None:
-            checkpoint["state_dict"] = trainable_checkpoint_state(self, checkpoint["state_dict"])
+            keep_trainable(self, checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self.lora is not None:
-            check_checkpoint_has_trainables(self, checkpoint["state_dict"])
+            check_trainable_kept(self, checkpoint)
 
     # -- export ---------------------------------------------------------------------------------
     def adapter_base_record(self) -> dict[str, Any]:

@@ -7,7 +7,7 @@ strategy imports DeepSpeed only when it is built (``pip install 'lightning-mem[d
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_mem.strategies.consolidate import full_state_dict
+from lightning_mem.export import full_state_dict
 from lightning_mem.strategies.deepspeed import (
     ALL_STATES,
     TRAINING_STATES,

@@ -40,6 +40,7 @@ from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_mem.export import local_state_dict
 from lightning_mem.strategies.zero_config import OffloadArg, ZeroTier, deepspeed_config, precision_config, zero_tier
 
 if TYPE_CHECKING:
@@ -183,25 +184,27 @@ class ZeroStrategy(DeepSpeedStrategy):
             optimizer = to_deepspeed_cpu_adam(optimizer)
         return optimizer, scheduler
 
-    def full_state_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """The module's full state dict on CPU on rank 0 (``{}`` elsewhere); every rank must call it.
+    def full_state_dict(self, module: torch.nn.Module, *, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+        """The module's full state dict on CPU on rank 0 (``{}`` elsewhere); every rank must call it
+        (:class:`lightning_mem.export.GathersStateDict`).
 
         Under ZeRO-3 each rank holds a slice of every parameter, so the export gathers them one
         submodule at a time: the device never holds more than one layer's full weights, which
-        matters on the offload tiers where the whole model would not fit.
+        matters on the offload tiers where the whole model would not fit. ``trainable_only``: the
+        trainable parameters only (a LoRA adapter); the frozen ones are not gathered.
         """
         if not self.zero_stage_3:
-            return {k: v.detach().cpu() for k, v in module.state_dict().items()} if self.is_global_zero else {}
+            return local_state_dict(module, trainable_only=trainable_only) if self.is_global_zero else {}
         import deepspeed
 
         state: dict[str, torch.Tensor] = {}
         for prefix, sub in module.named_modules():
-            params = list(sub.named_parameters(recurse=False))
+            params = [(n, p) for n, p in sub.named_parameters(recurse=False) if p.requires_grad or not trainable_only]
             with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):
                 if self.is_global_zero:
                     for name, param in params:
                         state[f"{prefix}.{name}" if prefix else name] = param.detach().cpu().clone()
-        if self.is_global_zero:
+        if self.is_global_zero and not trainable_only:
             for name, buffer in module.named_buffers():
                 state.setdefault(name, buffer.detach().cpu().clone())
             # Keep the module's own key order (and drop non-persistent buffers) as state_dict() would.

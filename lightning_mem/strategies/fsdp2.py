@@ -33,12 +33,18 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from lightning_mem.checkpointing import AtomicCheckpointIO, remove_versioned, switch_link, version_dir
+from lightning_mem.checkpointing import (
+    AtomicCheckpointIO,
+    load_sharded_checkpoint,
+    remove_versioned,
+    switch_link,
+    version_dir,
+)
 from lightning_mem.dtypes import resolve_dtype
 from lightning_mem.offload import optimizer_state_onto
 from lightning_mem import activation_checkpointing, module_tree
 from lightning_mem.strategies import shard_plan
-from lightning_mem.strategies.consolidate import full_state_dict
+from lightning_mem.export import full_state_dict
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -510,7 +516,7 @@ class FSDP2Strategy(ModelParallelStrategy):
     def full_state_dict(self, module: nn.Module, *, trainable_only: bool = False) -> dict[str, Tensor]:
         """The full state dict of ``module`` on rank 0 (``{}`` elsewhere); call on every rank.
 
-        See :func:`lightning_mem.strategies.full_state_dict`.
+        See :func:`lightning_mem.export.full_state_dict` (:class:`lightning_mem.export.GathersStateDict`).
         """
         return full_state_dict(module, trainable_only=trainable_only)
 
@@ -553,9 +559,13 @@ class FSDP2Strategy(ModelParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
-        if path.is_dir():
-            self.check_complete(path)
-        return super().load_checkpoint(path, weights_only=weights_only)
+        if not path.is_dir():
+            return super().load_checkpoint(path, weights_only=weights_only)
+        self.check_complete(path)
+        # Not Lightning's sharded loader: it asks for every tensor the module has, and a recipe's
+        # checkpoint holds only what trains (checkpointing.keep_trainable).
+        load_sharded_checkpoint(self.model, self.optimizers, path, strict=self.lightning_module.strict_loading)
+        return torch.load(path / CHECKPOINT_METADATA, map_location="cpu", weights_only=weights_only)
 
     @staticmethod
     def check_complete(path: Path) -> None:

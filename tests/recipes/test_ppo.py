@@ -225,6 +225,31 @@ def test_lora_actor_uses_its_base_as_the_reference_and_a_shared_critic(tmp_path)
     assert read_metric(tmp_path, "value_loss")
 
 
+@pytest.mark.parametrize("lora", [False, True], ids=["full-actor", "lora-actor"])
+def test_checkpoint_holds_only_what_trains(lora):
+    """The reference and a LoRA actor's base never change: the checkpoint leaves them out (they
+    reload from the policy's source), and loading checks every trainable tensor is there."""
+    module = ppo.PPOModule(
+        name_or_path=str(TINY_MODEL), reward=ArithmeticReward(), kl=KLConfig(coef=0.05), export_dir=None,
+        lora=LoraSettings(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]) if lora else None,
+        critic=CriticConfig(layout="shared" if lora else "separate"),
+    )
+    module.configure_model()
+    checkpoint = {"state_dict": module.state_dict()}
+    module.on_save_checkpoint(checkpoint)
+    saved = set(checkpoint["state_dict"])
+    assert saved == {n for n, p in module.named_parameters() if p.requires_grad}
+    if lora:  # the adapters and the shared value head, no base weight
+        assert saved and all("lora_" in k or k.startswith("value_head.") for k in saved)
+    else:  # the whole actor and critic, no reference
+        assert {k.split(".")[0] for k in saved} == {"actor", "critic"}
+        assert len([k for k in saved if k.startswith("actor.")]) == len(list(module.actor.parameters()))
+    module.on_load_checkpoint(checkpoint)
+    checkpoint["state_dict"].pop(sorted(saved)[0])
+    with pytest.raises(KeyError, match="lacks 1 trainable tensors"):
+        module.on_load_checkpoint(checkpoint)
+
+
 def test_lora_dropout_is_off_in_the_actor_so_two_passes_agree():
     """Dropout is switched off *after* the adapters are added: with lora_dropout 0.1 two train-mode
     forwards of the actor give identical logprobs (else the PPO ratio pi/pi_old is noise)."""
