@@ -354,24 +354,26 @@ class PPOModule(LightningModule):
                 frozen.eval()
 
     # -- one PPO iteration --------------------------------------------------------------------
-    # The stages share one convention: the rollout makes the step's Experience; each later stage
-    # takes it and fills its own fields (named in the stage's docstring), returning nothing.
+    # The stages are the recipe's public contract (the memory estimator runs the same ones, and a
+    # subclass may override one): `rollout` makes the step's Experience; `score`,
+    # `logprobs_and_values` and `advantages` each fill their own fields of it (named in their
+    # docstrings) and return nothing; `update` runs the optimizer steps over it through `loss`.
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         # 1. Rollout: sample responses with the actor.
         with self.memory.phase("rollout"):
-            exp = self._rollout(batch)
+            exp = self.rollout(batch)
         # 2-3. Score the responses; old and reference logprobs, and values, without gradients.
         with self.memory.phase("score"):
-            self._score(exp)
-            self._logprobs_and_values(exp)
+            self.score(exp)
+            self.logprobs_and_values(exp)
         if exp.engine_logprobs is not None:  # an engine with weights of its own: how far off-policy it sampled
             self.log("engine_logprob_abs_diff", float(logprob_mismatch(exp.engine_logprobs, exp.old_logprobs, exp.response_mask)),
                      on_step=True, on_epoch=False)
         # 4. Advantages: KL-penalised rewards and GAE, or GRPO's group-relative scores.
-        self._advantages(exp)
+        self.advantages(exp)
         # 5. Update: ppo_epochs over shuffled mini-batches of token-budget micro-batches.
         with self.memory.phase("train"):
-            stats = self._update(exp)
+            stats = self.update(exp)
         # 6. The KL coefficient for the next step, and the step's metrics.
         metrics = self._step_metrics(exp, stats)
         self.kl_controller.update(float(metrics["kl"]), int(metrics.pop("samples")))
@@ -380,7 +382,7 @@ class PPOModule(LightningModule):
         self.log("reward", float(metrics["reward_mean"]), prog_bar=True, on_step=True, on_epoch=False)
 
     # 1. Rollout ---------------------------------------------------------------------------------
-    def _rollout(self, batch: dict[str, Any]) -> Experience:
+    def rollout(self, batch: dict[str, Any]) -> Experience:
         """A new Experience: the prompts (each ``group_size`` times under GRPO) and the sampled responses."""
         prompt_ids, prompt_mask, rows = batch["input_ids"], batch["attention_mask"], batch["rows"]
         group = self.grpo.group_size if not self.use_critic else 1
@@ -399,14 +401,14 @@ class PPOModule(LightningModule):
         return exp
 
     # 2. Score -----------------------------------------------------------------------------------
-    def _score(self, exp: Experience) -> None:
+    def score(self, exp: Experience) -> None:
         """Fills ``exp.scores``: the reward rule's or the reward model's score of each response."""
         if self.reward_fn is not None:
             scores = self.reward_fn(exp.prompts, exp.responses, exp.rows)
         else:
             messages = [row_to_prompt_messages(row) for row in exp.rows]
             scores = self.reward_model(
-                messages, exp.responses, max_tokens=self.ppo.logprob_budget, agree_on_count=self._agree_on_count
+                messages, exp.responses, max_tokens=self.ppo.logprob_budget, agree_on_count=self.agree_on_count
             )
         exp.scores = scores.to(self.device)
 
@@ -426,7 +428,7 @@ class PPOModule(LightningModule):
         )
 
     @torch.no_grad()
-    def _logprobs_and_values(self, exp: Experience) -> None:
+    def logprobs_and_values(self, exp: Experience) -> None:
         """Fills ``exp.old_logprobs`` (None on-policy), ``exp.ref_logprobs`` (None without a
         reference) and ``exp.old_values`` (None without a critic), micro-batch by micro-batch."""
         shape = exp.response_ids.shape
@@ -434,7 +436,7 @@ class PPOModule(LightningModule):
         exp.old_logprobs = None if self.on_policy else torch.zeros(shape, device=self.device)
         exp.ref_logprobs = torch.zeros(shape, device=self.device) if reference is not None else None
         exp.old_values = torch.zeros(shape, device=self.device) if values is not None else None
-        for idx in micro_batches(exp.sequence_lengths, self.ppo.logprob_budget, agree_on_count=self._agree_on_count):
+        for idx in micro_batches(exp.sequence_lengths, self.ppo.logprob_budget, agree_on_count=self.agree_on_count):
             mb = exp.select(idx)
             cols = mb.response_ids.shape[1]
             hidden = None
@@ -447,7 +449,7 @@ class PPOModule(LightningModule):
                 exp.old_values[idx, :cols] = values.values(mb, hidden)
 
     # 4. Advantages ------------------------------------------------------------------------------
-    def _advantages(self, exp: Experience) -> None:
+    def advantages(self, exp: Experience) -> None:
         """Fills ``exp.advantages``, ``exp.returns`` (with a critic) and ``exp.kl`` (each sample's KL
         to the reference, zeros without one or when the update measures it on-policy)."""
         mask = exp.response_mask.float()
@@ -472,7 +474,7 @@ class PPOModule(LightningModule):
         exp.kl = kl.sum(dim=1)
 
     # 5. Update ----------------------------------------------------------------------------------
-    def _update(self, exp: Experience) -> dict[str, Tensor]:
+    def update(self, exp: Experience) -> dict[str, Tensor]:
         totals: dict[str, Tensor] = {}
         for _ in range(self.ppo.ppo_epochs):
             order = torch.randperm(len(exp), device=self.device)
@@ -482,16 +484,16 @@ class PPOModule(LightningModule):
                 tokens = self._sum_over_ranks(mini.response_mask.sum().float())
                 scale = self.trainer.world_size / tokens
                 for idx in micro_batches(
-                    mini.sequence_lengths, self.ppo.max_tokens_per_microbatch, agree_on_count=self._agree_on_count
+                    mini.sequence_lengths, self.ppo.max_tokens_per_microbatch, agree_on_count=self.agree_on_count
                 ):
-                    loss, terms = self._loss(mini.select(idx))
+                    loss, terms = self.loss(mini.select(idx))
                     self.manual_backward(loss * scale)
                     for name, value in terms.items():
                         totals[name] = totals.get(name, 0.0) + value
                 self._optimizer_step()
         return totals
 
-    def _loss(self, mb: Experience) -> tuple[Tensor, dict[str, Tensor]]:
+    def loss(self, mb: Experience) -> tuple[Tensor, dict[str, Tensor]]:
         """The micro-batch's summed loss (not yet divided by the mini-batch's tokens), and its terms."""
         mask = mb.response_mask.float()
         # With no entropy bonus, the entropy is a metric: no gradient through a vocabulary-wide softmax.
@@ -563,7 +565,7 @@ class PPOModule(LightningModule):
     def _sum_over_ranks(self, value: Tensor) -> Tensor:
         return self.trainer.strategy.reduce(value, reduce_op="sum") if self.trainer.world_size > 1 else value
 
-    def _agree_on_count(self, count: int) -> int:
+    def agree_on_count(self, count: int) -> int:
         if self.trainer.world_size == 1:
             return count
         return int(self.all_gather(torch.tensor(count, device=self.device)).max())

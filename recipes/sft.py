@@ -145,7 +145,7 @@ class SFTModule(LightningModule):
         return self.model(**batch)
 
     # -- the algorithm: cross-entropy on assistant tokens ---------------------------------------
-    def _loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(summed cross-entropy, label tokens)`` of a micro-batch; -100 marks prompt and padding."""
         positions, targets = next_token_targets(batch["input_ids"], batch["labels"])
         scores = score_tokens(
@@ -155,7 +155,7 @@ class SFTModule(LightningModule):
         return -scores.logprobs.sum(), torch.tensor(targets.numel(), device=targets.device)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss_sum, tokens = self._loss(batch)
+        loss_sum, tokens = self.loss(batch)
         self.log("train_loss", loss_sum.detach() / tokens.clamp(min=1), prog_bar=True, on_step=True, on_epoch=False)
         self.log("train_label_tokens", tokens.float(), on_step=True, on_epoch=False, reduce_fx="sum")
         return loss_sum * self._step_scale(batch, tokens)
@@ -175,7 +175,7 @@ class SFTModule(LightningModule):
         return self.trainer.accumulate_grad_batches * self.trainer.world_size / max(int(step_tokens), 1)
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        loss_sum, tokens = self._loss(batch)
+        loss_sum, tokens = self.loss(batch)
         # Weighted by label tokens: the epoch's val_loss is the token mean over the whole set.
         n = int(tokens)
         self.log("val_loss", loss_sum / max(n, 1), prog_bar=True, sync_dist=True, batch_size=max(n, 1))

@@ -850,7 +850,7 @@ def sft_batch_shape(data: Any) -> tuple[int, int]:
 
 
 def run_sft(run: EstimateRun, accumulate: int) -> None:
-    """The SFT/QLoRA training step (``module._loss``, backward, optimizer step), largest micro-batch."""
+    """The SFT/QLoRA training step (``module.loss``, backward, optimizer step), largest micro-batch."""
     module = run.module
     config = module.model.config
     fill = _fill_token(getattr(config, "pad_token_id", None), _as_list(getattr(config, "eos_token_id", None)))
@@ -862,7 +862,7 @@ def run_sft(run: EstimateRun, accumulate: int) -> None:
             for cb in run.callbacks:
                 cb.on_train_batch_start(run.trainer, module, batch, index)
             with run.precision.train_step_context():
-                loss_sum, tokens = module._loss(batch)  # the summed cross-entropy and its label tokens
+                loss_sum, tokens = module.loss(batch)  # the summed cross-entropy and its label tokens
                 loss = loss_sum / tokens.clamp(min=1)
             run.backward(loss / micro_batches)
             del loss
@@ -917,13 +917,13 @@ def run_ppo(run: EstimateRun, rows: list[dict[str, Any]], *, full_loops: bool = 
         generation = contextlib.nullcontext() if full_loops else _last_decode_step(run, module.actor)
         with run.phase("rollout", seqs), module.memory.phase("rollout"), generation:
             run.retag()
-            exp = module._rollout(batch)
+            exp = module.rollout(batch)
         with run.phase("score", f"{seqs}, no-grad micro-batches of <= {ppo.logprob_budget} tokens"), \
                 module.memory.phase("score"), _replaced(recipe_globals, "micro_batches", batching):
             run.retag()
             _score(module, exp)
-            module._logprobs_and_values(exp)
-        module._advantages(exp)
+            module.logprobs_and_values(exp)
+        module.advantages(exp)
         _ppo_update(run, exp, batch, batching)
 
     generation = engine.config
@@ -947,9 +947,9 @@ def _ppo_update(run: EstimateRun, exp: Any, batch: dict[str, Any], batching: Cal
         mini = exp.select(torch.arange(mini_size))
         scale = 1.0 / max(float(mini.response_mask.sum()), 1.0)
         for idx in batching(mini.sequence_lengths, ppo.max_tokens_per_microbatch,
-                            agree_on_count=module._agree_on_count):
+                            agree_on_count=module.agree_on_count):
             with run.precision.train_step_context():
-                loss, _ = module._loss(mini.select(idx))
+                loss, _ = module.loss(mini.select(idx))
             run.backward(loss * scale)
             del loss
         run.step_optimizers()
@@ -1069,7 +1069,7 @@ def _grown_cache(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> Any
 def _score(module: Any, exp: Any) -> None:
     # A rule scores strings (no tensors to speak of); a reward model runs for real on fake tensors.
     try:
-        module._score(exp)
+        module.score(exp)
     except (KeyError, TypeError, ValueError):
         if module.reward_model is not None:
             raise

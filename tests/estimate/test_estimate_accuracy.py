@@ -163,8 +163,8 @@ def test_ppo_fast_loops_equal_full_loops(fake, monkeypatch):
     import recipes.ppo
 
     losses = []
-    original = recipes.ppo.PPOModule._loss
-    monkeypatch.setattr(recipes.ppo.PPOModule, "_loss", lambda self, mb: losses.append(len(mb)) or original(self, mb))
+    original = recipes.ppo.PPOModule.loss
+    monkeypatch.setattr(recipes.ppo.PPOModule, "loss", lambda self, mb: losses.append(len(mb)) or original(self, mb))
     fast = estimate("configs/ppo/tiny_cpu.yaml", LONG_ROLLOUT, fake=fake)
     fast_losses, losses[:] = len(losses), []
     full = estimate("configs/ppo/tiny_cpu.yaml", LONG_ROLLOUT, fake=fake, full_loops=True)

@@ -74,14 +74,14 @@ class PlacementProbe(ppo.PPOModule):
                 out[name] = module_location(getattr(self, name))
         return out
 
-    def _rollout(self, batch):
+    def rollout(self, batch):
         type(self).last = self
         self.seen = {"rollout": self._where()}
-        return super()._rollout(batch)
+        return super().rollout(batch)
 
-    def _score(self, exp):
+    def score(self, exp):
         self.seen["score"] = self._where()
-        return super()._score(exp)
+        return super().score(exp)
 
     def _optimizer_step(self):
         self.seen["update"] = self._where()
@@ -318,7 +318,7 @@ def test_grpo_advantages_reach_the_loss_as_they_are(scale):
     )
     module._sum_over_ranks = lambda value: value  # one process, no trainer attached
     exp = _grpo_experience()
-    module._advantages(exp)
+    module.advantages(exp)
     mask = exp.response_mask.bool()
     assert torch.equal(exp.advantages[:4], torch.zeros(4, 6))  # the all-alike group: exactly 0
     # group 1: mean 0.25; centred 0.75 / -0.25; unbiased std 0.5
