@@ -14,7 +14,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import typing
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,7 @@ from lightning_mem.callbacks.progress import StepProgressBar, StepRichProgressBa
 from lightning_mem.checkpointing import AtomicCheckpointIO, ResumeCheck, find_last_checkpoint
 from lightning_mem.quiet import silence_unactionable_warnings
 from lightning_mem.run_dir import run_dir
+from lightning_mem.settings import settings_at
 
 # Before a recipe imports bitsandbytes (it logs at import): recipes import this module first.
 silence_unactionable_warnings()
@@ -227,6 +230,7 @@ class RecipeCLI(LightningCLI):
         self._resolve_input_paths(config)
         self._default_logger(config)
         check_numbers(config)
+        check_setting_groups(self.model_class, config.get("model"), "model")
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         super().parse_arguments(parser, args)
@@ -312,6 +316,35 @@ def check_numbers(config: Any) -> None:
                 raise ValueError(f"`{key}` must be a finite learning rate >= 0, got {node!r}")
 
     walk(flat, "")
+
+
+def _setting_group(annotation: Any) -> type | None:
+    """The dataclass in ``annotation`` (``LoraSettings``, ``LoraSettings | None``) whose own
+    ``__post_init__`` checks it, or None."""
+    options = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, type(int | None)) else (annotation,)
+    for option in options:
+        if dataclasses.is_dataclass(option) and isinstance(option, type) and "__post_init__" in vars(option):
+            return option
+    return None
+
+
+def check_setting_groups(component: Any, section: Any, prefix: str) -> None:
+    """Build each settings group (a dataclass argument of ``component``'s constructor) from the
+    parsed ``section`` once, under its key: the parser checked every field's type and range, naming
+    the full key; this runs the group's own rules (those relating fields, a dtype name, a regex)
+    with the same naming (``model.quantization.compute_dtype``), before any model loads. Without it
+    jsonargparse reports a group's error without its key."""
+    if section is None or not hasattr(section, "items"):
+        return
+    try:
+        hints = typing.get_type_hints(component.__init__)
+    except Exception:  # an annotation this process cannot resolve: the constructor checks as usual
+        return
+    for name, annotation in hints.items():
+        group, value = _setting_group(annotation), _get(section, name)
+        if group is not None and hasattr(value, "as_dict"):
+            with settings_at(f"{prefix}.{name}"):
+                group(**value.as_dict())
 
 
 def _get(config: Any, key: str) -> Any:

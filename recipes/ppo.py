@@ -45,6 +45,7 @@ from lightning_mem.models import check_model_source, load_causal_lm, load_tokeni
 from lightning_mem.dtypes import resolve_dtype
 from lightning_mem.optim import param_groups, warn_if_paged_on_cpu
 from lightning_mem.schedules import build_lr_scheduler, check_schedule
+from lightning_mem.settings import settings_at
 from lightning_mem.rl.algorithms import (
     AdaptiveKLController,
     FixedKLController,
@@ -186,7 +187,7 @@ class PPOModule(LightningModule):
     def _validate(name_or_path, dtype, lora, advantage_estimator, reward, reward_model, reference,
                   generation, ppo, kl, grpo, critic, memory_plan, logits_chunk_size, *,
                   trust_remote_code=False) -> None:
-        check_model_source(name_or_path)
+        check_model_source(name_or_path, key="model.name_or_path")
         resolve_dtype(dtype, key="model.dtype")
         if advantage_estimator not in ("gae", "grpo"):
             raise ValueError(f"`model.advantage_estimator` must be 'gae' or 'grpo', got {advantage_estimator!r}")
@@ -201,19 +202,18 @@ class PPOModule(LightningModule):
             raise ValueError("`model.reference: adapters_off` needs `model.lora`: without adapters there is nothing to disable")
         if lora is not None:
             # On a meta-device twin: a target typo fails here, before the policy is read.
-            check_lora_targets(meta_model(name_or_path, trust_remote_code=trust_remote_code), lora)
+            with settings_at("model.lora"):
+                check_lora_targets(meta_model(name_or_path, trust_remote_code=trust_remote_code), lora)
         if advantage_estimator == "gae" and critic.name_or_path is not None:
             check_model_source(critic.name_or_path, key="model.critic.name_or_path")
         resolve_dtype(critic.dtype, key="model.critic.dtype")
         if logits_chunk_size is not None and logits_chunk_size < 0:
             raise ValueError(f"`model.logits_chunk_size` must be positive, 0 or null, got {logits_chunk_size}")
-        generation.validate()
-        ppo.validate()
-        kl.validate()
-        critic.validate()
-        memory_plan.validate()
+        # The ppo, kl, grpo and critic groups checked themselves when built (the parser checks their
+        # ranges, naming the key); these two check rules a type cannot state.
+        generation.validate("model.generation")
+        memory_plan.validate("model.memory_plan")
         if advantage_estimator == "grpo":
-            grpo.validate()
             if ppo.whiten_advantages:
                 raise ValueError(
                     "`model.ppo.whiten_advantages: true` with GRPO: whitening is a GAE option; GRPO's group-relative"

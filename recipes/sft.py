@@ -45,6 +45,7 @@ from lightning_mem.models import check_model_source, load_causal_lm, load_tokeni
 from lightning_mem.dtypes import resolve_dtype
 from lightning_mem.optim import param_groups, warn_if_paged_on_cpu
 from lightning_mem.schedules import build_lr_scheduler, check_schedule
+from lightning_mem.settings import settings_at
 
 
 def _adamw(params: Any) -> torch.optim.Optimizer:
@@ -97,7 +98,7 @@ class SFTModule(LightningModule):
         init_seed: int = 0,
     ) -> None:
         super().__init__()
-        check_model_source(name_or_path)  # fail before anything is loaded
+        check_model_source(name_or_path, key="model.name_or_path")  # fail before anything is loaded
         resolve_dtype(dtype, key="model.dtype")
         if logits_chunk_size is not None and logits_chunk_size < 0:
             raise ValueError(f"`model.logits_chunk_size` must be positive, 0 or null, got {logits_chunk_size}")
@@ -106,7 +107,8 @@ class SFTModule(LightningModule):
             lora = LoraSettings(**lora)
         if lora is not None:
             # On a meta-device twin: a target typo fails here, in a second, not after the load.
-            check_lora_targets(meta_model(name_or_path, trust_remote_code=trust_remote_code), lora)
+            with settings_at("model.lora"):
+                check_lora_targets(meta_model(name_or_path, trust_remote_code=trust_remote_code), lora)
             # Checkpoints carry the trainable tensors only, so loading one leaves the base's keys missing.
             self.strict_loading = False
         self.lora = lora
@@ -140,7 +142,8 @@ class SFTModule(LightningModule):
         if self.lora is not None:
             # from_pretrained returns eval mode and Lightning keeps modules as they are: train()
             # so that lora_dropout is active.
-            self.model = apply_lora(self.model, self.lora).train()
+            with settings_at("model"):
+                self.model = apply_lora(self.model, self.lora).train()
 
     def forward(self, **batch: torch.Tensor) -> Any:
         return self.model(**batch)
