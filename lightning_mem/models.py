@@ -54,7 +54,7 @@ def has_weights(path: str | os.PathLike) -> bool:
     return any(any(folder.glob(pattern)) for pattern in _WEIGHT_PATTERNS)
 
 
-def check_model_source(name_or_path: str, *, key: str = "model.name_or_path") -> str:
+def check_model_source(name_or_path: str, *, key: str = "name_or_path") -> str:
     """Validate a model location before anything heavy happens; returns "local" or "hub".
 
     A string that exists on disk is a local folder and must hold a config.json. A string that does
@@ -74,7 +74,7 @@ def check_model_source(name_or_path: str, *, key: str = "model.name_or_path") ->
     return "hub"
 
 
-def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False, key: str = "model.name_or_path") -> Any:
+def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False, key: str = "name_or_path") -> Any:
     """Load the tokenizer and make sure it can pad (falls back to eos as pad, as most causal LMs need)."""
     from transformers import AutoTokenizer
 
@@ -88,8 +88,8 @@ def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False, key: s
 
 
 def dtype_key(key: str) -> str:
-    """The YAML key of a model's dtype, next to its location key (``model.critic.name_or_path`` ->
-    ``model.critic.dtype``)."""
+    """The key of a model's dtype, next to its location key (``critic.name_or_path`` ->
+    ``critic.dtype``)."""
     return key.rsplit(".", 1)[0] + ".dtype" if "." in key else "dtype"
 
 
@@ -101,7 +101,7 @@ def load_pretrained(
     from_config: bool | None = None,
     attn_implementation: str | None = None,
     trust_remote_code: bool = False,
-    key: str = "model.name_or_path",
+    key: str = "name_or_path",
     config_kwargs: dict[str, Any] | None = None,
     report_missing: bool = False,
     **from_pretrained_kwargs: Any,
@@ -116,7 +116,8 @@ def load_pretrained(
         from_config: True initialises random weights from the config (no weights read); None decides
             by whether a local folder holds weights (a hub id always loads weights).
         attn_implementation: passed to transformers ("sdpa", "eager", "flash_attention_2").
-        key: the YAML key of ``name_or_path``, named in errors (its dtype key is its sibling).
+        key: what errors call ``name_or_path`` (a recipe passes its config key, such as
+            ``model.critic.name_or_path``); its dtype key is its sibling.
         config_kwargs: config attributes to set either way (e.g. ``num_labels=1``).
         report_missing: load quietly and warn once, naming the weights the checkpoint lacks (for a
             class other than the checkpoint's, e.g. a backbone read from a causal-LM checkpoint,

@@ -137,6 +137,7 @@ class SFTModule(LightningModule):
             dtype=hp.dtype,
             attn_implementation=hp.attn_implementation,
             trust_remote_code=hp.trust_remote_code,
+            key="model.name_or_path",
         )
         self.model.config.use_cache = False  # training never reuses the KV cache
         if self.lora is not None:
@@ -219,7 +220,8 @@ class SFTModule(LightningModule):
     def export(self, out: Path) -> None:
         """Write the model (with ``lora``: the peft adapter) and tokenizer to ``out`` (also
         ``python -m recipes.sft export``)."""
-        tokenizer = load_tokenizer(self.hparams.name_or_path, trust_remote_code=self.hparams.trust_remote_code)
+        hp = self.hparams
+        tokenizer = load_tokenizer(hp.name_or_path, trust_remote_code=hp.trust_remote_code, key="model.name_or_path")
         if self.lora is not None:
             export_adapter(self.trainer, self.model, tokenizer, out, base=self.adapter_base_record())
             rank_zero_info(f"exported the adapter and tokenizer to {out}")
