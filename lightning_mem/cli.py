@@ -231,6 +231,16 @@ class RecipeCLI(LightningCLI):
         self._default_logger(config)
         check_numbers(config)
         check_setting_groups(self.model_class, config.get("model"), "model")
+        if self.datamodule_class is not None and _is_plain_section(config.get("data")):
+            # Built once here, cheaply (a datamodule reads its data in setup): a rule relating its
+            # arguments (train_file or dataset) fails now, named data.<argument>.
+            with settings_at("data"):
+                self.datamodule_class(**config.data.as_dict())
+
+    def instantiate_classes(self) -> None:
+        super().instantiate_classes()
+        if self.datamodule is not None and hasattr(self.datamodule, "config_key"):
+            self.datamodule.config_key = "data"  # errors while reading the data name data.<argument>
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         super().parse_arguments(parser, args)
@@ -345,6 +355,11 @@ def check_setting_groups(component: Any, section: Any, prefix: str) -> None:
         if group is not None and hasattr(value, "as_dict"):
             with settings_at(f"{prefix}.{name}"):
                 group(**value.as_dict())
+
+
+def _is_plain_section(section: Any) -> bool:
+    # The init arguments of a fixed class; a class_path section may name any class.
+    return hasattr(section, "as_dict") and "class_path" not in section
 
 
 def _get(config: Any, key: str) -> Any:

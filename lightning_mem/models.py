@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from lightning_mem.dtypes import resolve_dtype
+from lightning_mem.settings import SettingError, SettingPathError
 
 _WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json", "*.pt")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -59,18 +60,19 @@ def check_model_source(name_or_path: str, *, key: str = "name_or_path") -> str:
 
     A string that exists on disk is a local folder and must hold a config.json. A string that does
     not exist is taken for a hub id only when it looks like one (``org/name``); anything else
-    (``./x``, ``/abs/path``, ``a/b/c``) is a missing local path and fails here, naming the key.
+    (``./x``, ``/abs/path``, ``a/b/c``) is a missing local path and fails here, naming ``key``
+    (a :class:`~lightning_mem.settings.SettingPathError`, which is a ``FileNotFoundError``).
     """
     path = Path(name_or_path).expanduser()
     if path.exists():
         if not path.is_dir():
-            raise FileNotFoundError(f"`{key}`: {name_or_path!r} is a file; expected a model folder with config.json")
+            raise SettingPathError(key, f": {name_or_path!r} is a file; expected a model folder with config.json")
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"`{key}`: model folder {name_or_path!r} has no config.json")
+            raise SettingPathError(key, f": model folder {name_or_path!r} has no config.json")
         return "local"
     looks_local = name_or_path.startswith((".", "/", "~")) or not _HUB_ID.match(name_or_path)
     if looks_local:
-        raise FileNotFoundError(f"`{key}`: model path {name_or_path!r} does not exist")
+        raise SettingPathError(key, f": model path {name_or_path!r} does not exist")
     return "hub"
 
 
@@ -82,7 +84,7 @@ def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False, key: s
     tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
-            raise ValueError(f"`{key}`: tokenizer of {name_or_path!r} has neither a pad nor an eos token")
+            raise SettingError(key, f": tokenizer of {name_or_path!r} has neither a pad nor an eos token")
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 

@@ -33,40 +33,54 @@ HalfOpenUnitInterval = restricted_number_type(
 class SettingError(ValueError):
     """A bad setting, named relative to what the library was given.
 
-    The message is ``\`<prefix><key>\`<problem>``. ``siblings`` are other settings next to ``key``
-    that ``problem`` names in backticks (``" needs `device_map`"``): :meth:`under` names them from
-    the same prefix, so ``max_memory`` and ``device_map`` become ``model.max_memory`` and
+    The message is ``\`<prefix><key>\`<problem>``, or ``problem`` alone where it names the key in
+    backticks itself (``"set exactly one of `train_file` and `dataset`"``). ``siblings`` are other
+    settings next to ``key`` that ``problem`` names in backticks: :meth:`under` names them from the
+    same prefix, so ``max_memory`` and ``device_map`` become ``model.max_memory`` and
     ``model.device_map`` together.
     """
 
     def __init__(self, key: str, problem: str, *, siblings: tuple[str, ...] = (), prefix: str = "") -> None:
         self.key, self.problem, self.siblings, self.prefix = key, problem, tuple(siblings), prefix
         text = problem
-        for name in self.siblings:
+        for name in (key, *self.siblings):
             text = text.replace(f"`{name}`", f"`{prefix}{name}`")
-        super().__init__(f"`{prefix}{key}`{text}")
+        super().__init__(text if f"`{key}`" in problem else f"`{prefix}{key}`{text}")
 
     @property
     def full_key(self) -> str:
         return f"{self.prefix}{self.key}"
 
     def under(self, prefix: str) -> SettingError:
-        """The same error named from ``prefix`` (``r`` under ``model.lora``: ``model.lora.r``)."""
+        """The same error (same class) named from ``prefix`` (``r`` under ``model.lora``: ``model.lora.r``)."""
         outer = f"{prefix}.{self.prefix}" if prefix else self.prefix
-        return SettingError(self.key, self.problem, siblings=self.siblings, prefix=outer)
+        return type(self)(self.key, self.problem, siblings=self.siblings, prefix=outer)
 
     def __reduce__(self) -> tuple[Any, ...]:  # picklable, as errors crossing processes must be
-        return (_rebuild, (self.key, self.problem, self.siblings, self.prefix))
+        return (_rebuild, (type(self), self.key, self.problem, self.siblings, self.prefix))
 
 
-def _rebuild(key: str, problem: str, siblings: tuple[str, ...], prefix: str) -> SettingError:
-    return SettingError(key, problem, siblings=siblings, prefix=prefix)
+def _rebuild(cls: type[SettingError], key: str, problem: str, siblings: tuple[str, ...], prefix: str) -> SettingError:
+    return cls(key, problem, siblings=siblings, prefix=prefix)
+
+
+class SettingPathError(SettingError, FileNotFoundError):
+    """A path setting that names nothing on disk (a ``FileNotFoundError`` too)."""
+
+
+def join_key(*parts: str) -> str:
+    """``join_key("data", "max_length")`` -> ``"data.max_length"``; empty parts are left out."""
+    return ".".join(part for part in parts if part)
 
 
 @contextmanager
 def settings_at(prefix: str) -> Iterator[None]:
     """Re-raise a :class:`SettingError` from the block with its key under ``prefix``: how a recipe
-    names its YAML path (``with settings_at("model.lora"): check_lora_targets(...)``)."""
+    names its YAML path (``with settings_at("model.lora"): check_lora_targets(...)``). An empty
+    prefix changes nothing."""
+    if not prefix:
+        yield
+        return
     try:
         yield
     except SettingError as err:
@@ -115,8 +129,14 @@ def constraint_problem(annotation: Any, value: Any) -> str | None:
         return f"must be {_one_of(choices)}"
     if annotation is bool:
         return None if isinstance(value, bool) else "must be true or false"
+    if not (isinstance(annotation, type) and issubclass(annotation, (int, float))) or annotation in (int, float):
+        return None
     restrictions = getattr(annotation, "_restrictions", None)
-    if restrictions is None:
+    if restrictions is None:  # a constrained number type of another make: its own check and words
+        try:
+            annotation(value)
+        except (TypeError, ValueError) as err:
+            return f"must be a {annotation.__name__} ({err})"
         return None
     base = annotation._type
     rule = _describe(restrictions, annotation._join)
@@ -132,8 +152,8 @@ def constraint_problem(annotation: Any, value: Any) -> str | None:
 
 
 @functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+def _hints(owner: Any) -> dict[str, Any]:
+    return typing.get_type_hints(owner)
 
 
 def field_problems(obj: Any) -> Iterator[tuple[str, Any, str]]:
@@ -144,6 +164,17 @@ def field_problems(obj: Any) -> Iterator[tuple[str, Any, str]]:
         problem = constraint_problem(hints.get(field.name), value)
         if problem is not None:
             yield field.name, value, problem
+
+
+def check_arguments(function: Any, values: dict[str, Any]) -> None:
+    """:func:`check_fields` for a constructor's arguments: raise a :class:`SettingError` naming the
+    first of ``values`` that breaks its annotation in ``function``'s signature (the rule the CLI
+    applies while parsing, for a class built in Python)."""
+    hints = _hints(function)
+    for name, value in values.items():
+        problem = constraint_problem(hints.get(name), value)
+        if problem is not None:
+            raise SettingError(name, f" {problem}, got {value!r}")
 
 
 def check_fields(obj: Any) -> None:
