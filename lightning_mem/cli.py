@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 import typing
 import zipfile
 from pathlib import Path
@@ -328,14 +329,21 @@ def check_numbers(config: Any) -> None:
     walk(flat, "")
 
 
-def _setting_group(annotation: Any) -> type | None:
-    """The dataclass in ``annotation`` (``LoraSettings``, ``LoraSettings | None``) whose own
-    ``__post_init__`` checks it, or None."""
-    options = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, type(int | None)) else (annotation,)
-    for option in options:
-        if dataclasses.is_dataclass(option) and isinstance(option, type) and "__post_init__" in vars(option):
-            return option
-    return None
+def _dataclass_in(annotation: Any) -> type | None:
+    """The dataclass in ``annotation`` (``LoraSettings``, ``LoraSettings | None``), or None."""
+    options = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else (annotation,)
+    return next((o for o in options if isinstance(o, type) and dataclasses.is_dataclass(o)), None)
+
+
+def _build_group(group: type, values: dict[str, Any]) -> Any:
+    # Nested groups first, each under its own name (memory_plan.rollout.reference).
+    hints = typing.get_type_hints(group)
+    for name, value in values.items():
+        nested = _dataclass_in(hints.get(name))
+        if nested is not None and isinstance(value, dict):
+            with settings_at(name):
+                values[name] = _build_group(nested, dict(value))
+    return group(**values)
 
 
 def check_setting_groups(component: Any, section: Any, prefix: str) -> None:
@@ -351,10 +359,10 @@ def check_setting_groups(component: Any, section: Any, prefix: str) -> None:
     except Exception:  # an annotation this process cannot resolve: the constructor checks as usual
         return
     for name, annotation in hints.items():
-        group, value = _setting_group(annotation), _get(section, name)
+        group, value = _dataclass_in(annotation), _get(section, name)
         if group is not None and hasattr(value, "as_dict"):
             with settings_at(f"{prefix}.{name}"):
-                group(**value.as_dict())
+                _build_group(group, value.as_dict())
 
 
 def _is_plain_section(section: Any) -> bool:

@@ -6,7 +6,8 @@ wraps the call in :func:`settings_at` (``model.lora``) and the same error then n
 ``model.lora.r``. Someone importing the library into their own Lightning code, with another YAML
 layout, sees field names, never our YAML paths.
 
-Range rules are written once, as jsonargparse typed constraints on the annotation
+jsonargparse registers one type per rule (a second name for the same bounds is refused), so the
+rules shared across modules are defined here. Range rules are written once, as jsonargparse typed constraints on the annotation
 (``r: PositiveInt``, ``lora_dropout: Dropout``, ``bias: Literal[...]``): LightningCLI rejects a bad
 value while parsing, naming the full key, before any model is loaded; and a dataclass built in
 Python checks the same annotations in ``__post_init__`` through :func:`check_fields`.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import types
 import typing
 from collections.abc import Iterator
@@ -28,13 +30,21 @@ from jsonargparse.typing import restricted_number_type
 HalfOpenUnitInterval = restricted_number_type(
     "HalfOpenUnitInterval", float, [(">=", 0), ("<", 1)], docstring="float restricted to 0 <= v < 1"
 )
+#: ``(0, 1]``: a share that must be more than nothing and at most all (top-p, a memory fraction).
+LeftOpenUnitInterval = restricted_number_type(
+    "LeftOpenUnitInterval", float, [(">", 0), ("<=", 1)], docstring="float restricted to 0 < v <= 1"
+)
+#: A count of at least one (the same set as ``PositiveInt``, said as ``>= 1``).
+AtLeastOne = restricted_number_type("AtLeastOne", int, (">=", 1), docstring="int restricted to be >=1")
+#: A count of at least two (a GRPO group; a sequence's prompt and response tokens).
+AtLeastTwo = restricted_number_type("AtLeastTwo", int, (">=", 2), docstring="int restricted to be >=2")
 
 
 class SettingError(ValueError):
     """A bad setting, named relative to what the library was given.
 
     The message is ``\`<prefix><key>\`<problem>``, or ``problem`` alone where it names the key in
-    backticks itself (``"set exactly one of `train_file` and `dataset`"``). ``siblings`` are other
+    backticks itself (``"set exactly one of `train_file` and `dataset`"``, ``"`name: vllm` needs..."``). ``siblings`` are other
     settings next to ``key`` that ``problem`` names in backticks: :meth:`under` names them from the
     same prefix, so ``max_memory`` and ``device_map`` become ``model.max_memory`` and
     ``model.device_map`` together.
@@ -42,10 +52,12 @@ class SettingError(ValueError):
 
     def __init__(self, key: str, problem: str, *, siblings: tuple[str, ...] = (), prefix: str = "") -> None:
         self.key, self.problem, self.siblings, self.prefix = key, problem, tuple(siblings), prefix
-        text = problem
-        for name in (key, *self.siblings):
-            text = text.replace(f"`{name}`", f"`{prefix}{name}`")
-        super().__init__(text if f"`{key}`" in problem else f"`{prefix}{key}`{text}")
+        # A name in backticks, alone or leading a snippet (`name`, `name: vllm`, `name=3`).
+        names = "|".join(re.escape(name) for name in sorted({key, *self.siblings}, key=len, reverse=True))
+        named = re.compile(rf"`({names})(?=[`:= ])")
+        text = named.sub(lambda m: f"`{prefix}{m.group(1)}", problem)
+        names_key = any(m.group(1) == key for m in named.finditer(problem))
+        super().__init__(text if names_key else f"`{prefix}{key}`{text}")
 
     @property
     def full_key(self) -> str:

@@ -140,7 +140,8 @@ class PPOModule(LightningModule):
                        trust_remote_code=trust_remote_code)
         # logger=False: the CLI logs the whole resolved config (lightning_mem.cli.RunConfigCallback).
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "critic_optimizer", "reward"], logger=False)
-        rollout_engine.validate(generation)
+        with settings_at("model"):
+            rollout_engine.validate(generation)
         self.rollout_engine_config = rollout_engine
         self.automatic_optimization = False  # several optimizer steps per rollout
         self.strict_loading = False  # checkpoints leave out the frozen models (on_save_checkpoint)
@@ -209,10 +210,10 @@ class PPOModule(LightningModule):
         resolve_dtype(critic.dtype, key="model.critic.dtype")
         if logits_chunk_size is not None and logits_chunk_size < 0:
             raise ValueError(f"`model.logits_chunk_size` must be positive, 0 or null, got {logits_chunk_size}")
-        # The ppo, kl, grpo and critic groups checked themselves when built (the parser checks their
-        # ranges, naming the key); these two check rules a type cannot state.
-        generation.validate("model.generation")
-        memory_plan.validate("model.memory_plan")
+        # The settings groups checked their own fields when built (the parser checks the ranges,
+        # naming the key); the plan's rule relates its phases.
+        with settings_at("model.memory_plan"):
+            memory_plan.validate()
         if advantage_estimator == "grpo":
             if ppo.whiten_advantages:
                 raise ValueError(

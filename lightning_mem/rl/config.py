@@ -18,14 +18,11 @@ from jsonargparse.typing import (
     OpenUnitInterval,
     PositiveFloat,
     PositiveInt,
-    restricted_number_type,
 )
 
 from lightning_mem.rl.algorithms import KLEstimator
-from lightning_mem.settings import SettingError, check_fields
+from lightning_mem.settings import AtLeastTwo, SettingError, check_fields
 
-#: A GRPO group: a group of one has nothing to compare its answer with.
-GroupSize = restricted_number_type("GroupSize", int, (">=", 2), docstring="int restricted to be >=2")
 
 
 @dataclass
@@ -115,7 +112,7 @@ class GRPOConfig:
         scale_rewards: divide by the group's standard deviation (False: Dr. GRPO's centring only).
     """
 
-    group_size: GroupSize = 4
+    group_size: AtLeastTwo = 4  # a group of one has nothing to compare its answer with
     scale_rewards: bool = True
 
     def __post_init__(self) -> None:

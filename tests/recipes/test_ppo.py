@@ -348,10 +348,10 @@ def test_reward_rule_and_reward_model_together(tmp_path, no_model_load):
 
 
 def test_grpo_group_of_one(tmp_path, no_model_load, capsys):
-    # A typed constraint (GroupSize): the parser refuses it, naming the key, before anything is built.
+    # A typed constraint (AtLeastTwo): the parser refuses it, naming the key, before anything is built.
     with pytest.raises(SystemExit):
         _cli(tmp_path, "--model.advantage_estimator=grpo", "--model.grpo.group_size=1")
-    assert re.search(r'"model.grpo.group_size":\s+Not of type GroupSize: 1 does not conform to restriction v>=2', capsys.readouterr().err)
+    assert re.search(r'"model.grpo.group_size":\s+Not of type AtLeastTwo: 1 does not conform to restriction v>=2', capsys.readouterr().err)
 
 
 def test_lora_target_typo_fails_before_the_policy_loads(tmp_path, no_model_load):
