@@ -241,7 +241,7 @@ class PPOModule(LightningModule):
                 " shards every model and owns where its shards live. Keep them 'device' in the plan and use the"
                 " strategy's `cpu_offload` instead."
             )
-        check_schedule(self.lr_scheduler_factory, self.trainer, **self._schedule_steps())
+        check_schedule(self.lr_scheduler_factory, self.trainer, key="model.lr_scheduler", **self._schedule_steps())
         # The data are loaded (the datamodule's setup runs first), the models are not: a row the
         # reward rule cannot score fails now rather than minutes into the first rollout.
         train_set = getattr(self.trainer.datamodule, "train_set", None)

@@ -34,6 +34,7 @@ from lightning_mem.activation_checkpointing import checkpoint_blocks
 from lightning_mem.cli import RecipeCLI
 from lightning_mem.data import SFTDataModule
 from lightning_mem.export import export_main
+from lightning_mem.logits import check_supported
 from lightning_mem.lora import LoraSettings, apply_lora, base_record, merge_main, saved_base
 from lightning_mem.models import count_parameters
 from lightning_mem.strategies.device_map import DeviceMapStrategy
@@ -162,6 +163,8 @@ class QLoRAModule(SFTModule):
         # are in, so without this the adapters' dropout would never be active.
         with settings_at("model"):
             self.model = apply_lora(base, self.lora).train()
+        if self.logits_chunk_size:  # a model the chunked path cannot score fails here, naming our key
+            check_supported(self.model, key="model.logits_chunk_size")
         held, dense = quantized_weight_bytes(self.model)
         rank_zero_info(
             f"QLoRA: {count_parameters(self.model, trainable_only=True):,} trainable of "

@@ -28,7 +28,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning_mem.cli import RecipeCLI
 from lightning_mem.data import SFTDataModule
 from lightning_mem.export import export_hf, export_main
-from lightning_mem.logits import next_token_targets, score_tokens
+from lightning_mem.logits import check_supported, next_token_targets, score_tokens
 from lightning_mem.lora import (
     LoraSettings,
     apply_lora,
@@ -120,7 +120,7 @@ class SFTModule(LightningModule):
 
     def setup(self, stage: str) -> None:
         # The data are loaded, the model is not: a schedule that cannot fit the run fails now.
-        check_schedule(self.lr_scheduler_factory, self.trainer)
+        check_schedule(self.lr_scheduler_factory, self.trainer, key="model.lr_scheduler")
 
     # -- model -------------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -145,6 +145,8 @@ class SFTModule(LightningModule):
             # so that lora_dropout is active.
             with settings_at("model"):
                 self.model = apply_lora(self.model, self.lora).train()
+        if self.logits_chunk_size:  # a model the chunked path cannot score fails here, naming our key
+            check_supported(self.model, key="model.logits_chunk_size")
 
     def forward(self, **batch: torch.Tensor) -> Any:
         return self.model(**batch)
