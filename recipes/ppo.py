@@ -269,12 +269,14 @@ class PPOModule(LightningModule):
                 dtype=self.critic_config.dtype or hp.dtype,
                 attn_implementation=hp.attn_implementation,
                 trust_remote_code=hp.trust_remote_code,
+                key="model.critic.name_or_path",
             )
             _disable_dropout(self.critic)
         if hp.reward_model is not None:
             rm = hp.reward_model
             self.reward_model = load_reward_model(
-                rm.name_or_path, dtype=rm.dtype or hp.dtype, trust_remote_code=hp.trust_remote_code, max_length=rm.max_length
+                rm.name_or_path, dtype=rm.dtype or hp.dtype, trust_remote_code=hp.trust_remote_code, max_length=rm.max_length,
+                key="model.reward_model.name_or_path",
             )
         self.rollout_engine = build_rollout_engine(
             self.rollout_engine_config, self.generation, model_path=hp.name_or_path,
