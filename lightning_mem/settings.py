@@ -6,11 +6,12 @@ wraps the call in :func:`settings_at` (``model.lora``) and the same error then n
 ``model.lora.r``. Someone importing the library into their own Lightning code, with another YAML
 layout, sees field names, never our YAML paths.
 
+Range rules are written once, as jsonargparse typed constraints on the annotation
+(``r: PositiveInt``, ``lora_dropout: HalfOpenUnitInterval``, ``bias: Literal[...]``): LightningCLI
+rejects a bad value while parsing, naming the full key, before any model is loaded; and a dataclass
+built in Python checks the same annotations in ``__post_init__`` through :func:`check_fields`.
 jsonargparse registers one type per rule (a second name for the same bounds is refused), so the
-rules shared across modules are defined here. Range rules are written once, as jsonargparse typed constraints on the annotation
-(``r: PositiveInt``, ``lora_dropout: Dropout``, ``bias: Literal[...]``): LightningCLI rejects a bad
-value while parsing, naming the full key, before any model is loaded; and a dataclass built in
-Python checks the same annotations in ``__post_init__`` through :func:`check_fields`.
+rules several modules share are defined here.
 """
 
 from __future__ import annotations
@@ -44,10 +45,10 @@ class SettingError(ValueError):
     """A bad setting, named relative to what the library was given.
 
     The message is ``\`<prefix><key>\`<problem>``, or ``problem`` alone where it names the key in
-    backticks itself (``"set exactly one of `train_file` and `dataset`"``, ``"`name: vllm` needs..."``). ``siblings`` are other
-    settings next to ``key`` that ``problem`` names in backticks: :meth:`under` names them from the
-    same prefix, so ``max_memory`` and ``device_map`` become ``model.max_memory`` and
-    ``model.device_map`` together.
+    backticks itself (``"set exactly one of `train_file` and `dataset`"``, ``"`name: vllm` ..."``).
+    ``siblings`` are other settings next to ``key`` that ``problem`` names in backticks:
+    :meth:`under` names them from the same prefix, so ``max_memory`` and ``device_map`` become
+    ``model.max_memory`` and ``model.device_map`` together.
     """
 
     def __init__(self, key: str, problem: str, *, siblings: tuple[str, ...] = (), prefix: str = "") -> None:
@@ -58,10 +59,6 @@ class SettingError(ValueError):
         text = named.sub(lambda m: f"`{prefix}{m.group(1)}", problem)
         names_key = any(m.group(1) == key for m in named.finditer(problem))
         super().__init__(text if names_key else f"`{prefix}{key}`{text}")
-
-    @property
-    def full_key(self) -> str:
-        return f"{self.prefix}{self.key}"
 
     def under(self, prefix: str) -> SettingError:
         """The same error (same class) named from ``prefix`` (``r`` under ``model.lora``: ``model.lora.r``)."""
@@ -143,6 +140,8 @@ def constraint_problem(annotation: Any, value: Any) -> str | None:
         return None if isinstance(value, bool) else "must be true or false"
     if not (isinstance(annotation, type) and issubclass(annotation, (int, float))) or annotation in (int, float):
         return None
+    # restricted_number_type sets _restrictions, _type and _join on the class it makes (its
+    # extra_attrs); they give the rule in words.
     restrictions = getattr(annotation, "_restrictions", None)
     if restrictions is None:  # a constrained number type of another make: its own check and words
         try:

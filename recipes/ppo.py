@@ -40,6 +40,7 @@ from torch import Tensor, nn
 from lightning_mem.cli import RecipeCLI
 from lightning_mem.data import PromptDataModule, row_to_prompt_messages
 from lightning_mem.export import export_hf, export_main
+from lightning_mem.logits import check_supported
 from lightning_mem.lora import LoraSettings, apply_lora, check_lora_targets, meta_model
 from lightning_mem.models import check_model_source, load_causal_lm, load_tokenizer
 from lightning_mem.dtypes import resolve_dtype
@@ -252,13 +253,16 @@ class PPOModule(LightningModule):
         if self.actor is not None:
             return
         hp = self.hparams
-        load = dict(dtype=hp.dtype, attn_implementation=hp.attn_implementation, trust_remote_code=hp.trust_remote_code)
-        self.tokenizer = load_tokenizer(hp.name_or_path, trust_remote_code=hp.trust_remote_code)
+        load = dict(dtype=hp.dtype, attn_implementation=hp.attn_implementation, trust_remote_code=hp.trust_remote_code,
+                    key="model.name_or_path")
+        self.tokenizer = load_tokenizer(hp.name_or_path, trust_remote_code=hp.trust_remote_code, key="model.name_or_path")
         self.actor = load_causal_lm(hp.name_or_path, **load)
         if self.lora is not None:
             self.actor = apply_lora(self.actor, self.lora)
         # After the adapters exist: their lora_dropout too would give the ratio pi/pi_old two masks.
         _disable_dropout(self.actor)
+        if self.logits_chunk_size:  # a policy the chunked path cannot score fails here, naming our key
+            check_supported(self.actor, key="model.logits_chunk_size")
         if self.reference_mode == "copy":
             self.reference = _frozen(load_causal_lm(hp.name_or_path, **load))
         if self.shared_critic:
