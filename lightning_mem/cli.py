@@ -14,7 +14,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import types
+import typing
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -31,6 +34,7 @@ from lightning_mem.callbacks.progress import StepProgressBar, StepRichProgressBa
 from lightning_mem.checkpointing import AtomicCheckpointIO, ResumeCheck, find_last_checkpoint
 from lightning_mem.quiet import silence_unactionable_warnings
 from lightning_mem.run_dir import run_dir
+from lightning_mem.settings import settings_at
 
 # Before a recipe imports bitsandbytes (it logs at import): recipes import this module first.
 silence_unactionable_warnings()
@@ -227,6 +231,17 @@ class RecipeCLI(LightningCLI):
         self._resolve_input_paths(config)
         self._default_logger(config)
         check_numbers(config)
+        check_setting_groups(self.model_class, config.get("model"), "model")
+        if self.datamodule_class is not None and _is_plain_section(config.get("data")):
+            # Built once here, cheaply (a datamodule reads its data in setup): a rule relating its
+            # arguments (train_file or dataset) fails now, named data.<argument>.
+            with settings_at("data"):
+                self.datamodule_class(**config.data.as_dict())
+
+    def instantiate_classes(self) -> None:
+        super().instantiate_classes()
+        if self.datamodule is not None and hasattr(self.datamodule, "config_key"):
+            self.datamodule.config_key = "data"  # errors while reading the data name data.<argument>
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         super().parse_arguments(parser, args)
@@ -312,6 +327,47 @@ def check_numbers(config: Any) -> None:
                 raise ValueError(f"`{key}` must be a finite learning rate >= 0, got {node!r}")
 
     walk(flat, "")
+
+
+def _dataclass_in(annotation: Any) -> type | None:
+    """The dataclass in ``annotation`` (``LoraSettings``, ``LoraSettings | None``), or None."""
+    options = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else (annotation,)
+    return next((o for o in options if isinstance(o, type) and dataclasses.is_dataclass(o)), None)
+
+
+def _build_group(group: type, values: dict[str, Any]) -> Any:
+    # Nested groups first, each under its own name (memory_plan.rollout.reference).
+    hints = typing.get_type_hints(group)
+    for name, value in values.items():
+        nested = _dataclass_in(hints.get(name))
+        if nested is not None and isinstance(value, dict):
+            with settings_at(name):
+                values[name] = _build_group(nested, dict(value))
+    return group(**values)
+
+
+def check_setting_groups(component: Any, section: Any, prefix: str) -> None:
+    """Build each settings group (a dataclass argument of ``component``'s constructor) from the
+    parsed ``section`` once, under its key: the parser checked every field's type and range, naming
+    the full key; this runs the group's own rules (those relating fields, a dtype name, a regex)
+    with the same naming (``model.quantization.compute_dtype``), before any model loads. Without it
+    jsonargparse reports a group's error without its key."""
+    if section is None or not hasattr(section, "items"):
+        return
+    try:
+        hints = typing.get_type_hints(component.__init__)
+    except Exception:  # an annotation this process cannot resolve: the constructor checks as usual
+        return
+    for name, annotation in hints.items():
+        group, value = _dataclass_in(annotation), _get(section, name)
+        if group is not None and hasattr(value, "as_dict"):
+            with settings_at(f"{prefix}.{name}"):
+                _build_group(group, value.as_dict())
+
+
+def _is_plain_section(section: Any) -> bool:
+    # The init arguments of a fixed class; a class_path section may name any class.
+    return hasattr(section, "as_dict") and "class_path" not in section
 
 
 def _get(config: Any, key: str) -> Any:

@@ -1,6 +1,6 @@
 """Floating-point dtypes named in YAML: one table of spellings for every key that takes one.
 
-``model.dtype``, ``model.quantization.compute_dtype``, the FSDP2 strategy's ``param_dtype`` and
+A model's ``dtype``, quantization's ``compute_dtype``, the FSDP2 strategy's ``param_dtype`` and
 ``reduce_dtype``, the rollout engine's ``dtype``... all go through :func:`resolve_dtype`, so they
 accept the same names and fail with the same message naming the key.
 """
@@ -8,6 +8,8 @@ accept the same names and fail with the same message naming the key.
 from __future__ import annotations
 
 import torch
+
+from lightning_mem.settings import SettingError
 
 #: Accepted names (case-insensitive, with or without a ``torch.`` prefix).
 DTYPE_NAMES: dict[str, torch.dtype] = {
@@ -28,7 +30,7 @@ def resolve_dtype(value: str | torch.dtype | None, *, key: str = "dtype") -> tor
     ``None`` and ``"auto"`` give ``None``: keep what the checkpoint or the parameters have.
 
     Raises:
-        ValueError: naming ``key`` when the value names no floating-point dtype.
+        SettingError: naming ``key`` (a ValueError) when the value names no floating-point dtype.
     """
     if value is None:
         return None
@@ -40,7 +42,8 @@ def resolve_dtype(value: str | torch.dtype | None, *, key: str = "dtype") -> tor
             return None
         if name in DTYPE_NAMES:
             return DTYPE_NAMES[name]
-    raise ValueError(
-        f"`{key}`: unknown dtype {value!r} (`{key}={value!r}` is not a floating-point dtype); use one of "
-        f"{sorted(DTYPE_NAMES)}, a torch.dtype, or 'auto'/null to keep the checkpoint's own"
+    raise SettingError(
+        key,
+        f": unknown dtype {value!r} (not a floating-point dtype); use one of "
+        f"{sorted(DTYPE_NAMES)}, a torch.dtype, or 'auto'/null to keep the checkpoint's own",
     )

@@ -167,15 +167,19 @@ def causal_lm_of(model: nn.Module) -> nn.Module:
     return get_base() if callable(get_base) else model
 
 
-def check_supported(model: nn.Module) -> None:
-    """Raise when ``model``'s forward post-processes logits (the chunked path would corrupt them)."""
+def check_supported(model: nn.Module, *, key: str = "chunk_size") -> None:
+    """Raise when ``model``'s forward post-processes logits (the chunked path would corrupt them).
+
+    ``key`` names the chunk-size setting to switch off (:func:`score_tokens`' ``chunk_size``; a
+    recipe passes its own, ``model.logits_chunk_size``).
+    """
     lm = causal_lm_of(model)
     config = getattr(lm, "config", None)
     found = [name for name in _LOGIT_POSTPROCESSING if getattr(config, name, None) not in (None, 1, 1.0)]
     if found:
         raise ValueError(
             f"{type(lm).__name__} transforms its logits after the output layer ({', '.join(found)}), which the chunked"
-            " logits path does not reproduce: set `model.logits_chunk_size: null` for this model"
+            f" logits path does not reproduce: set `{key}: null` for this model"
         )
     if not callable(getattr(lm, "get_output_embeddings", None)) or lm.get_output_embeddings() is None:
         raise ValueError(f"{type(lm).__name__} has no output layer (`get_output_embeddings()`); is it a causal LM?")
@@ -248,7 +252,7 @@ def score_tokens(
     if not isinstance(scores, tuple) or len(scores) != 3:
         raise ValueError(
             f"{type(lm).__name__}'s forward changed the output layer's result before returning it; the chunked"
-            " logits path cannot be used with this model: set `model.logits_chunk_size: null`"
+            " logits path cannot be used with this model: set `chunk_size: null`"
         )
     return TokenScores(*scores)
 

@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from jsonargparse.typing import PositiveFloat, PositiveInt
+
 import torch
 from torch import nn
 
@@ -26,6 +28,7 @@ from lightning_mem.checkpointing import staged_directory
 from lightning_mem.export import gather_state_dict
 from lightning_mem.dtypes import resolve_dtype
 from lightning_mem.models import building_config_only, check_model_source, has_weights, load_causal_lm, load_tokenizer
+from lightning_mem.settings import HalfOpenUnitInterval, SettingError, check_fields, settings_at
 from lightning_mem.quantization import (
     QuantizationSettings,
     is_quantized_linear,
@@ -33,7 +36,6 @@ from lightning_mem.quantization import (
     materialize_random_weights,
 )
 
-_KEY = "model.lora"
 ALL_LINEAR = "all-linear"
 #: Written next to the adapter: how its base was loaded for training.
 BASE_SIDECAR = "lightning_mem_base.json"
@@ -41,7 +43,7 @@ BASE_SIDECAR = "lightning_mem_base.json"
 
 @dataclass
 class LoraSettings:
-    """The ``model.lora`` section of a config, in every recipe (SFT, QLoRA, PPO).
+    """LoRA's settings (in the recipes, the ``model.lora`` section of a config: SFT, QLoRA, PPO).
 
     The field names are peft's ``LoraConfig`` names, so a block copied from a peft script works.
 
@@ -57,31 +59,23 @@ class LoraSettings:
         bias: which biases train: "none", "all" or "lora_only".
     """
 
-    r: int = 16
-    lora_alpha: float = 32.0
-    lora_dropout: float = 0.05
+    r: PositiveInt = 16
+    lora_alpha: PositiveFloat = 32.0
+    lora_dropout: HalfOpenUnitInterval = 0.05
     target_modules: str | list[str] = ALL_LINEAR
     modules_to_save: list[str] | None = None
     bias: Literal["none", "all", "lora_only"] = "none"
 
     def __post_init__(self) -> None:
-        if self.r <= 0:
-            raise ValueError(f"`{_KEY}.r` must be positive, got {self.r}")
-        if self.lora_alpha <= 0:
-            raise ValueError(f"`{_KEY}.lora_alpha` must be positive, got {self.lora_alpha}")
-        if not 0.0 <= self.lora_dropout < 1.0:
-            raise ValueError(f"`{_KEY}.lora_dropout` must be in [0, 1), got {self.lora_dropout}")
-        if self.bias not in ("none", "all", "lora_only"):
-            raise ValueError(f"`{_KEY}.bias` must be 'none', 'all' or 'lora_only', got {self.bias!r}")
+        # The ranges are the annotations (the CLI checks them while parsing); these, a type cannot say.
+        check_fields(self)
         if isinstance(self.target_modules, list) and not self.target_modules:
-            raise ValueError(f"`{_KEY}.target_modules` is empty; use '{ALL_LINEAR}' or name some modules")
+            raise SettingError("target_modules", f" is empty; use '{ALL_LINEAR}' or name some modules")
         if isinstance(self.target_modules, str) and self.target_modules != ALL_LINEAR:
             try:
                 re.compile(self.target_modules)
             except re.error as err:
-                raise ValueError(
-                    f"`{_KEY}.target_modules`: {self.target_modules!r} is not a valid regex ({err})"
-                ) from None
+                raise SettingError("target_modules", f": {self.target_modules!r} is not a valid regex ({err})") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -135,12 +129,13 @@ def resolve_target_modules(model: nn.Module, target_modules: str | list[str]) ->
     linears = linear_module_names(model)
     head = _output_layer_name(model)
 
-    def fail(what: str) -> ValueError:
-        return ValueError(
-            f"`{_KEY}.target_modules`: {what} of {type(model).__name__}; its linear modules are "
+    def fail(what: str) -> SettingError:
+        return SettingError(
+            "target_modules",
+            f": {what} of {type(model).__name__}; its linear modules are "
             f"{_short_names(linears)} (full names like {linears[0]!r})"
             if linears
-            else f"`{_KEY}.target_modules`: {type(model).__name__} has no linear modules"
+            else f": {type(model).__name__} has no linear modules",
         )
 
     if target_modules == ALL_LINEAR:
@@ -165,11 +160,15 @@ def check_modules_to_save(model: nn.Module, modules_to_save: list[str] | None) -
     unmatched = [key for key in modules_to_save if not any(_matches(key, n) for n in names)]
     if unmatched:
         top = sorted({n.rsplit(".", 1)[-1] for n in names if "." not in n or n.count(".") <= 1})
-        raise ValueError(f"`{_KEY}.modules_to_save`: {unmatched} name no module of {type(model).__name__} (e.g. {top})")
+        raise SettingError("modules_to_save", f": {unmatched} name no module of {type(model).__name__} (e.g. {top})")
 
 
 def check_lora_targets(model: nn.Module, settings: LoraSettings) -> list[str] | str:
-    """Validate ``settings`` against ``model`` (a meta twin will do); returns the resolved targets."""
+    """Validate ``settings`` against ``model`` (a meta twin will do); returns the resolved targets.
+
+    Raises:
+        SettingError: naming the field of ``settings`` (``target_modules``, ``modules_to_save``).
+    """
     targets = resolve_target_modules(model, settings.target_modules)
     check_modules_to_save(model, settings.modules_to_save)
     return targets
@@ -190,17 +189,26 @@ def build_lora_config(settings: LoraSettings, target_modules: list[str] | str) -
 
 
 def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
-    """Wrap ``model`` in a peft model with fresh adapters; only adapter parameters train."""
+    """Wrap ``model`` in a peft model with fresh adapters; only adapter parameters train.
+
+    Raises:
+        SettingError: naming ``lora.<field>`` for a target that matches nothing, and
+            ``device_map`` for adapters that would sit on layers offloaded to disk.
+    """
     from peft import get_peft_model
 
-    peft_model = get_peft_model(model, build_lora_config(settings, check_lora_targets(model, settings)))
+    with settings_at("lora"):
+        targets = check_lora_targets(model, settings)
+    peft_model = get_peft_model(model, build_lora_config(settings, targets))
     on_meta = [n for n, p in peft_model.named_parameters() if p.requires_grad and p.device.type == "meta"]
     if on_meta:
         # A layer that device_map sent to disk lives on the meta device between forwards; its
         # adapter would be created there too and could never take an optimizer step.
-        raise ValueError(
-            f"`model.device_map`: {len(on_meta)} trainable adapter parameters sit on layers offloaded to disk "
-            f"(e.g. {on_meta[0]}); keep those layers on a device or leave them out of `{_KEY}.target_modules`"
+        raise SettingError(
+            "device_map",
+            f": {len(on_meta)} trainable adapter parameters sit on layers offloaded to disk "
+            f"(e.g. {on_meta[0]}); keep those layers on a device or leave them out of `lora.target_modules`",
+            siblings=("lora.target_modules",),
         )
     return peft_model
 

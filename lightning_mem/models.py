@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from lightning_mem.dtypes import resolve_dtype
+from lightning_mem.settings import SettingError, SettingPathError
 
 _WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json", "*.pt")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -54,27 +55,28 @@ def has_weights(path: str | os.PathLike) -> bool:
     return any(any(folder.glob(pattern)) for pattern in _WEIGHT_PATTERNS)
 
 
-def check_model_source(name_or_path: str, *, key: str = "model.name_or_path") -> str:
+def check_model_source(name_or_path: str, *, key: str = "name_or_path") -> str:
     """Validate a model location before anything heavy happens; returns "local" or "hub".
 
     A string that exists on disk is a local folder and must hold a config.json. A string that does
     not exist is taken for a hub id only when it looks like one (``org/name``); anything else
-    (``./x``, ``/abs/path``, ``a/b/c``) is a missing local path and fails here, naming the key.
+    (``./x``, ``/abs/path``, ``a/b/c``) is a missing local path and fails here, naming ``key``
+    (a :class:`~lightning_mem.settings.SettingPathError`, which is a ``FileNotFoundError``).
     """
     path = Path(name_or_path).expanduser()
     if path.exists():
         if not path.is_dir():
-            raise FileNotFoundError(f"`{key}`: {name_or_path!r} is a file; expected a model folder with config.json")
+            raise SettingPathError(key, f": {name_or_path!r} is a file; expected a model folder with config.json")
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"`{key}`: model folder {name_or_path!r} has no config.json")
+            raise SettingPathError(key, f": model folder {name_or_path!r} has no config.json")
         return "local"
     looks_local = name_or_path.startswith((".", "/", "~")) or not _HUB_ID.match(name_or_path)
     if looks_local:
-        raise FileNotFoundError(f"`{key}`: model path {name_or_path!r} does not exist")
+        raise SettingPathError(key, f": model path {name_or_path!r} does not exist")
     return "hub"
 
 
-def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False, key: str = "model.name_or_path") -> Any:
+def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False, key: str = "name_or_path") -> Any:
     """Load the tokenizer and make sure it can pad (falls back to eos as pad, as most causal LMs need)."""
     from transformers import AutoTokenizer
 
@@ -82,14 +84,14 @@ def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False, key: s
     tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
-            raise ValueError(f"`{key}`: tokenizer of {name_or_path!r} has neither a pad nor an eos token")
+            raise SettingError(key, f": tokenizer of {name_or_path!r} has neither a pad nor an eos token")
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
 
 def dtype_key(key: str) -> str:
-    """The YAML key of a model's dtype, next to its location key (``model.critic.name_or_path`` ->
-    ``model.critic.dtype``)."""
+    """The key of a model's dtype, next to its location key (``critic.name_or_path`` ->
+    ``critic.dtype``)."""
     return key.rsplit(".", 1)[0] + ".dtype" if "." in key else "dtype"
 
 
@@ -101,7 +103,7 @@ def load_pretrained(
     from_config: bool | None = None,
     attn_implementation: str | None = None,
     trust_remote_code: bool = False,
-    key: str = "model.name_or_path",
+    key: str = "name_or_path",
     config_kwargs: dict[str, Any] | None = None,
     report_missing: bool = False,
     **from_pretrained_kwargs: Any,
@@ -116,7 +118,8 @@ def load_pretrained(
         from_config: True initialises random weights from the config (no weights read); None decides
             by whether a local folder holds weights (a hub id always loads weights).
         attn_implementation: passed to transformers ("sdpa", "eager", "flash_attention_2").
-        key: the YAML key of ``name_or_path``, named in errors (its dtype key is its sibling).
+        key: what errors call ``name_or_path`` (a recipe passes its config key, such as
+            ``model.critic.name_or_path``); its dtype key is its sibling.
         config_kwargs: config attributes to set either way (e.g. ``num_labels=1``).
         report_missing: load quietly and warn once, naming the weights the checkpoint lacks (for a
             class other than the checkpoint's, e.g. a backbone read from a causal-LM checkpoint,

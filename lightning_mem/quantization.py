@@ -21,14 +21,14 @@ import torch
 from torch import nn
 
 from lightning_mem.dtypes import resolve_dtype
+from lightning_mem.settings import SettingError, check_fields
 from lightning_mem.models import building_config_only, has_weights, load_causal_lm, load_tokenizer
 
-_KEY = "model.quantization"
 
 
 @dataclass
 class QuantizationSettings:
-    """How bitsandbytes stores the frozen base (the ``model.quantization`` section of a config).
+    """How bitsandbytes stores the frozen base (in the recipes, the ``model.quantization`` section).
 
     Args:
         bits: 4 for QLoRA (``Linear4bit``), 8 for LLM.int8 (``Linear8bitLt``).
@@ -51,21 +51,18 @@ class QuantizationSettings:
     skip_modules: list[str] | None = None
 
     def __post_init__(self) -> None:
-        # jsonargparse checks the Literal fields; these are the checks a type cannot express.
-        if self.bits not in (4, 8):
-            raise ValueError(f"`{_KEY}.bits` must be 4 or 8, got {self.bits!r}")
-        if self.quant_type not in ("nf4", "fp4"):
-            raise ValueError(f"`{_KEY}.quant_type` must be 'nf4' or 'fp4', got {self.quant_type!r}")
-        if resolve_dtype(self.compute_dtype, key=f"{_KEY}.compute_dtype") is None:
-            raise ValueError(f"`{_KEY}.compute_dtype` must name a dtype, not {self.compute_dtype!r}")
+        check_fields(self)  # the Literal fields, for a settings object built in Python
+        # What a type cannot express: a dtype name, and a rule relating two fields.
+        if resolve_dtype(self.compute_dtype, key="compute_dtype") is None:
+            raise SettingError("compute_dtype", f" must name a dtype, not {self.compute_dtype!r}")
         if self.quant_storage is not None:
             if self.bits == 8:
-                raise ValueError(f"`{_KEY}.quant_storage` applies to 4-bit weights only (bits is 8)")
+                raise SettingError("quant_storage", " applies to 4-bit weights only (bits is 8)")
             _storage_dtype(self.quant_storage)
 
     @property
     def torch_compute_dtype(self) -> torch.dtype:
-        dtype = resolve_dtype(self.compute_dtype, key=f"{_KEY}.compute_dtype")
+        dtype = resolve_dtype(self.compute_dtype, key="compute_dtype")
         assert dtype is not None
         return dtype
 
@@ -73,9 +70,9 @@ class QuantizationSettings:
 def _storage_dtype(name: str) -> torch.dtype:
     if name == "uint8":
         return torch.uint8
-    dtype = resolve_dtype(name, key=f"{_KEY}.quant_storage")
+    dtype = resolve_dtype(name, key="quant_storage")
     if dtype is None:
-        raise ValueError(f"`{_KEY}.quant_storage` must name a dtype, not {name!r}")
+        raise SettingError("quant_storage", f" must name a dtype, not {name!r}")
     return dtype
 
 
@@ -148,11 +145,14 @@ def offloads_to_host(device_map: str | dict[str, Any] | None) -> bool:
 def check_placement(
     device_map: str | dict[str, Any] | None, max_memory: dict[Any, str] | None, offload_folder: str | None
 ) -> None:
-    """Fail on placement settings that ``from_pretrained`` would reject later (or silently ignore)."""
+    """Fail on placement settings that ``from_pretrained`` would reject later (or silently ignore),
+    naming the argument (a :class:`~lightning_mem.settings.SettingError`)."""
     if max_memory is not None and device_map is None:
-        raise ValueError("`model.max_memory` needs `model.device_map` (e.g. 'auto') to have any effect")
+        raise SettingError("max_memory", " needs `device_map` (e.g. 'auto') to have any effect", siblings=("device_map",))
     if isinstance(device_map, dict) and "disk" in {str(v) for v in device_map.values()} and not offload_folder:
-        raise ValueError("`model.device_map` puts modules on 'disk': set `model.offload_folder` to a folder for them")
+        raise SettingError(
+            "device_map", " puts modules on 'disk': set `offload_folder` to a folder for them", siblings=("offload_folder",)
+        )
 
 
 def load_quantized_causal_lm(
@@ -177,7 +177,7 @@ def load_quantized_causal_lm(
     if Path(path).is_dir() and not has_weights(path) and building_config_only():
         if device_map is not None:
             raise NotImplementedError(
-                "`model.device_map`: a base placed over several devices (or host, or disk) cannot be built "
+                "`device_map`: a base placed over several devices (or host, or disk) cannot be built "
                 "from its config alone, so the memory estimator does not cover it"
             )
         return quantized_causal_lm_from_config(
@@ -185,7 +185,9 @@ def load_quantized_causal_lm(
         )
     if Path(path).is_dir() and not has_weights(path):
         if random_init_dir is None:
-            raise ValueError(f"`model.name_or_path`: {path!r} has only a config; set `model.random_init_dir`")
+            raise SettingError(
+                "name_or_path", f": {path!r} has only a config; set `random_init_dir`", siblings=("random_init_dir",)
+            )
         path = str(materialize_random_weights(path, random_init_dir, seed=init_seed))
     placement = {
         k: v

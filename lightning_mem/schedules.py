@@ -76,13 +76,16 @@ def scheduler_horizon(trainer: Any, *, steps_per_batch: int = 1, optimizers: int
     if not math.isfinite(batches):
         raise ValueError(
             "`trainer.max_steps` and `trainer.max_epochs` are both unlimited, so the learning-rate schedule has no"
-            " horizon: set one of them, or `model.lr_scheduler.init_args.total_steps`"
+            " horizon: set one of them, or the scheduler's `total_steps`"
         )
     return max(1, int(batches) * steps_per_batch)
 
 
-def check_schedule(factory: Any, trainer: Any, *, key: str = "model.lr_scheduler", **horizon_kwargs: Any) -> None:
-    """Before any model loads: a warmup longer than the run fails; a ``total_steps`` other than the run's warns."""
+def check_schedule(factory: Any, trainer: Any, *, key: str = "lr_scheduler", **horizon_kwargs: Any) -> None:
+    """Before any model loads: a warmup longer than the run fails; a ``total_steps`` other than the run's warns.
+
+    ``key`` names the scheduler's setting in messages (the recipes pass ``model.lr_scheduler``).
+    """
     if factory is None:
         return
     args = _keywords(factory)

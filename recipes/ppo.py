@@ -41,11 +41,13 @@ from lightning_mem.checkpointing import check_trainable_kept, keep_trainable
 from lightning_mem.cli import RecipeCLI
 from lightning_mem.data import PromptDataModule, row_to_prompt_messages
 from lightning_mem.export import export_hf, export_main
+from lightning_mem.logits import check_supported
 from lightning_mem.lora import LoraSettings, apply_lora, check_lora_targets, meta_model
 from lightning_mem.models import check_model_source, load_causal_lm, load_tokenizer
 from lightning_mem.dtypes import resolve_dtype
 from lightning_mem.optim import param_groups, warn_if_paged_on_cpu
 from lightning_mem.schedules import build_lr_scheduler, check_schedule
+from lightning_mem.settings import settings_at
 from lightning_mem.rl.algorithms import (
     AdaptiveKLController,
     FixedKLController,
@@ -141,7 +143,8 @@ class PPOModule(LightningModule):
                        trust_remote_code=trust_remote_code)
         # logger=False: the CLI logs the whole resolved config (lightning_mem.cli.RunConfigCallback).
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "critic_optimizer", "reward"], logger=False)
-        rollout_engine.validate(generation)
+        with settings_at("model"):
+            rollout_engine.validate(generation)
         self.rollout_engine_config = rollout_engine
         self.automatic_optimization = False  # several optimizer steps per rollout
         self.strict_loading = False  # checkpoints hold only what trains (on_save_checkpoint)
@@ -197,7 +200,7 @@ class PPOModule(LightningModule):
     def _validate(name_or_path, dtype, lora, advantage_estimator, reward, reward_model, reference,
                   generation, ppo, kl, grpo, critic, memory_plan, logits_chunk_size, *,
                   trust_remote_code=False) -> None:
-        check_model_source(name_or_path)
+        check_model_source(name_or_path, key="model.name_or_path")
         resolve_dtype(dtype, key="model.dtype")
         if advantage_estimator not in ("gae", "grpo"):
             raise ValueError(f"`model.advantage_estimator` must be 'gae' or 'grpo', got {advantage_estimator!r}")
@@ -214,19 +217,18 @@ class PPOModule(LightningModule):
             raise ValueError(f"`model.reference`: {err} (`model.lora`)") from None
         if lora is not None:
             # On a meta-device twin: a target typo fails here, before the policy is read.
-            check_lora_targets(meta_model(name_or_path, trust_remote_code=trust_remote_code), lora)
+            with settings_at("model.lora"):
+                check_lora_targets(meta_model(name_or_path, trust_remote_code=trust_remote_code), lora)
         if advantage_estimator == "gae" and critic.name_or_path is not None:
             check_model_source(critic.name_or_path, key="model.critic.name_or_path")
         resolve_dtype(critic.dtype, key="model.critic.dtype")
         if logits_chunk_size is not None and logits_chunk_size < 0:
             raise ValueError(f"`model.logits_chunk_size` must be positive, 0 or null, got {logits_chunk_size}")
-        generation.validate()
-        ppo.validate()
-        kl.validate()
-        critic.validate()
-        memory_plan.validate()
+        # The settings groups checked their own fields when built (the parser checks the ranges,
+        # naming the key); the plan's rule relates its phases.
+        with settings_at("model.memory_plan"):
+            memory_plan.validate()
         if advantage_estimator == "grpo":
-            grpo.validate()
             if ppo.whiten_advantages:
                 raise ValueError(
                     "`model.ppo.whiten_advantages: true` with GRPO: whitening is a GAE option; GRPO's group-relative"
@@ -253,7 +255,7 @@ class PPOModule(LightningModule):
                 " shards every model and owns where its shards live. Keep them 'device' in the plan and use the"
                 " strategy's `cpu_offload` instead."
             )
-        check_schedule(self.lr_scheduler_factory, self.trainer, **self._schedule_steps())
+        check_schedule(self.lr_scheduler_factory, self.trainer, key="model.lr_scheduler", **self._schedule_steps())
         # The data are loaded (the datamodule's setup runs first), the models are not: a row the
         # reward rule cannot score fails now rather than minutes into the first rollout.
         train_set = getattr(self.trainer.datamodule, "train_set", None)
@@ -264,13 +266,16 @@ class PPOModule(LightningModule):
         if self.actor is not None:
             return
         hp = self.hparams
-        load = dict(dtype=hp.dtype, attn_implementation=hp.attn_implementation, trust_remote_code=hp.trust_remote_code)
-        self.tokenizer = load_tokenizer(hp.name_or_path, trust_remote_code=hp.trust_remote_code)
+        load = dict(dtype=hp.dtype, attn_implementation=hp.attn_implementation, trust_remote_code=hp.trust_remote_code,
+                    key="model.name_or_path")
+        self.tokenizer = load_tokenizer(hp.name_or_path, trust_remote_code=hp.trust_remote_code, key="model.name_or_path")
         self.actor = load_causal_lm(hp.name_or_path, **load)
         if self.lora is not None:
             self.actor = apply_lora(self.actor, self.lora)
         # After the adapters exist: their lora_dropout too would give the ratio pi/pi_old two masks.
         disable_dropout(self.actor)
+        if self.logits_chunk_size:  # a policy the chunked path cannot score fails here, naming our key
+            check_supported(self.actor, key="model.logits_chunk_size")
         if self.reference_policy is not None:
             self.reference = self.reference_policy.build(lambda: load_causal_lm(hp.name_or_path, **load))
         if self.value_function is not None:
@@ -278,7 +283,8 @@ class PPOModule(LightningModule):
         if hp.reward_model is not None:
             rm = hp.reward_model
             self.reward_model = load_reward_model(
-                rm.name_or_path, dtype=rm.dtype or hp.dtype, trust_remote_code=hp.trust_remote_code, max_length=rm.max_length
+                rm.name_or_path, dtype=rm.dtype or hp.dtype, trust_remote_code=hp.trust_remote_code, max_length=rm.max_length,
+                key="model.reward_model.name_or_path",
             )
         self.rollout_engine = build_rollout_engine(
             self.rollout_engine_config, self.generation, model_path=hp.name_or_path,
@@ -293,6 +299,7 @@ class PPOModule(LightningModule):
             dtype=self.critic_config.dtype or hp.dtype,
             attn_implementation=hp.attn_implementation,
             trust_remote_code=hp.trust_remote_code,
+            key="model.critic.name_or_path",
         )
         return disable_dropout(critic)
 

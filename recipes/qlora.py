@@ -34,6 +34,7 @@ from lightning_mem.activation_checkpointing import checkpoint_blocks
 from lightning_mem.cli import RecipeCLI
 from lightning_mem.data import SFTDataModule
 from lightning_mem.export import export_main
+from lightning_mem.logits import check_supported
 from lightning_mem.lora import LoraSettings, apply_lora, base_record, merge_main, saved_base
 from lightning_mem.models import count_parameters
 from lightning_mem.strategies.device_map import DeviceMapStrategy
@@ -43,6 +44,7 @@ from lightning_mem.quantization import (
     load_quantized_causal_lm,
     quantized_weight_bytes,
 )
+from lightning_mem.settings import settings_at
 from recipes.sft import SFTModule
 
 
@@ -116,7 +118,8 @@ class QLoRAModule(SFTModule):
         if isinstance(quantization, dict):
             quantization = QuantizationSettings(**quantization)
         self.quantization = quantization
-        check_placement(device_map, max_memory, offload_folder)
+        with settings_at("model"):
+            check_placement(device_map, max_memory, offload_folder)
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
@@ -135,15 +138,16 @@ class QLoRAModule(SFTModule):
             return
         hp = self.hparams
         base_path = saved_base(self.trainer, hp.name_or_path, hp.random_init_dir, seed=hp.init_seed)
-        base = load_quantized_causal_lm(
-            base_path,
-            self.quantization,
-            device_map=hp.device_map,
-            max_memory=hp.max_memory,
-            offload_folder=hp.offload_folder,
-            attn_implementation=hp.attn_implementation,
-            trust_remote_code=hp.trust_remote_code,
-        )
+        with settings_at("model"):  # the placement arguments are this module's
+            base = load_quantized_causal_lm(
+                base_path,
+                self.quantization,
+                device_map=hp.device_map,
+                max_memory=hp.max_memory,
+                offload_folder=hp.offload_folder,
+                attn_implementation=hp.attn_implementation,
+                trust_remote_code=hp.trust_remote_code,
+            )
         base.config.use_cache = False  # training never reuses the KV cache
         from peft import prepare_model_for_kbit_training
 
@@ -157,7 +161,10 @@ class QLoRAModule(SFTModule):
             checkpoint_blocks(base)
         # from_pretrained returns a model in eval mode; Lightning keeps modules in the mode they
         # are in, so without this the adapters' dropout would never be active.
-        self.model = apply_lora(base, self.lora).train()
+        with settings_at("model"):
+            self.model = apply_lora(base, self.lora).train()
+        if self.logits_chunk_size:  # a model the chunked path cannot score fails here, naming our key
+            check_supported(self.model, key="model.logits_chunk_size")
         held, dense = quantized_weight_bytes(self.model)
         rank_zero_info(
             f"QLoRA: {count_parameters(self.model, trainable_only=True):,} trainable of "

@@ -29,7 +29,7 @@ from lightning_mem.checkpointing import check_trainable_kept, keep_trainable
 from lightning_mem.cli import RecipeCLI
 from lightning_mem.data import SFTDataModule
 from lightning_mem.export import export_hf, export_main
-from lightning_mem.logits import next_token_targets, score_tokens
+from lightning_mem.logits import check_supported, next_token_targets, score_tokens
 from lightning_mem.lora import (
     LoraSettings,
     apply_lora,
@@ -44,6 +44,7 @@ from lightning_mem.models import check_model_source, load_causal_lm, load_tokeni
 from lightning_mem.dtypes import resolve_dtype
 from lightning_mem.optim import param_groups, warn_if_paged_on_cpu
 from lightning_mem.schedules import build_lr_scheduler, check_schedule
+from lightning_mem.settings import settings_at
 
 
 def _adamw(params: Any) -> torch.optim.Optimizer:
@@ -96,7 +97,7 @@ class SFTModule(LightningModule):
         init_seed: int = 0,
     ) -> None:
         super().__init__()
-        check_model_source(name_or_path)  # fail before anything is loaded
+        check_model_source(name_or_path, key="model.name_or_path")  # fail before anything is loaded
         resolve_dtype(dtype, key="model.dtype")
         if logits_chunk_size is not None and logits_chunk_size < 0:
             raise ValueError(f"`model.logits_chunk_size` must be positive, 0 or null, got {logits_chunk_size}")
@@ -105,7 +106,8 @@ class SFTModule(LightningModule):
             lora = LoraSettings(**lora)
         if lora is not None:
             # On a meta-device twin: a target typo fails here, in a second, not after the load.
-            check_lora_targets(meta_model(name_or_path, trust_remote_code=trust_remote_code), lora)
+            with settings_at("model.lora"):
+                check_lora_targets(meta_model(name_or_path, trust_remote_code=trust_remote_code), lora)
             # Checkpoints carry the trainable tensors only, so loading one leaves the base's keys missing.
             self.strict_loading = False
         self.lora = lora
@@ -117,7 +119,7 @@ class SFTModule(LightningModule):
 
     def setup(self, stage: str) -> None:
         # The data are loaded, the model is not: a schedule that cannot fit the run fails now.
-        check_schedule(self.lr_scheduler_factory, self.trainer)
+        check_schedule(self.lr_scheduler_factory, self.trainer, key="model.lr_scheduler")
 
     # -- model -------------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -134,12 +136,16 @@ class SFTModule(LightningModule):
             dtype=hp.dtype,
             attn_implementation=hp.attn_implementation,
             trust_remote_code=hp.trust_remote_code,
+            key="model.name_or_path",
         )
         self.model.config.use_cache = False  # training never reuses the KV cache
         if self.lora is not None:
             # from_pretrained returns eval mode and Lightning keeps modules as they are: train()
             # so that lora_dropout is active.
-            self.model = apply_lora(self.model, self.lora).train()
+            with settings_at("model"):
+                self.model = apply_lora(self.model, self.lora).train()
+        if self.logits_chunk_size:  # a model the chunked path cannot score fails here, naming our key
+            check_supported(self.model, key="model.logits_chunk_size")
 
     def forward(self, **batch: torch.Tensor) -> Any:
         return self.model(**batch)
@@ -215,7 +221,8 @@ class SFTModule(LightningModule):
     def export(self, out: Path) -> None:
         """Write the model (with ``lora``: the peft adapter) and tokenizer to ``out`` (also
         ``python -m recipes.sft export``)."""
-        tokenizer = load_tokenizer(self.hparams.name_or_path, trust_remote_code=self.hparams.trust_remote_code)
+        hp = self.hparams
+        tokenizer = load_tokenizer(hp.name_or_path, trust_remote_code=hp.trust_remote_code, key="model.name_or_path")
         if self.lora is not None:
             export_adapter(self.trainer, self.model, tokenizer, out, base=self.adapter_base_record())
             rank_zero_info(f"exported the adapter and tokenizer to {out}")

@@ -8,10 +8,12 @@ import pytest
 import torch
 
 import recipes.ppo as ppo
+import recipes.qlora as qlora
 import recipes.sft as sft
 from lightning_mem.checkpointing import AtomicCheckpointIO, ResumeCheck, staged_directory
 from lightning_mem.export import export_hf
-from tests.helpers import REPO
+from lightning_mem.settings import SettingError
+from tests.helpers import REPO, TINY_MODEL
 
 CONFIG = str(REPO / "configs" / "sft" / "tiny_cpu.yaml")
 
@@ -71,6 +73,58 @@ def test_ppo_offers_no_validate(capsys):
 def test_bad_numbers_fail_before_any_model_naming_the_key(tmp_path, no_model_load, override, message):
     with pytest.raises(ValueError, match=message):
         _sft(tmp_path, override)
+
+
+QLORA = str(REPO / "configs" / "qlora" / "tiny_cpu.yaml")
+PPO = str(REPO / "configs" / "ppo" / "tiny_cpu.yaml")
+
+
+@pytest.mark.parametrize(
+    ("recipe", "config", "override", "key", "rule"),
+    [
+        ("sft", CONFIG, "--data.batch_size=0", "data.batch_size", "v>0"),
+        ("sft", CONFIG, "--model.lora.lora_dropout=1", "lora_dropout", "v>=0 and v<1"),
+        ("qlora", QLORA, "--model.lora.r=0", "model.lora.r", "v>0"),
+        ("qlora", QLORA, "--model.quantization.quant_type=int4", "model.quantization.quant_type", "Literal['nf4', 'fp4']"),
+        ("ppo", PPO, "--model.ppo.clip_ratio=2", "model.ppo.clip_ratio", "v>0 and v<1"),
+        ("ppo", PPO, "--model.kl.horizon=0", "model.kl.horizon", "v>0"),
+        ("ppo", PPO, "--model.generation.top_p=0", "model.generation.top_p", "v>0 and v<=1"),
+        ("ppo", PPO, "--model.rollout_engine.sleep_level=3", "model.rollout_engine.sleep_level", "Literal[0, 1, 2]"),
+        ("ppo", PPO, "--data.max_prompt_length=-3", "data.max_prompt_length", "v>0"),
+    ],
+)
+def test_a_value_outside_its_typed_constraint_fails_while_parsing_naming_the_key(recipe, config, override, key, rule, capsys):
+    main = {"sft": sft.main, "qlora": qlora.main, "ppo": ppo.main}[recipe]
+    with pytest.raises(SystemExit) as exit_info:  # --print_config: nothing past the parser runs
+        main(["fit", "--config", config, override, "--print_config"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f'Parser key "{key}"' in err and rule in err, err
+
+
+@pytest.mark.parametrize(
+    ("recipe", "config", "overrides", "message"),
+    [
+        ("qlora", QLORA, ["--model.quantization.bits=8", "--model.quantization.quant_storage=bfloat16"],
+         r"^`model.quantization.quant_storage` applies to 4-bit weights only"),
+        ("ppo", PPO, [f"--model.name_or_path={TINY_MODEL}", "--model.kl.target=1", "--model.kl.coef=0"],
+         r"^`model.kl.target` \(adaptive KL\) needs an initial `model.kl.coef` > 0$"),
+        ("sft", CONFIG, ["--data.max_tokens_per_batch=8"],
+         r"^`data.max_tokens_per_batch` \(8\) is below `data.max_length` \(64\)"),
+    ],
+)
+def test_a_rule_relating_fields_names_the_full_key_before_any_model(recipe, config, overrides, message, tmp_path, monkeypatch):
+    for module in (sft, qlora, ppo):
+        for name in ("load_causal_lm", "load_quantized_causal_lm"):
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, _refuse)
+    main = {"sft": sft.main, "qlora": qlora.main, "ppo": ppo.main}[recipe]
+    with pytest.raises(SettingError, match=message):
+        main(["fit", "--config", config, f"--trainer.default_root_dir={tmp_path}", *overrides])
+
+
+def _refuse(*args, **kwargs):
+    raise AssertionError("a model was loaded before the bad input was reported")
 
 
 def test_ckpt_path_last_without_a_checkpoint_warns_once_naming_the_folder(tmp_path):

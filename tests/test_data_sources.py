@@ -17,6 +17,7 @@ from lightning_mem.data import (
     tokenize_example,
     tokenize_rows,
 )
+from lightning_mem.settings import settings_at
 from tests.helpers import TINY_MODEL
 
 ROWS = [{"prompt": f"{a} + {b} =", "completion": str(a + b)} for a in range(4) for b in range(3)]
@@ -32,7 +33,10 @@ def _jsonl(path, rows):
 
 
 def _sft(**kwargs):
-    dm = SFTDataModule(tokenizer=str(TINY_MODEL), max_length=64, batch_size=4, **kwargs)
+    # Built and set up as the recipes' CLI does, so that errors name the config's `data.` keys.
+    with settings_at("data"):
+        dm = SFTDataModule(tokenizer=str(TINY_MODEL), max_length=64, batch_size=4, **kwargs)
+    dm.config_key = "data"
     dm.setup("fit")
     return dm
 
@@ -74,7 +78,7 @@ def test_val_split_of_a_source_without_splits_names_the_key(tmp_path):
     path = _jsonl(tmp_path / "rows.jsonl", ROWS)
     datasets.Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "ds"))  # one Dataset: no splits either
     for source in (path, tmp_path / "ds"):
-        with pytest.raises(ValueError, match=r"`data.val_split` picks a split .* has no splits: set `data.val_file`"):
+        with pytest.raises(ValueError, match=r"`data.val_split` picks a split .* has no splits: set `data.val_file`"), settings_at("data"):
             SFTDataModule(train_file=str(source), tokenizer=str(TINY_MODEL), val_split="validation")
 
 
@@ -119,13 +123,13 @@ def test_hub_load_failure_names_the_key(fake_hub):
 
 def test_source_settings_name_their_keys(tmp_path):
     path = _jsonl(tmp_path / "rows.jsonl", ROWS)
-    with pytest.raises(ValueError, match=r"set exactly one of `data.train_file` .* and `data.dataset`"):
+    with pytest.raises(ValueError, match=r"set exactly one of `data.train_file` .* and `data.dataset`"), settings_at("data"):
         SFTDataModule(tokenizer=str(TINY_MODEL))
-    with pytest.raises(ValueError, match=r"set exactly one of `data.train_file`"):
+    with pytest.raises(ValueError, match=r"set exactly one of `data.train_file`"), settings_at("data"):
         SFTDataModule(train_file=str(path), dataset="org/arith", tokenizer=str(TINY_MODEL))
-    with pytest.raises(ValueError, match=r"`data.subset` .* set `data.dataset` too"):
+    with pytest.raises(ValueError, match=r"`data.subset` .* set `data.dataset` too"), settings_at("data"):
         PromptDataModule(train_file=str(path), subset="easy", tokenizer=str(TINY_MODEL))
-    with pytest.raises(ValueError, match=r"`data.columns` must map"):
+    with pytest.raises(ValueError, match=r"`data.columns` must map"), settings_at("data"):
         SFTDataModule(train_file=str(path), columns={"prompt": 3}, tokenizer=str(TINY_MODEL))
 
 
@@ -270,7 +274,7 @@ def test_garbage_parquet_names_the_file(tmp_path):
 
 def test_directory_given_as_data_file_says_so(tmp_path):
     (tmp_path / "folder").mkdir()
-    with pytest.raises(DataFormatError, match=r"`data.train_file`: '.*folder' is a directory, not a data file"):
+    with pytest.raises(DataFormatError, match=r"`data.train_file`: '.*folder' is a directory, not a data file"), settings_at("data"):
         SFTDataModule(train_file=str(tmp_path / "folder"), tokenizer=str(TINY_MODEL))
 
 

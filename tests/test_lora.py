@@ -8,6 +8,7 @@ import torch
 
 from lightning_mem.lora import LoraSettings, apply_lora, check_lora_targets, linear_module_names, meta_model
 from lightning_mem.models import count_parameters
+from lightning_mem.settings import settings_at
 from lightning_mem.quantization import QuantizationSettings, load_quantized_causal_lm, materialize_random_weights
 from tests.helpers import TINY_MODEL
 
@@ -65,7 +66,7 @@ def test_a_regex_target_is_matched_against_full_names(base):
 )
 def test_targets_that_match_nothing_list_the_linear_modules(targets, bad):
     model = meta_model(str(TINY_MODEL))
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(ValueError) as err, settings_at("model.lora"):  # the key the recipes name
         check_lora_targets(model, LoraSettings(target_modules=targets))
     message = str(err.value)
     assert message.startswith("`model.lora.target_modules`:")
@@ -75,7 +76,7 @@ def test_targets_that_match_nothing_list_the_linear_modules(targets, bad):
 
 
 def test_unknown_modules_to_save_are_named():
-    with pytest.raises(ValueError, match=r"`model.lora.modules_to_save`: \['lm_haed'\] name no module"):
+    with pytest.raises(ValueError, match=r"`model.lora.modules_to_save`: \['lm_haed'\] name no module"), settings_at("model.lora"):
         check_lora_targets(meta_model(str(TINY_MODEL)), LoraSettings(modules_to_save=["lm_haed"]))
 
 
@@ -97,7 +98,7 @@ def test_meta_twin_has_the_real_models_linear_names(base):
     ],
 )
 def test_bad_lora_settings_name_their_key(kwargs, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message), settings_at("model.lora"):  # the key the recipes name
         LoraSettings(**kwargs)
 
 

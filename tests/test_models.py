@@ -32,7 +32,7 @@ def test_dtype_from_string():
 @pytest.mark.parametrize("path", ["./missing-model", "/nowhere/model", "a/b/c"])
 def test_missing_model_path_is_named(path):
     with pytest.raises(FileNotFoundError, match="model.name_or_path.*does not exist"):
-        check_model_source(path)
+        check_model_source(path, key="model.name_or_path")  # the key the recipes pass
 
 
 def test_hub_id_is_accepted_without_touching_the_network():

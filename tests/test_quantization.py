@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lightning_mem.models import config_only_models, has_weights, load_causal_lm
+from lightning_mem.settings import settings_at
 from lightning_mem.quantization import (
     QuantizationSettings,
     build_bnb_config,
@@ -57,14 +58,14 @@ def test_bnb_config_is_nf4_double_quant_with_the_compute_dtype():
     ],
 )
 def test_bad_settings_name_their_key(kwargs, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message), settings_at("model.quantization"):  # the key the recipes name
         QuantizationSettings(**kwargs)
 
 
 def test_placement_checks():
-    with pytest.raises(ValueError, match=r"`model.max_memory` needs `model.device_map`"):
+    with pytest.raises(ValueError, match=r"`model.max_memory` needs `model.device_map`"), settings_at("model"):
         check_placement(None, {0: "20GiB"}, None)
-    with pytest.raises(ValueError, match=r"puts modules on 'disk': set `model.offload_folder`"):
+    with pytest.raises(ValueError, match=r"puts modules on 'disk': set `model.offload_folder`"), settings_at("model"):
         check_placement({"model.layers.0": 0, "model.layers.1": "disk"}, None, None)
     check_placement("auto", {0: "20GiB", "cpu": "64GiB"}, "offload")
 
@@ -270,5 +271,5 @@ def test_built_from_config_is_what_loading_seeded_weights_gives(base, bits, tmp_
 
 
 def test_config_only_refuses_a_device_map():
-    with config_only_models(), pytest.raises(NotImplementedError, match="model.device_map"):
+    with config_only_models(), pytest.raises(NotImplementedError, match="`device_map`"):
         load_quantized_causal_lm(str(TINY_MODEL), FP32, device_map={"": "cpu"})

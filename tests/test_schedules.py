@@ -49,7 +49,7 @@ def test_explicit_total_steps_is_kept():
 def test_warmup_longer_than_the_run_fails_naming_the_key():
     factory = partial(WarmupCosineLR, warmup_steps=20, total_steps=None)
     with pytest.raises(ValueError, match=r"`model.lr_scheduler.init_args.warmup_steps`=20 is longer than the run: 10"):
-        check_schedule(factory, _trainer(max_steps=10))
+        check_schedule(factory, _trainer(max_steps=10), key="model.lr_scheduler")  # the key the recipes pass
     check_schedule(factory, _trainer(max_steps=20))  # fits
 
 

@@ -7,6 +7,7 @@ import logging
 from typing import Any
 
 import torch
+from jsonargparse.typing import PositiveInt
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset
 
@@ -14,6 +15,7 @@ from lightning_mem.batching import TokenBudgetSampler, resume_where_stopped
 from lightning_mem.data.chat import encode_prompt, row_to_prompt_messages
 from lightning_mem.data.rows import DataFormatError, data_source, warn_once
 from lightning_mem.padding import pad_sequences
+from lightning_mem.settings import SettingError, check_arguments, join_key, settings_at
 
 log = logging.getLogger(__name__)
 
@@ -87,14 +89,20 @@ class PromptDataModule(LightningDataModule):
         train_split: the split to read (``"train"``).
         columns: field names of the dataset for the ones read here, e.g. ``{prompt: question}``
             (``answer: solution`` gives a reward rule its ``answer``).
+
+    Errors name the arguments (``batch_size``), under :attr:`config_key` when it is set.
     """
+
+    #: Where a config holds this module's arguments (the recipes' CLI sets ``"data"``), so that
+    #: errors raised while reading name ``data.columns.answer``; empty: the argument alone.
+    config_key: str = ""
 
     def __init__(
         self,
         train_file: str | None = None,
         tokenizer: str | None = None,
-        max_prompt_length: int = 512,
-        batch_size: int = 8,
+        max_prompt_length: PositiveInt = 512,
+        batch_size: PositiveInt = 8,
         system_prompt: str | None = None,
         num_workers: int = 0,
         seed: int = 0,
@@ -107,12 +115,10 @@ class PromptDataModule(LightningDataModule):
         self.source = data_source(train_file, None, dataset, subset, train_split, None, columns)
         self.train_path = self.source.train_file
         self.system_prompt = system_prompt
-        if max_prompt_length <= 0:
-            raise ValueError(f"`data.max_prompt_length` must be positive, got {max_prompt_length}")
-        if batch_size <= 0:
-            raise ValueError(f"`data.batch_size` must be positive, got {batch_size}")
+        # The ranges are the annotations (the CLI checks them while parsing); the same rule here.
+        check_arguments(PromptDataModule.__init__, {"max_prompt_length": max_prompt_length, "batch_size": batch_size})
         if tokenizer is None:
-            raise ValueError("`data.tokenizer` is not set (the recipes link it to `model.name_or_path`)")
+            raise SettingError("tokenizer", " is not set: name the model folder or hub id to load it from")
         self.tokenizer_name = tokenizer
         self.max_prompt_length = max_prompt_length
         self.batch_size = batch_size
@@ -125,9 +131,13 @@ class PromptDataModule(LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
             return
+        with settings_at(self.config_key):  # errors name data.columns... under the recipes' CLI
+            self.train_set = self._load_prompts()
+
+    def _load_prompts(self) -> PromptDataset:
         from lightning_mem.models import load_tokenizer
 
-        self.tokenizer = load_tokenizer(self.tokenizer_name, key="data.tokenizer")
+        self.tokenizer = load_tokenizer(self.tokenizer_name, key="tokenizer")
         where = self.source.describe("train")
         rows = self.source.rows("train")
         prompt_ids, kept = [], []
@@ -144,16 +154,16 @@ class PromptDataModule(LightningDataModule):
             f" max_prompt_length={self.max_prompt_length}"
         )
         if self.dropped:
-            warn_once(summary + "; raise `data.max_prompt_length` to keep them")
+            warn_once(summary + f"; raise `{join_key(self.config_key, 'max_prompt_length')}` to keep them")
         else:
             log.info(summary)
         world = self.trainer.world_size if self.trainer else 1
         if len(kept) < self.batch_size * world:
             raise DataFormatError(
                 f"{where}: {len(kept)} usable prompts, fewer than one step needs"
-                f" (`data.batch_size`={self.batch_size} x {world} ranks)"
+                f" (`{join_key(self.config_key, 'batch_size')}`={self.batch_size} x {world} ranks)"
             )
-        self.train_set = PromptDataset(prompt_ids, kept)
+        return PromptDataset(prompt_ids, kept)
 
     def _with_system_prompt(self, row: dict[str, Any]) -> dict[str, Any]:
         # Written into the row, so that whatever rebuilds the conversation from it later (a reward

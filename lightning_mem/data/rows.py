@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lightning_mem.settings import SettingError, SettingPathError
+
 log = logging.getLogger(__name__)
 
 _FORMATS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
@@ -20,6 +22,11 @@ _FORMATS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
 
 class DataFormatError(ValueError):
     """A data file or row that cannot be used; the message names the file and line."""
+
+
+class DataSettingError(SettingError, DataFormatError):
+    """Data that do not fit a setting (the split it names, a column it maps): a
+    :class:`DataFormatError` that names the setting, relative to the datamodule's arguments."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -33,7 +40,7 @@ def is_saved_dataset(path: Path) -> bool:
 
 
 def check_data_file(path: str | Path, *, key: str) -> Path:
-    """Fail early, naming the config key, when a data file is missing or of an unknown format.
+    """Fail early, naming ``key``, when a data file is missing or of an unknown format.
 
     A folder is accepted when ``datasets`` wrote it with ``save_to_disk``.
     """
@@ -41,14 +48,15 @@ def check_data_file(path: str | Path, *, key: str) -> Path:
     if p.is_dir():
         if is_saved_dataset(p):
             return p
-        raise DataFormatError(
-            f"`{key}`: {str(path)!r} is a directory, not a data file; a folder must be a `datasets` save_to_disk"
-            " folder (with dataset_info.json and state.json, or dataset_dict.json)"
+        raise DataSettingError(
+            key,
+            f": {str(path)!r} is a directory, not a data file; a folder must be a `datasets` save_to_disk"
+            " folder (with dataset_info.json and state.json, or dataset_dict.json)",
         )
     if not p.is_file():
-        raise FileNotFoundError(f"`{key}`: data file {str(path)!r} does not exist")
+        raise SettingPathError(key, f": data file {str(path)!r} does not exist")
     if p.suffix not in _FORMATS:
-        raise DataFormatError(f"`{key}`: {str(path)!r} has an unknown format; use one of {sorted(_FORMATS)}")
+        raise DataSettingError(key, f": {str(path)!r} has an unknown format; use one of {sorted(_FORMATS)}")
     return p
 
 
@@ -128,16 +136,17 @@ def _read_saved(p: Path, split: str | None, split_key: str) -> list[dict[str, An
         raise DataFormatError(f"{p}: not a readable `datasets` save_to_disk folder ({err})") from None
     if isinstance(data, datasets.DatasetDict):
         if split not in data:
-            raise DataFormatError(f"`{split_key}`: {p} holds the splits {sorted(data)}, not {split!r}")
+            raise DataSettingError(split_key, f": {p} holds the splits {sorted(data)}, not {split!r}")
         data, where = data[split], f"{p}[{split}]"
     else:
         where = str(p)
     return [_record(row, f"{where}:row {i}") for i, row in enumerate(data)]
 
 
-def read_rows(path: str | Path, *, split: str | None = "train", split_key: str = "data.train_split") -> list[dict[str, Any]]:
+def read_rows(path: str | Path, *, split: str | None = "train", split_key: str = "split") -> list[dict[str, Any]]:
     """Rows of a JSONL, JSON or Parquet file, or of a ``save_to_disk`` folder (``split`` of a
-    DatasetDict). Each row gets ``_where`` (file and line or row number) for error messages."""
+    DatasetDict; a split it lacks is an error naming ``split_key``). Each row gets ``_where`` (file
+    and line or row number) for error messages."""
     p = Path(path)
     if p.is_dir():
         return _read_saved(p, split, split_key)
@@ -148,7 +157,7 @@ def read_rows(path: str | Path, *, split: str | None = "train", split_key: str =
     return _read_parquet(p)
 
 
-def read_hub_rows(dataset: str, *, subset: str | None, split: str, key: str = "data.dataset") -> list[dict[str, Any]]:
+def read_hub_rows(dataset: str, *, subset: str | None, split: str, key: str = "dataset") -> list[dict[str, Any]]:
     """Rows of a Hugging Face hub dataset: ``datasets.load_dataset(dataset, name=subset, split=split)``.
 
     Downloads go to the ``datasets`` cache (``HF_DATASETS_CACHE``); offline, the cache is used.
@@ -158,12 +167,12 @@ def read_hub_rows(dataset: str, *, subset: str | None, split: str, key: str = "d
     try:
         data = datasets.load_dataset(dataset, name=subset, split=split)
     except Exception as err:
-        raise DataFormatError(f"`{key}`: could not load {dataset!r} (subset={subset!r}, split={split!r}): {err}") from None
+        raise DataSettingError(key, f": could not load {dataset!r} (subset={subset!r}, split={split!r}): {err}") from None
     where = f"{dataset}" + (f"/{subset}" if subset else "") + f"[{split}]"
     return [_record(row, f"{where}:row {i}") for i, row in enumerate(data)]
 
 
-def rename_columns(rows: list[dict[str, Any]], columns: dict[str, str] | None, *, key: str = "data.columns") -> list[dict[str, Any]]:
+def rename_columns(rows: list[dict[str, Any]], columns: dict[str, str] | None, *, key: str = "columns") -> list[dict[str, Any]]:
     """Give the dataset's fields the names this module reads: ``{prompt: question}`` moves each
     row's ``question`` to ``prompt``. A row without a mapped field is an error naming it."""
     if not columns:
@@ -174,19 +183,19 @@ def rename_columns(rows: list[dict[str, Any]], columns: dict[str, str] | None, *
         for ours, theirs in columns.items():
             if theirs not in row:
                 keys = sorted(k for k in row if k != "_where")
-                raise DataFormatError(
-                    f"`{key}.{ours}`: {row.get('_where', 'row')} has no field {theirs!r}; it has {keys}"
-                )
+                raise DataSettingError(f"{key}.{ours}", f": {row.get('_where', 'row')} has no field {theirs!r}; it has {keys}")
             row[ours] = row.pop(theirs)
         out.append(row)
     return out
 
 
-def check_columns(columns: Any, *, key: str = "data.columns") -> dict[str, str] | None:
+def check_columns(columns: Any, *, key: str = "columns") -> dict[str, str] | None:
     if columns is None:
         return None
     if not isinstance(columns, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in columns.items()):
-        raise ValueError(f"`{key}` must map field names this module reads to the dataset's names, e.g. {{prompt: question}}; got {columns!r}")
+        raise SettingError(
+            key, f" must map field names this module reads to the dataset's names, e.g. {{prompt: question}}; got {columns!r}"
+        )
     return dict(columns)
 
 
@@ -196,7 +205,7 @@ def check_columns(columns: Any, *, key: str = "data.columns") -> dict[str, str] 
 class DataSource:
     """A datamodule's rows: local files or ``save_to_disk`` folders, or a Hugging Face hub dataset.
 
-    Built by :func:`data_source`, which checks the settings (naming their keys) without reading data.
+    Built by :func:`data_source`, which checks the settings (naming them) without reading data.
     """
 
     train_file: Path | None = None
@@ -222,13 +231,13 @@ class DataSource:
         """Read the ``"train"`` or ``"val"`` rows, with ``columns`` applied."""
         if which == "train":
             if self.train_file is not None:
-                rows = read_rows(self.train_file, split=self.train_split, split_key="data.train_split")
+                rows = read_rows(self.train_file, split=self.train_split, split_key="train_split")
             else:
                 rows = read_hub_rows(self.dataset, subset=self.subset, split=self.train_split)
         elif self.val_file is not None:
-            rows = read_rows(self.val_file, split=self.val_split, split_key="data.val_split")
+            rows = read_rows(self.val_file, split=self.val_split, split_key="val_split")
         elif self.train_file is not None:
-            rows = read_rows(self.train_file, split=self.val_split, split_key="data.val_split")
+            rows = read_rows(self.train_file, split=self.val_split, split_key="val_split")
         else:
             rows = read_hub_rows(self.dataset, subset=self.subset, split=self.val_split)
         return rename_columns(rows, self.columns)
@@ -247,25 +256,32 @@ def data_source(
     val_split: str | None = None,
     columns: dict[str, str] | None = None,
 ) -> DataSource:
-    """Check a datamodule's data settings, naming the key at fault; reads nothing."""
+    """Check a datamodule's data settings, naming the argument at fault (a
+    :class:`~lightning_mem.settings.SettingError`); reads nothing but folder metadata."""
     if (train_file is None) == (dataset is None):
-        raise ValueError(
-            "set exactly one of `data.train_file` (a JSONL/JSON/Parquet file or a save_to_disk folder) and"
-            f" `data.dataset` (a Hugging Face hub id); got train_file={train_file!r}, dataset={dataset!r}"
+        raise SettingError(
+            "train_file",
+            "set exactly one of `train_file` (a JSONL/JSON/Parquet file or a save_to_disk folder) and"
+            f" `dataset` (a Hugging Face hub id); got train_file={train_file!r}, dataset={dataset!r}",
+            siblings=("dataset",),
         )
     if subset is not None and dataset is None:
-        raise ValueError("`data.subset` names a configuration of a hub dataset: set `data.dataset` too")
+        raise SettingError("subset", " names a configuration of a hub dataset: set `dataset` too", siblings=("dataset",))
     if dataset is not None and not (isinstance(dataset, str) and dataset.strip()):
-        raise ValueError(f"`data.dataset` must be a hub id such as 'trl-lib/Capybara', got {dataset!r}")
-    train_path = check_data_file(train_file, key="data.train_file") if train_file is not None else None
-    val_path = check_data_file(val_file, key="data.val_file") if val_file else None
+        raise SettingError("dataset", f" must be a hub id such as 'trl-lib/Capybara', got {dataset!r}")
+    train_path = check_data_file(train_file, key="train_file") if train_file is not None else None
+    val_path = check_data_file(val_file, key="val_file") if val_file else None
     if val_split is not None and val_path is None and train_path is not None and not _has_splits(train_path):
-        raise ValueError(
-            "`data.val_split` picks a split of `data.dataset` or of a save_to_disk DatasetDict folder;"
-            f" `data.train_file` {str(train_path)!r} has no splits: set `data.val_file` instead"
+        raise SettingError(
+            "val_split",
+            " picks a split of `dataset` or of a save_to_disk DatasetDict folder;"
+            f" `train_file` {str(train_path)!r} has no splits: set `val_file` instead",
+            siblings=("dataset", "train_file", "val_file"),
         )
     if val_path is not None and _has_splits(val_path) and val_split is None:
-        raise ValueError(f"`data.val_split`: `data.val_file` {str(val_path)!r} is a DatasetDict folder; name its split")
+        raise SettingError(
+            "val_split", f": `val_file` {str(val_path)!r} is a DatasetDict folder; name its split", siblings=("val_file",)
+        )
     return DataSource(train_path, val_path, dataset, subset, train_split, val_split, check_columns(columns))
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from jsonargparse.typing import PositiveInt
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset
 
@@ -16,6 +17,7 @@ from lightning_mem.batching import MicroBatch, TokenBudgetSampler, resume_where_
 from lightning_mem.data.chat import encode_rendered, render_with_spans, row_to_conversation
 from lightning_mem.data.rows import DataFormatError, data_source, warn_once
 from lightning_mem.padding import pad_sequences
+from lightning_mem.settings import SettingError, check_arguments, join_key, settings_at
 
 log = logging.getLogger(__name__)
 
@@ -156,16 +158,22 @@ class SFTDataModule(LightningDataModule):
             unless ``val_file`` is set.
         columns: field names of the dataset for the ones read here, e.g. ``{prompt: question,
             completion: answer}``; other fields ride along.
+
+    Errors name the arguments (``max_length``), under :attr:`config_key` when it is set.
     """
+
+    #: Where a config holds this module's arguments (the recipes' CLI sets ``"data"``), so that
+    #: errors raised while reading name ``data.train_split``; empty: the argument alone.
+    config_key: str = ""
 
     def __init__(
         self,
         train_file: str | None = None,
         val_file: str | None = None,
         tokenizer: str | None = None,
-        max_length: int = 1024,
-        batch_size: int | None = 8,
-        max_tokens_per_batch: int | None = None,
+        max_length: PositiveInt = 1024,
+        batch_size: PositiveInt | None = 8,
+        max_tokens_per_batch: PositiveInt | None = None,
         num_workers: int = 0,
         seed: int = 0,
         dataset: str | None = None,
@@ -178,19 +186,21 @@ class SFTDataModule(LightningDataModule):
         # Cheap checks first: a bad path or number fails before any model is loaded.
         self.source = data_source(train_file, val_file, dataset, subset, train_split, val_split, columns)
         self.train_path, self.val_path = self.source.train_file, self.source.val_file
-        if max_length <= 0:
-            raise ValueError(f"`data.max_length` must be positive, got {max_length}")
+        # The ranges are the annotations (the CLI checks them while parsing); the same rule here.
+        numbers = {"max_length": max_length, "batch_size": batch_size, "max_tokens_per_batch": max_tokens_per_batch}
+        check_arguments(SFTDataModule.__init__, numbers)
         if max_tokens_per_batch is not None:
             if max_tokens_per_batch < max_length:
-                raise ValueError(
-                    f"`data.max_tokens_per_batch` ({max_tokens_per_batch}) is below `data.max_length` ({max_length}):"
-                    " the longest sample would not fit a batch"
+                raise SettingError(
+                    "max_tokens_per_batch",
+                    f" ({max_tokens_per_batch}) is below `max_length` ({max_length}): the longest sample would not fit a batch",
+                    siblings=("max_length",),
                 )
             batch_size = None
-        elif batch_size is None or batch_size <= 0:
-            raise ValueError("set `data.batch_size` (> 0) or `data.max_tokens_per_batch`")
+        elif batch_size is None:
+            raise SettingError("batch_size", "set `batch_size` (> 0) or `max_tokens_per_batch`", siblings=("max_tokens_per_batch",))
         if tokenizer is None:
-            raise ValueError("`data.tokenizer` is not set (the recipes link it to `model.name_or_path`)")
+            raise SettingError("tokenizer", " is not set: name the model folder or hub id to load it from")
         self.tokenizer_name = tokenizer
         self.max_length = max_length
         self.batch_size = batch_size
@@ -207,10 +217,11 @@ class SFTDataModule(LightningDataModule):
             return
         from lightning_mem.models import load_tokenizer
 
-        self.tokenizer = load_tokenizer(self.tokenizer_name, key="data.tokenizer")
-        self.train_set = self._load("train")
-        if self.source.has_val:
-            self.val_set = self._load("val")
+        with settings_at(self.config_key):
+            self.tokenizer = load_tokenizer(self.tokenizer_name, key="tokenizer")
+            self.train_set = self._load("train")
+            if self.source.has_val:
+                self.val_set = self._load("val")
 
     def _load(self, name: str) -> TokenizedDataset:
         where = self.source.describe(name)
@@ -218,7 +229,7 @@ class SFTDataModule(LightningDataModule):
         self.stats[name] = stats
         summary = stats.summary(f"{name} ({where})", self.max_length)
         if stats.truncated or stats.dropped:
-            warn_once(summary + "; raise `data.max_length` to keep whole rows")
+            warn_once(summary + f"; raise `{join_key(self.config_key, 'max_length')}` to keep whole rows")
         else:
             log.info(summary)
         if not examples:

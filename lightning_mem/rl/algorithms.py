@@ -19,11 +19,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor
 
-KL_ESTIMATORS = ("k1", "k2", "k3", "abs")
+#: The per-token KL estimators (a YAML setting takes the Literal, code iterates the tuple).
+KLEstimator = Literal["k1", "k2", "k3", "abs"]
+KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
 
 #: ``reduce(tensor) -> tensor`` summing over ranks; the identity in a single process.
 Reduce = Callable[[Tensor], Tensor]

@@ -1,8 +1,10 @@
 """The PPO/GRPO knobs as typed groups, each a YAML section under ``model:``.
 
 Dataclasses rather than loose keyword arguments: LightningCLI checks every key (a typo is an
-error, not a silently ignored setting), ``--print_config`` shows every default, and each group
-validates itself with messages that name the key, before any model is loaded.
+error, not a silently ignored setting), ``--print_config`` shows every default. Ranges are typed
+constraints on the annotations: the parser rejects a bad value naming its full key, before any
+model is loaded, and a group built in Python checks the same annotations (and the rules that relate
+several fields) in ``__post_init__``, naming the field (:mod:`lightning_mem.settings`).
 """
 
 from __future__ import annotations
@@ -10,7 +12,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from lightning_mem.rl.algorithms import KL_ESTIMATORS
+from jsonargparse.typing import (
+    ClosedUnitInterval,
+    NonNegativeFloat,
+    OpenUnitInterval,
+    PositiveFloat,
+    PositiveInt,
+)
+
+from lightning_mem.rl.algorithms import KLEstimator
+from lightning_mem.settings import AtLeastTwo, SettingError, check_fields
+
 
 
 @dataclass
@@ -38,39 +50,21 @@ class PPOConfig:
             several times larger. None: same as ``max_tokens_per_microbatch``.
     """
 
-    ppo_epochs: int = 1
-    num_mini_batches: int = 1
-    clip_ratio: float = 0.2
-    value_clip: float | None = 0.2
-    vf_coef: float = 0.1
-    entropy_coef: float = 0.0
-    max_grad_norm: float | None = 1.0
-    gamma: float = 1.0
-    lam: float = 0.95
+    ppo_epochs: PositiveInt = 1
+    num_mini_batches: PositiveInt = 1
+    clip_ratio: OpenUnitInterval = 0.2
+    value_clip: PositiveFloat | None = 0.2
+    vf_coef: NonNegativeFloat = 0.1
+    entropy_coef: NonNegativeFloat = 0.0
+    max_grad_norm: PositiveFloat | None = 1.0
+    gamma: ClosedUnitInterval = 1.0
+    lam: ClosedUnitInterval = 0.95
     whiten_advantages: bool | None = None
-    max_tokens_per_microbatch: int | None = None
-    logprob_max_tokens_per_microbatch: int | None = None
+    max_tokens_per_microbatch: PositiveInt | None = None
+    logprob_max_tokens_per_microbatch: PositiveInt | None = None
 
-    def validate(self, key: str = "model.ppo") -> None:
-        for name in ("ppo_epochs", "num_mini_batches"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"`{key}.{name}` must be >= 1, got {getattr(self, name)}")
-        if not 0 < self.clip_ratio < 1:
-            raise ValueError(f"`{key}.clip_ratio` must be in (0, 1), got {self.clip_ratio}")
-        if self.value_clip is not None and self.value_clip <= 0:
-            raise ValueError(f"`{key}.value_clip` must be > 0 or null, got {self.value_clip}")
-        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
-            raise ValueError(f"`{key}.max_grad_norm` must be > 0 or null, got {self.max_grad_norm}")
-        for name in ("vf_coef", "entropy_coef"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"`{key}.{name}` must be >= 0, got {getattr(self, name)}")
-        for name in ("gamma", "lam"):
-            if not 0 <= getattr(self, name) <= 1:
-                raise ValueError(f"`{key}.{name}` must be in [0, 1], got {getattr(self, name)}")
-        for name in ("max_tokens_per_microbatch", "logprob_max_tokens_per_microbatch"):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ValueError(f"`{key}.{name}` must be positive or null, got {value}")
+    def __post_init__(self) -> None:
+        check_fields(self)
 
     @property
     def logprob_budget(self) -> int | None:
@@ -93,21 +87,16 @@ class KLConfig:
             False adds ``coef * KL`` to the loss instead (GRPO's way; pair it with ``k3``).
     """
 
-    coef: float = 0.05
-    estimator: str = "k1"
-    target: float | None = None
-    horizon: int = 10000
+    coef: NonNegativeFloat = 0.05
+    estimator: KLEstimator = "k1"
+    target: PositiveFloat | None = None
+    horizon: PositiveInt = 10000
     in_reward: bool = True
 
-    def validate(self, key: str = "model.kl") -> None:
-        if self.coef < 0:
-            raise ValueError(f"`{key}.coef` must be >= 0, got {self.coef}")
-        if self.estimator not in KL_ESTIMATORS:
-            raise ValueError(f"`{key}.estimator` must be one of {KL_ESTIMATORS}, got {self.estimator!r}")
-        if self.target is not None and (self.target <= 0 or self.coef <= 0):
-            raise ValueError(f"`{key}.target` (adaptive KL) needs target > 0 and an initial coef > 0")
-        if self.horizon <= 0:
-            raise ValueError(f"`{key}.horizon` must be positive, got {self.horizon}")
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.target is not None and self.coef <= 0:
+            raise SettingError("target", " (adaptive KL) needs an initial `coef` > 0", siblings=("coef",))
 
     @property
     def enabled(self) -> bool:
@@ -123,12 +112,11 @@ class GRPOConfig:
         scale_rewards: divide by the group's standard deviation (False: Dr. GRPO's centring only).
     """
 
-    group_size: int = 4
+    group_size: AtLeastTwo = 4  # a group of one has nothing to compare its answer with
     scale_rewards: bool = True
 
-    def validate(self, key: str = "model.grpo") -> None:
-        if self.group_size < 2:
-            raise ValueError(f"`{key}.group_size` must be >= 2 (a group of one has nothing to compare), got {self.group_size}")
+    def __post_init__(self) -> None:
+        check_fields(self)
 
 
 @dataclass
@@ -147,9 +135,8 @@ class CriticConfig:
     name_or_path: str | None = None
     dtype: str | None = None
 
-    def validate(self, key: str = "model.critic") -> None:
-        if self.layout not in ("separate", "shared"):
-            raise ValueError(f"`{key}.layout` must be 'separate' or 'shared', got {self.layout!r}")
+    def __post_init__(self) -> None:
+        check_fields(self)
 
 
 @dataclass
@@ -164,4 +151,7 @@ class RewardModelConfig:
 
     name_or_path: str
     dtype: str | None = None
-    max_length: int = 2048
+    max_length: PositiveInt = 2048
+
+    def __post_init__(self) -> None:
+        check_fields(self)

@@ -66,9 +66,12 @@ def load_value_model(
     dtype: str | torch.dtype | None = None,
     attn_implementation: str | None = None,
     trust_remote_code: bool = False,
-    key: str = "model.critic.name_or_path",
+    key: str = "name_or_path",
 ) -> ValueModel:
     """A :class:`ValueModel` whose backbone loads from a causal-LM (or any) checkpoint.
+
+    ``key`` names ``name_or_path`` in errors and warnings (the PPO recipe passes
+    ``model.critic.name_or_path``).
 
     ``AutoModel`` reads the base model's weights out of a ``*ForCausalLM`` checkpoint and skips
     the LM head (vocabulary x hidden parameters the critic would never use). A folder with only a

@@ -27,12 +27,14 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-ENGINES = ("hf", "vllm")
+from lightning_mem.settings import AtLeastOne, AtLeastTwo, LeftOpenUnitInterval, SettingError, check_fields
+
+EngineName = Literal["hf", "vllm"]
 
 
 @dataclass
 class RolloutEngineConfig:
-    """The rollout engine and its memory knobs (YAML ``model.rollout_engine``).
+    """The rollout engine and its memory knobs (in the PPO recipe: ``model.rollout_engine``).
 
     Args:
         name: ``hf`` (Hugging Face ``generate`` on the actor) or ``vllm`` (vLLM in this process;
@@ -56,48 +58,42 @@ class RolloutEngineConfig:
             run samples the same responses.
     """
 
-    name: Literal["hf", "vllm"] = "hf"
-    gpu_memory_utilization: float = 0.3
+    name: EngineName = "hf"
+    gpu_memory_utilization: LeftOpenUnitInterval = 0.3
     enforce_eager: bool = True
-    max_num_seqs: int = 256
-    max_model_len: int | None = None
-    sleep_level: int = 1
-    sync_bucket_mb: int = 256
+    max_num_seqs: AtLeastOne = 256
+    max_model_len: AtLeastTwo | None = None  # a prompt token and a response token at least
+    sleep_level: Literal[0, 1, 2] = 1
+    sync_bucket_mb: AtLeastOne = 256
     dtype: str | None = None
-    cpu_kv_cache_space_gb: int = 1
+    cpu_kv_cache_space_gb: AtLeastOne = 1
     seed: int | None = None
 
-    def validate(self, generation: Any = None, key: str = "model.rollout_engine") -> None:
-        """Check the knobs, and (given the run's :class:`~lightning_mem.rl.rollout.GenerationConfig`)
-        that the generation settings suit this engine. The one place an engine config is checked:
-        the recipe calls it before any model loads, and an engine built directly calls it too."""
-        if self.name not in ENGINES:
-            raise ValueError(f"`{key}.name` must be one of {ENGINES}, got {self.name!r}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"`{key}.gpu_memory_utilization` must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"`{key}.max_num_seqs` must be >= 1, got {self.max_num_seqs}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"`{key}.max_model_len` must be >= 2 or null, got {self.max_model_len}")
-        if self.sleep_level not in (0, 1, 2):
-            raise ValueError(f"`{key}.sleep_level` must be 0, 1 or 2, got {self.sleep_level!r}")
-        if self.sync_bucket_mb < 1:
-            raise ValueError(f"`{key}.sync_bucket_mb` must be >= 1, got {self.sync_bucket_mb}")
-        if self.cpu_kv_cache_space_gb < 1:
-            raise ValueError(f"`{key}.cpu_kv_cache_space_gb` must be >= 1, got {self.cpu_kv_cache_space_gb}")
+    def __post_init__(self) -> None:
+        check_fields(self)  # the ranges are the annotations (the CLI checks them while parsing)
         from lightning_mem.dtypes import resolve_dtype
 
-        resolve_dtype(self.dtype, key=f"{key}.dtype")
+        resolve_dtype(self.dtype, key="dtype")
+
+    def validate(self, generation: Any = None) -> None:
+        """Check that this environment can run the engine and (given the run's
+        :class:`~lightning_mem.rl.rollout.GenerationConfig`) that the generation settings suit it.
+        The one place this is checked: the recipe calls it before any model loads, and an engine
+        built directly calls it too. Errors name ``rollout_engine.<field>`` and
+        ``generation.<field>`` (a recipe names their parent, ``settings_at("model")``)."""
         if self.name == "vllm" and importlib.util.find_spec("vllm") is None:
-            raise ValueError(
-                f"`{key}.name: vllm` needs vLLM, which is not installed in this environment: "
+            raise SettingError(
+                "rollout_engine.name",
+                "`rollout_engine.name: vllm` needs vLLM, which is not installed in this environment: "
                 "`pip install '.[vllm]'` (vLLM's CPU build, in a venv of its own: `make vllm-install`), "
-                "or `pip install vllm` on a CUDA machine"
+                "or `pip install vllm` on a CUDA machine",
             )
         if generation is not None and self.name != "hf" and generation.kv_cache == "static":
-            raise ValueError(
-                f"`model.generation.kv_cache: static` is the Hugging Face engine's; `{key}.name:"
-                f" {self.name}` pages its own KV cache (size it with its knobs)"
+            raise SettingError(
+                "generation.kv_cache",
+                f"`generation.kv_cache: static` is the Hugging Face engine's; `rollout_engine.name: {self.name}`"
+                " pages its own KV cache (size it with its knobs)",
+                siblings=("rollout_engine.name",),
             )
 
 
@@ -137,7 +133,7 @@ def checkpoint_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
             if getattr(module, "modules_to_save", None) is not None and hasattr(module, "original_module"):
                 raise ValueError(
                     "weight sync: peft `modules_to_save` is not supported with an engine of its own; "
-                    "train those modules without it (or use `model.rollout_engine.name: hf`)"
+                    "train those modules without it (or use the `hf` rollout engine)"
                 )
     lora_prefixes: set[str] = set()
     for mod_name, module in base.named_modules():

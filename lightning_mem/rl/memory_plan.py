@@ -22,7 +22,7 @@ weights -> weight sync (the actor's update) -> KV cache, so the largest allocati
 after everything the rollout does not need has left. Each transition is timed
 (``seconds["engine_sync"]``...) and shown to the ``MemoryMonitor`` as a phase of its own.
 
-Example (YAML, ``model.memory_plan``)::
+Example (YAML; in the PPO recipe, ``model.memory_plan``)::
 
     rollout: {actor_optimizer: host, critic_optimizer: host, critic: host, reference: host, reward_model: host}
     score:   {actor_optimizer: host, critic_optimizer: host, reference: device, reward_model: device}
@@ -37,15 +37,16 @@ import contextlib
 import gc
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
+from lightning_mem.settings import SettingError, check_fields
+
 Placement = Literal["device", "host"]
 PHASES = ("rollout", "score", "train")
-_PLACEMENTS = ("device", "host")
 
 #: What each phase computes with: those must be on the device during it.
 USED_IN_PHASE: dict[str, tuple[str, ...]] = {
@@ -69,6 +70,9 @@ class PhasePlacement:
     critic: Placement = "device"
     reference: Placement = "device"
     reward_model: Placement = "device"
+
+    def __post_init__(self) -> None:
+        check_fields(self)  # each field is a Literal, which the CLI checks while parsing
 
 
 @dataclass
@@ -101,19 +105,17 @@ class PhaseMemoryPlan:
             raise ValueError(f"unknown phase {phase!r}; the phases are {PHASES}")
         return getattr(self, phase)
 
-    def validate(self, key: str = "model.memory_plan") -> None:
-        """Reject a plan that would compute with a component parked on the host."""
+    def validate(self) -> None:
+        """Reject a plan that would compute with a component parked on the host (errors name
+        ``<phase>.<component>``; a recipe names where the plan sits, ``settings_at("model.memory_plan")``)."""
         for phase in PHASES:
             placement = self.placement(phase)
-            for f in fields(placement):
-                value = getattr(placement, f.name)
-                if value not in _PLACEMENTS:
-                    raise ValueError(f"`{key}.{phase}.{f.name}` must be 'device' or 'host', got {value!r}")
             for component in USED_IN_PHASE[phase]:
                 if getattr(placement, component) != "device":
-                    raise ValueError(
-                        f"`{key}.{phase}.{component}` is 'host', but the {phase} phase computes with the"
-                        f" {component.replace('_', ' ')}: it must be 'device' there"
+                    raise SettingError(
+                        f"{phase}.{component}",
+                        f" is 'host', but the {phase} phase computes with the"
+                        f" {component.replace('_', ' ')}: it must be 'device' there",
                     )
 
     def offloads_modules(self) -> list[str]:

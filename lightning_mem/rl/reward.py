@@ -104,9 +104,11 @@ def load_reward_model(
     dtype: str | torch.dtype | None = None,
     trust_remote_code: bool = False,
     max_length: int = 2048,
-    key: str = "model.reward_model.name_or_path",
+    key: str = "name_or_path",
 ) -> RewardModel:
     """Load ``AutoModelForSequenceClassification`` (one label) and its tokenizer as a :class:`RewardModel`.
+
+    ``key`` names ``name_or_path`` in errors (the PPO recipe passes ``model.reward_model.name_or_path``).
 
     A folder with only a config (the tiny test model) initialises the head and backbone at random.
     """

@@ -13,15 +13,17 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
 import torch
+from jsonargparse.typing import NonNegativeInt, PositiveFloat, PositiveInt
 from torch import Tensor
 
 from lightning_mem.padding import pad_sequences
+from lightning_mem.settings import LeftOpenUnitInterval, check_fields
 
 
 
 @dataclass
 class GenerationConfig:
-    """How the actor samples responses (YAML: ``model.generation``).
+    """How the actor samples responses (in the PPO recipe: ``model.generation``).
 
     Args:
         max_new_tokens: response length cap; a response that reaches it without an end-of-sequence
@@ -36,24 +38,16 @@ class GenerationConfig:
             between rollouts unless the memory plan frees it (``free_kv_cache``).
     """
 
-    max_new_tokens: int = 32
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    max_new_tokens: PositiveInt = 32
+    temperature: PositiveFloat = 1.0
+    top_p: LeftOpenUnitInterval = 1.0
+    top_k: NonNegativeInt = 0
     do_sample: bool = True
     kv_cache: Literal["dynamic", "static"] = "dynamic"
 
-    def validate(self, key: str = "model.generation") -> None:
-        if self.max_new_tokens <= 0:
-            raise ValueError(f"`{key}.max_new_tokens` must be positive, got {self.max_new_tokens}")
-        if self.temperature <= 0:
-            raise ValueError(f"`{key}.temperature` must be > 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"`{key}.top_p` must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"`{key}.top_k` must be >= 0, got {self.top_k}")
-        if self.kv_cache not in ("dynamic", "static"):
-            raise ValueError(f"`{key}.kv_cache` must be 'dynamic' or 'static', got {self.kv_cache!r}")
+    def __post_init__(self) -> None:
+        # Every rule is a typed constraint: the CLI checks them while parsing, this in Python.
+        check_fields(self)
 
 
 @dataclass
@@ -257,7 +251,6 @@ class RolloutEngine:
     weights_lost_in_sleep = False
 
     def __init__(self, config: GenerationConfig, *, eos_token_ids: list[int], pad_token_id: int) -> None:
-        config.validate()
         self.config = config
         self.eos_token_ids = list(eos_token_ids)
         self.pad_token_id = pad_token_id

@@ -40,8 +40,10 @@ from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from jsonargparse.typing import NonNegativeInt, PositiveInt
+
 from lightning_mem.export import local_state_dict
-from lightning_mem.strategies.zero_config import OffloadArg, ZeroTier, deepspeed_config, precision_config, zero_tier
+from lightning_mem.strategies.zero_config import OffloadArg, ZeroStage, ZeroTier, deepspeed_config, precision_config, zero_tier
 
 if TYPE_CHECKING:
     import deepspeed
@@ -77,17 +79,17 @@ class ZeroStrategy(DeepSpeedStrategy):
         self,
         preset: str | None = None,
         *,
-        stage: int | None = None,
+        stage: ZeroStage | None = None,
         offload_optimizer: OffloadArg | None = None,
         offload_params: OffloadArg | None = None,
         nvme_path: str | None = None,
         pin_memory: bool | None = None,
-        reduce_bucket_size: int | None = None,
-        allgather_bucket_size: int | None = None,
-        prefetch_bucket_size: int | None = None,
-        param_persistence_threshold: int | None = None,
-        max_live_parameters: int | None = None,
-        sub_group_size: int | None = None,
+        reduce_bucket_size: PositiveInt | None = None,
+        allgather_bucket_size: PositiveInt | None = None,
+        prefetch_bucket_size: PositiveInt | None = None,
+        param_persistence_threshold: NonNegativeInt | None = None,
+        max_live_parameters: PositiveInt | None = None,
+        sub_group_size: PositiveInt | None = None,
         overlap_comm: bool | None = None,
         contiguous_gradients: bool | None = None,
         cpu_adam: bool = True,

@@ -16,13 +16,18 @@ import copy
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Union
+from typing import Any, Literal, Union, get_args
+
+from jsonargparse.typing import NonNegativeInt, PositiveInt
+
+from lightning_mem.settings import field_problems
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
 # What a user may write in YAML: `offload_optimizer: cpu`, or `true` as a short form of `cpu`.
 OffloadArg = Union[bool, Literal["none", "cpu", "nvme"]]
+ZeroStage = Literal[2, 3]
 
-_OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+_OFFLOAD_DEVICES: tuple[str, ...] = get_args(OffloadDevice)
 
 # DeepSpeed's own stage-2/3 defaults, written out so a config dict states every choice it makes.
 DEFAULT_BUCKET_SIZE = 500_000_000
@@ -80,17 +85,17 @@ class ZeroTier:
             and the step do not fragment memory.
     """
 
-    stage: int = 2
+    stage: ZeroStage = 2
     offload_optimizer: OffloadDevice = "none"
     offload_params: OffloadDevice = "none"
     nvme_path: str | None = None
     pin_memory: bool = True
-    reduce_bucket_size: int = DEFAULT_BUCKET_SIZE
-    allgather_bucket_size: int = DEFAULT_BUCKET_SIZE
-    prefetch_bucket_size: int = DEFAULT_PREFETCH_BUCKET_SIZE
-    param_persistence_threshold: int = DEFAULT_PARAM_PERSISTENCE_THRESHOLD
-    max_live_parameters: int = DEFAULT_MAX_LIVE_PARAMETERS
-    sub_group_size: int = DEFAULT_SUB_GROUP_SIZE
+    reduce_bucket_size: PositiveInt = DEFAULT_BUCKET_SIZE
+    allgather_bucket_size: PositiveInt = DEFAULT_BUCKET_SIZE
+    prefetch_bucket_size: PositiveInt = DEFAULT_PREFETCH_BUCKET_SIZE
+    param_persistence_threshold: NonNegativeInt = DEFAULT_PARAM_PERSISTENCE_THRESHOLD
+    max_live_parameters: PositiveInt = DEFAULT_MAX_LIVE_PARAMETERS
+    sub_group_size: PositiveInt = DEFAULT_SUB_GROUP_SIZE
     overlap_comm: bool = True
     contiguous_gradients: bool = True
 
@@ -245,11 +250,10 @@ def _offload_device(name: str, value: Any) -> str:
 
 
 def _validate(tier: ZeroTier) -> None:
-    if tier.stage not in (2, 3):
-        raise ValueError(f"stage={tier.stage!r}: ZeRO tiers are stage 2 or 3")
-    for name in ("offload_optimizer", "offload_params"):
-        if getattr(tier, name) not in _OFFLOAD_DEVICES:
-            raise ValueError(f"{name}={getattr(tier, name)!r} is not an offload device; use one of {list(_OFFLOAD_DEVICES)}")
+    # Each field's type and range is its annotation (the CLI checks them while parsing the
+    # strategy's arguments); named here as keyword arguments, as zero_tier takes them.
+    for name, value, problem in field_problems(tier):
+        raise ValueError(f"{name}={value!r} {problem}")
     if tier.offloads_params and tier.stage != 3:
         raise ValueError(
             f"offload_params={tier.offload_params!r} needs stage=3: at stage {tier.stage} every GPU keeps the full"
@@ -263,22 +267,6 @@ def _validate(tier: ZeroTier) -> None:
             f"nvme_path={tier.nvme_path!r} is set but nothing is offloaded to NVMe; set offload_optimizer and/or"
             " offload_params to 'nvme', or drop nvme_path"
         )
-    for name in (
-        "reduce_bucket_size",
-        "allgather_bucket_size",
-        "prefetch_bucket_size",
-        "max_live_parameters",
-        "sub_group_size",
-    ):
-        value = getattr(tier, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name}={value!r} must be a positive integer (a number of elements)")
-    threshold = tier.param_persistence_threshold
-    if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
-        raise ValueError(f"param_persistence_threshold={threshold!r} must be a non-negative integer")
-    for name in ("pin_memory", "overlap_comm", "contiguous_gradients"):
-        if not isinstance(getattr(tier, name), bool):
-            raise ValueError(f"{name}={getattr(tier, name)!r} must be true or false")
 
 
 def _deep_merge(base: dict[str, Any], extra: Mapping[str, Any]) -> None:

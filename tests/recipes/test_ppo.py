@@ -4,6 +4,8 @@ model variants run; and the tiny end-to-end run (SFT warm-up, then PPO) raises t
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from lightning.pytorch import Trainer, seed_everything
@@ -370,9 +372,11 @@ def test_reward_rule_and_reward_model_together(tmp_path, no_model_load):
         _cli(tmp_path, f"--model.reward_model.name_or_path={TINY_MODEL}")
 
 
-def test_grpo_group_of_one(tmp_path, no_model_load):
-    with pytest.raises(ValueError, match=r"`model.grpo.group_size` must be >= 2"):
+def test_grpo_group_of_one(tmp_path, no_model_load, capsys):
+    # A typed constraint (AtLeastTwo): the parser refuses it, naming the key, before anything is built.
+    with pytest.raises(SystemExit):
         _cli(tmp_path, "--model.advantage_estimator=grpo", "--model.grpo.group_size=1")
+    assert re.search(r'"model.grpo.group_size":\s+Not of type AtLeastTwo: 1 does not conform to restriction v>=2', capsys.readouterr().err)
 
 
 def test_lora_target_typo_fails_before_the_policy_loads(tmp_path, no_model_load):

@@ -18,13 +18,14 @@ from lightning_mem.rl.engines import (
 )
 from lightning_mem.rl.memory_plan import PhaseMemory, PhaseMemoryPlan
 from lightning_mem.rl.rollout import GenerationConfig, RolloutEngine
+from lightning_mem.settings import settings_at
 from tests.helpers import TINY_MODEL
 
 
 @pytest.mark.parametrize(
     "field, value, match",
     [
-        ("name", "sglang", r"`model.rollout_engine.name` must be one of \('hf', 'vllm'\)"),
+        ("name", "sglang", r"`model.rollout_engine.name` must be 'hf' or 'vllm'"),
         ("gpu_memory_utilization", 1.5, r"`model.rollout_engine.gpu_memory_utilization` must be in \(0, 1\]"),
         ("max_num_seqs", 0, r"`model.rollout_engine.max_num_seqs` must be >= 1"),
         ("sleep_level", 3, r"`model.rollout_engine.sleep_level` must be 0, 1 or 2"),
@@ -33,13 +34,14 @@ from tests.helpers import TINY_MODEL
     ],
 )
 def test_bad_engine_config_names_the_key(field, value, match):
-    with pytest.raises(ValueError, match=match):
-        RolloutEngineConfig(**{field: value}).validate()
+    # Named as the PPO recipe names the section (the library names the field alone).
+    with pytest.raises(ValueError, match=match), settings_at("model.rollout_engine"):
+        RolloutEngineConfig(**{field: value})
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
 def test_vllm_engine_without_vllm_says_how_to_install():
-    with pytest.raises(ValueError, match=r"`model.rollout_engine.name: vllm` needs vLLM.*pip install '\.\[vllm\]'"):
+    with pytest.raises(ValueError, match=r"`model.rollout_engine.name: vllm` needs vLLM.*pip install '\.\[vllm\]'"), settings_at("model"):
         RolloutEngineConfig(name="vllm").validate()
 
 
@@ -52,7 +54,7 @@ def test_static_kv_cache_is_the_hf_engines_only(monkeypatch):
     RolloutEngineConfig(name="hf").validate(static)
     RolloutEngineConfig(name="vllm").validate(GenerationConfig())
     with pytest.raises(ValueError, match=r"`model.generation.kv_cache: static` is the Hugging Face engine's; "
-                                         r"`model.rollout_engine.name: vllm` pages its own KV cache"):
+                                         r"`model.rollout_engine.name: vllm` pages its own KV cache"), settings_at("model"):
         RolloutEngineConfig(name="vllm").validate(static)
 
 

@@ -7,6 +7,7 @@ from torch import nn
 
 from lightning_mem.offload import module_location, optimizer_state_location
 from lightning_mem.rl.memory_plan import PhaseMemory, PhaseMemoryPlan, PhasePlacement
+from lightning_mem.settings import settings_at
 
 
 def gpu_tier_plan(**kwargs) -> PhaseMemoryPlan:
@@ -149,12 +150,12 @@ def test_kv_cache_freed_after_rollout_only_when_asked():
 )
 def test_a_component_cannot_be_on_the_host_in_a_phase_that_uses_it(phase, component):
     plan = PhaseMemoryPlan(**{phase: PhasePlacement(**{component: "host"})})
-    with pytest.raises(ValueError, match=rf"`model.memory_plan.{phase}.{component}` is 'host', but the {phase} phase"):
+    with pytest.raises(ValueError, match=rf"`model.memory_plan.{phase}.{component}` is 'host', but the {phase} phase"), settings_at("model.memory_plan"):
         plan.validate()
 
 
 def test_unknown_placement_is_named():
-    with pytest.raises(ValueError, match=r"`model.memory_plan.rollout.reference` must be 'device' or 'host', got 'gpu'"):
+    with pytest.raises(ValueError, match=r"`model.memory_plan.rollout.reference` must be 'device' or 'host', got 'gpu'"), settings_at("model.memory_plan.rollout"):
         PhaseMemoryPlan(rollout=PhasePlacement(reference="gpu")).validate()
 
 

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from lightning_mem.data import DataFormatError, FullBatchSampler, PromptDataModule, row_to_prompt_messages
+from lightning_mem.settings import settings_at
 from tests.helpers import ARITH, TINY_MODEL
 
 
@@ -54,9 +55,9 @@ def test_every_rank_gets_full_equal_batches():
 
 
 def test_bad_settings_name_their_key(tmp_path):
-    with pytest.raises(FileNotFoundError, match="`data.train_file`"):
+    with pytest.raises(FileNotFoundError, match="`data.train_file`"), settings_at("data"):
         PromptDataModule(str(tmp_path / "none.jsonl"), tokenizer=str(TINY_MODEL))
-    with pytest.raises(ValueError, match="`data.batch_size` must be positive"):
+    with pytest.raises(ValueError, match="`data.batch_size` must be positive"), settings_at("data"):  # as the recipes name it
         PromptDataModule(str(ARITH / "prompts.jsonl"), tokenizer=str(TINY_MODEL), batch_size=0)
 
 

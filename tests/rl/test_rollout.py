@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from lightning_mem.models import load_causal_lm
+from lightning_mem.settings import settings_at
 from lightning_mem.rl.rollout import (
     GenerationConfig,
     RolloutEngine,
@@ -94,7 +95,8 @@ def test_rollout_engine_static_cache_is_kept_until_freed(tiny):
 
 
 def test_generation_config_names_the_bad_key():
-    with pytest.raises(ValueError, match=r"`model.generation.top_p` must be in \(0, 1\]"):
-        GenerationConfig(top_p=1.5).validate()
-    with pytest.raises(ValueError, match="`model.generation.max_new_tokens` must be positive"):
-        GenerationConfig(max_new_tokens=0).validate()
+    # Named as the PPO recipe names the section (the library names the field alone).
+    with pytest.raises(ValueError, match=r"`model.generation.top_p` must be in \(0, 1\]"), settings_at("model.generation"):
+        GenerationConfig(top_p=1.5)
+    with pytest.raises(ValueError, match="`model.generation.max_new_tokens` must be positive"), settings_at("model.generation"):
+        GenerationConfig(max_new_tokens=0)
