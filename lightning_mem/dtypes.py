@@ -44,6 +44,6 @@ def resolve_dtype(value: str | torch.dtype | None, *, key: str = "dtype") -> tor
             return DTYPE_NAMES[name]
     raise SettingError(
         key,
-        f": unknown dtype {value!r} (`{key}={value!r}` is not a floating-point dtype); use one of "
+        f": unknown dtype {value!r} ({key}={value!r} is not a floating-point dtype); use one of "
         f"{sorted(DTYPE_NAMES)}, a torch.dtype, or 'auto'/null to keep the checkpoint's own",
     )
