@@ -24,7 +24,6 @@ from lightning_mem.rl.algorithms import KLEstimator
 from lightning_mem.settings import AtLeastTwo, SettingError, check_fields
 
 
-
 @dataclass
 class PPOConfig:
     """The update (YAML ``model.ppo``).
