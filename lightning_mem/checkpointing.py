@@ -224,7 +224,9 @@ class ResumeCheck(Callback):
 # -- checkpoint only what trains -----------------------------------------------------------------
 
 
-def _trainable_names(module: torch.nn.Module) -> set[str]:
+def trainable_names(module: torch.nn.Module) -> set[str]:
+    """The names of ``module``'s parameters that train (``requires_grad``): what a checkpoint keeps
+    and what a ``trainable_only`` export gathers."""
     return {name for name, param in module.named_parameters() if param.requires_grad}
 
 
@@ -238,7 +240,7 @@ def keep_trainable(module: torch.nn.Module, checkpoint: dict[str, Any]) -> None:
     (DeepSpeed saves them itself) leaves no ``state_dict`` here, and nothing is done.
     """
     if "state_dict" in checkpoint:
-        keep = _trainable_names(module)
+        keep = trainable_names(module)
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in keep}
 
 
@@ -248,7 +250,7 @@ def check_trainable_kept(module: torch.nn.Module, checkpoint: dict[str, Any]) ->
     silently fresh adapter)."""
     if "state_dict" not in checkpoint:
         return
-    missing = sorted(_trainable_names(module) - set(checkpoint["state_dict"]))
+    missing = sorted(trainable_names(module) - set(checkpoint["state_dict"]))
     if missing:
         raise KeyError(f"the checkpoint lacks {len(missing)} trainable tensors, e.g. {missing[:3]}")
 

@@ -8,7 +8,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from lightning_mem.checkpointing import saved_module_keys, staged_directory
+from lightning_mem.checkpointing import saved_module_keys, staged_directory, trainable_names
 
 
 @runtime_checkable
@@ -41,7 +41,7 @@ def full_state_dict(module: torch.nn.Module, *, trainable_only: bool = False) ->
     options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
     state = get_model_state_dict(module, options=options)
     if trainable_only:  # the gathered dict keeps buffers too
-        trainable = _trainable(module)
+        trainable = trainable_names(module)
         state = {name: t for name, t in state.items() if name in trainable}
     return state
 
@@ -49,12 +49,8 @@ def full_state_dict(module: torch.nn.Module, *, trainable_only: bool = False) ->
 def local_state_dict(module: torch.nn.Module, *, trainable_only: bool = False) -> dict[str, Tensor]:
     """``module``'s own tensors copied to the host, when they are whole on this rank (not sharded);
     ``trainable_only``: its trainable parameters only, the rest is not copied."""
-    trainable = _trainable(module) if trainable_only else None
+    trainable = trainable_names(module) if trainable_only else None
     return {name: t.detach().cpu() for name, t in module.state_dict().items() if trainable is None or name in trainable}
-
-
-def _trainable(module: torch.nn.Module) -> set[str]:
-    return {name for name, param in module.named_parameters() if param.requires_grad}
 
 
 def gather_state_dict(trainer: Any, model: torch.nn.Module, *, trainable_only: bool = False) -> dict[str, Tensor] | None:
