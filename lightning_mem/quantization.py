@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from lightning_mem.dtypes import resolve_dtype
-from lightning_mem.settings import SettingError, check_fields
+from lightning_mem.settings import SettingError, SettingNotSupported, check_fields
 from lightning_mem.models import building_config_only, has_weights, load_causal_lm, load_tokenizer
 
 
@@ -176,9 +176,10 @@ def load_quantized_causal_lm(
     path = str(name_or_path)
     if Path(path).is_dir() and not has_weights(path) and building_config_only():
         if device_map is not None:
-            raise NotImplementedError(
-                "`device_map`: a base placed over several devices (or host, or disk) cannot be built "
-                "from its config alone, so the memory estimator does not cover it"
+            raise SettingNotSupported(
+                "device_map",
+                ": a base placed over several devices (or host, or disk) cannot be built "
+                "from its config alone, so the memory estimator does not cover it",
             )
         return quantized_causal_lm_from_config(
             path, settings, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code

@@ -77,6 +77,10 @@ class SettingPathError(SettingError, FileNotFoundError):
     """A path setting that names nothing on disk (a ``FileNotFoundError`` too)."""
 
 
+class SettingNotSupported(SettingError, NotImplementedError):
+    """A setting this code path cannot honour yet (a ``NotImplementedError`` too)."""
+
+
 def join_key(*parts: str) -> str:
     """``join_key("data", "max_length")`` -> ``"data.max_length"``; empty parts are left out."""
     return ".".join(part for part in parts if part)

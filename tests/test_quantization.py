@@ -273,3 +273,10 @@ def test_built_from_config_is_what_loading_seeded_weights_gives(base, bits, tmp_
 def test_config_only_refuses_a_device_map():
     with config_only_models(), pytest.raises(NotImplementedError, match="`device_map`"):
         load_quantized_causal_lm(str(TINY_MODEL), FP32, device_map={"": "cpu"})
+
+
+def test_config_only_device_map_error_names_the_recipes_key():
+    # The QLoRA recipe loads its base under settings_at("model"): the same error names its YAML key.
+    with config_only_models(), pytest.raises(NotImplementedError, match=r"^`model\.device_map`: a base placed"):
+        with settings_at("model"):
+            load_quantized_causal_lm(str(TINY_MODEL), FP32, device_map={"": "cpu"})
