@@ -211,10 +211,8 @@ class PPOModule(LightningModule):
         if reward_model is not None:
             check_model_source(reward_model.name_or_path, key="model.reward_model.name_or_path")
             resolve_dtype(reward_model.dtype, key="model.reward_model.dtype")
-        try:
+        with settings_at("model"):
             reference_policy(reference, kl_enabled=kl.enabled, lora=lora is not None)
-        except ValueError as err:
-            raise ValueError(f"`model.reference`: {err} (`model.lora`)") from None
         if lora is not None:
             # On a meta-device twin: a target typo fails here, before the policy is read.
             with settings_at("model.lora"):

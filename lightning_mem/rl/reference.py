@@ -13,9 +13,11 @@ its logprobs exactly as the actor's are computed (same chunking, same temperatur
 
 from __future__ import annotations
 
-from typing import Callable, Literal
+from typing import Callable, Literal, get_args
 
 from torch import Tensor, nn
+
+from lightning_mem.settings import SettingError
 
 ReferenceMode = Literal["auto", "copy", "adapters_off"]
 
@@ -63,15 +65,20 @@ class AdaptersOff:
 
 def reference_policy(mode: ReferenceMode, *, kl_enabled: bool, lora: bool) -> FrozenCopy | AdaptersOff | None:
     """The reference a run needs: none without a KL penalty; ``auto`` switches a LoRA actor's
-    adapters off and copies any other actor."""
+    adapters off and copies any other actor. A mode the actor cannot have is an error either way.
+
+    Raises:
+        SettingError: naming ``reference`` (and ``lora``).
+    """
+    if mode not in get_args(ReferenceMode):
+        raise SettingError("reference", f" must be 'auto', 'copy' or 'adapters_off', got {mode!r}")
+    if mode == "adapters_off" and not lora:
+        raise SettingError(
+            "reference", ": `adapters_off` needs LoRA adapters on the actor (`lora`); without them there is nothing to disable",
+            siblings=("lora",),
+        )
     if not kl_enabled:
         return None
     if mode == "auto":
         mode = "adapters_off" if lora else "copy"
-    if mode == "adapters_off":
-        if not lora:
-            raise ValueError("reference `adapters_off` needs LoRA adapters on the actor: without them there is nothing to disable")
-        return AdaptersOff()
-    if mode == "copy":
-        return FrozenCopy()
-    raise ValueError(f"reference must be 'auto', 'copy' or 'adapters_off', got {mode!r}")
+    return AdaptersOff() if mode == "adapters_off" else FrozenCopy()

@@ -10,6 +10,7 @@ from peft import LoraConfig, get_peft_model
 from lightning_mem.models import load_causal_lm
 from lightning_mem.rl.reference import AdaptersOff, FrozenCopy, disable_dropout, reference_policy
 from lightning_mem.rl.rollout import Experience, policy_forward
+from lightning_mem.settings import SettingError, settings_at
 from tests.helpers import TINY_MODEL
 
 
@@ -38,6 +39,15 @@ def test_no_reference_without_a_kl_penalty_and_auto_follows_the_actor():
     assert isinstance(reference_policy("copy", kl_enabled=True, lora=True), FrozenCopy)
     with pytest.raises(ValueError, match="`adapters_off` needs LoRA adapters"):
         reference_policy("adapters_off", kl_enabled=True, lora=False)
+
+
+def test_a_reference_the_actor_cannot_have_is_refused_even_without_a_kl_penalty():
+    # A config error whatever the KL setting, named under the recipe's key.
+    with pytest.raises(SettingError, match=r"^`model.reference`: `adapters_off` needs .* \(`model.lora`\)"):
+        with settings_at("model"):
+            reference_policy("adapters_off", kl_enabled=False, lora=False)
+    with pytest.raises(SettingError, match=r"^`reference` must be 'auto', 'copy' or 'adapters_off', got 'frozen'"):
+        reference_policy("frozen", kl_enabled=False, lora=True)
 
 
 def test_frozen_copy_is_frozen_in_eval_without_dropout_and_scores_itself():
