@@ -483,15 +483,15 @@ class PPOModule(LightningModule):
     # 5. Update ----------------------------------------------------------------------------------
     def update(self, exp: Experience) -> dict[str, Tensor]:
         totals: dict[str, Tensor] = {}
-        plan = step_io(self.trainer).micro_batches
-        for _ in range(self.ppo.ppo_epochs):
+        io = step_io(self.trainer)
+        for _ in io.repeats(range(self.ppo.ppo_epochs)):
             order = torch.randperm(len(exp), device=self.device)
-            for mini_idx in torch.tensor_split(order, self.ppo.num_mini_batches):
+            for mini_idx in io.repeats(torch.tensor_split(order, self.ppo.num_mini_batches)):
                 mini = exp.select(mini_idx)
                 # The loss is a token mean over the whole mini-batch on all ranks, whatever the split.
                 tokens = self._sum_over_ranks(mini.response_mask.sum().float())
                 scale = self.trainer.world_size / tokens
-                for idx in plan(
+                for idx in io.micro_batches(
                     mini.sequence_lengths, self.ppo.max_tokens_per_microbatch, agree_on_count=self.agree_on_count
                 ):
                     loss, terms = self.loss(mini.select(idx))
