@@ -260,6 +260,13 @@ class Sharding:
     # unit's gradients are whole on the device, and its reduce-scatter input stays allocated until
     # the next unit reduces (see :class:`_GradientFlight`).
     unit_gradients: bool = False
+    # FSDP2's mixed precision: units are gathered, and compute, in ``param_dtype``; gradients are
+    # reduce-scattered in ``reduce_dtype`` (None: ``param_dtype``) onto shards of the parameters' own dtype.
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    # FSDP2's reshard_after_forward: True frees a unit after its forward; False keeps a trained
+    # model's units gathered from their forward until their backward; an int k keeps a 1/k copy.
+    reshard_after_forward: bool | int = True
 
 
 def sharding_of(strategy: Any) -> Sharding:
@@ -268,9 +275,12 @@ def sharding_of(strategy: Any) -> Sharding:
     name = type(strategy).__name__
     if hasattr(strategy, "_cpu_offload") and hasattr(strategy, "_reshard_after_forward"):  # FSDP2Strategy
         cats = ("weights", "gradients", "optimizer_state")
-        return Sharding("FSDP2" + (" + CPU offload" if strategy.cpu_offload else ""), cats,
+        reshard = strategy._reshard_after_forward
+        precision = f", compute in {str(strategy._param_dtype).removeprefix('torch.')}" if strategy._param_dtype else ""
+        return Sharding("FSDP2" + (" + CPU offload" if strategy.cpu_offload else "") + precision, cats,
                         cats if strategy.cpu_offload else (), gathered_units=2, forward_gathered_units=3,
-                        unit_gradients=True)
+                        unit_gradients=True, param_dtype=strategy._param_dtype, reduce_dtype=strategy._reduce_dtype,
+                        reshard_after_forward=reshard)
     tier = getattr(strategy, "tier", None)
     if tier is not None:  # ZeroStrategy
         shard = ("gradients", "optimizer_state") + (("weights",) if tier.stage == 3 else ())
@@ -289,7 +299,8 @@ def sharding_of(strategy: Any) -> Sharding:
 def shard_per_rank(breakdown: dict[str, int], host: int, sharding: Sharding, world_size: int,
                    unit_bytes: tuple[int, int], grad_element_size: int = 4, *, gathered: bool = True,
                    in_flight: tuple[int, int] | None = None,
-                   gathered_units: int | None = None) -> tuple[dict[str, int], int]:
+                   gathered_units: int | None = None, scales: dict[str, float] | None = None,
+                   resident: int = 0) -> tuple[dict[str, int], int]:
     """Per-rank device breakdown and host bytes of one unsharded measurement under ``sharding``.
 
     A sharded category holds 1/world_size of its measured bytes per rank (on the host when
@@ -302,12 +313,17 @@ def shard_per_rank(breakdown: dict[str, int], host: int, sharding: Sharding, wor
     overrides the sharding's count of gathered blocks (1 in a model's last block of backward).
     DeepSpeed's reduce buckets (``bucket_elements`` of ``grad_element_size`` bytes, no more than the
     gradients) stay on the device; a gradient partition it offloads is fp32 on the host.
+    ``scales``: per category, the sharded bytes per measured byte (the run computed in FSDP2's
+    ``param_dtype`` while the shards keep their own dtype: fp32 shards of a bf16 computation are 2).
+    ``resident``: bytes of units a ``reshard_after_forward`` other than True keeps after their forward.
     """
     measured_grads = breakdown["gradients"]
     out = dict(breakdown)
     unreduced, buffered = in_flight if in_flight is not None and gathered else (0, 0)
+    scales = scales or {}
     for cat in sharding.shard:
-        share = math.ceil((breakdown[cat] - (unreduced if cat == "gradients" else 0)) / world_size)
+        measured = breakdown[cat] - (unreduced if cat == "gradients" else 0)
+        share = math.ceil(measured * scales.get(cat, 1.0) / world_size)
         if cat in sharding.host:
             out[cat] = 0
             host += share * 4 // grad_element_size if cat == "gradients" and sharding.master_weights else share
@@ -316,9 +332,9 @@ def shard_per_rank(breakdown: dict[str, int], host: int, sharding: Sharding, wor
     if "weights" in sharding.shard and sharding.gathered_units and gathered:
         block, root = unit_bytes
         units = sharding.gathered_units if gathered_units is None else gathered_units
-        out["weights"] += min(units * block + root, breakdown["weights"])
+        out["weights"] += min(units * block + root, breakdown["weights"]) + resident
         if in_flight is not None:
-            out["gradients"] += unreduced + buffered
+            out["gradients"] += unreduced + math.ceil(buffered * scales.get("reduce_scatter", 1.0))
         elif breakdown["gradients"]:
             out["gradients"] += min(block + root, breakdown["gradients"])
     if sharding.bucket_elements and measured_grads:
@@ -502,6 +518,8 @@ class PhaseRecorder(Callback):
     @override
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         self._stepping = True  # a sharded model is resharded: nothing gathered, nothing in flight
+        # What the step allocates (its temporaries) is the optimizer's, and sharded like its state.
+        self.ledger.begin_section("optimizer_state")
 
     # -- phases (a PhaseObserver, like the MemoryMonitor) -----------------------------------------
     @contextlib.contextmanager
@@ -546,6 +564,7 @@ class PhaseRecorder(Callback):
         self.ledger.retag(param.grad, "gradients")
 
     def _stepped(self, opt: Any) -> None:
+        self.ledger.end_section("optimizer_state")
         self._retag_optimizer(opt)
 
     def _forward(self, *_: Any) -> None:
@@ -634,6 +653,9 @@ class EstimateRun(PhaseRecorder, StepIO):
         self._root_bytes: dict[int, int] = {}  # id(model) -> its root unit's parameter bytes
         self._in_forward: set[int] = set()
         self._entering = False
+        self._scales: dict[str, float] = {}  # sharded bytes per measured byte (FSDP2 mixed precision)
+        self._shard_dtype = torch.float32
+        self._resident: dict[int, int] = {}  # units kept gathered after their forward -> bytes
         self._fill, self._eos = 0, None
 
     def measured(self, step: int) -> bool:
@@ -696,6 +718,8 @@ class EstimateRun(PhaseRecorder, StepIO):
         self._checkpointing()
         if self.sharding.master_weights:
             trainer.strategy.optimizers = [_MasterWeights.wrap(o, self.ledger) for o in trainer.strategy.optimizers]
+        if self.sharding.param_dtype is not None:
+            self._compute_in(self.sharding.param_dtype, pl_module)
         super().on_fit_start(trainer, pl_module)
         if self.sharding.shard:  # a sharded run: the ledger's peaks are one rank's
             from lightning_mem import module_tree
@@ -706,6 +730,46 @@ class EstimateRun(PhaseRecorder, StepIO):
                 self._flight = _GradientFlight.of(pl_module, self.strategy)
                 self._follow_units(pl_module)
             self.ledger.view = self._per_rank
+
+    def _compute_in(self, dtype: torch.dtype, module: nn.Module) -> None:
+        """FSDP2's mixed precision: units are gathered, and compute, in ``dtype`` while the shards and
+        the optimizer keep the parameters' dtype. The run computes in ``dtype`` (its activations,
+        gathered units and unreduced gradients are then the real ones); the per-rank view scales the
+        sharded categories back to the shards' dtype (:func:`shard_per_rank`'s ``scales``)."""
+        params = [p for p in module.parameters() if p.is_floating_point()]
+        before = sum(p.numel() * p.element_size() for p in params)
+        trained = [p for p in params if p.requires_grad]
+        shard_size = trained[0].element_size() if trained else 4
+        self._shard_dtype = trained[0].dtype if trained else torch.float32
+        for t in [*params, *module.buffers()]:
+            if t.is_floating_point() and t.dtype != dtype:
+                t.data = t.data.to(dtype)
+        after = sum(p.numel() * p.element_size() for p in params)
+        size = torch.empty((), dtype=dtype).element_size()
+        reduce_size = torch.empty((), dtype=self.sharding.reduce_dtype or dtype).element_size()
+        self._scales = {"weights": before / max(after, 1), "gradients": shard_size / size,
+                        "reduce_scatter": reduce_size / size}
+
+    def _optimizer_state_scale(self) -> float:
+        # The state of a parameter computed in param_dtype would be in the shard's dtype (AdamW's
+        # moments follow their parameter; 8-bit states do not).
+        dtype = self.sharding.param_dtype
+        measured = scaled = 0
+        for opt in self.optimizers:
+            for state in opt.state.values():
+                for value in state.values():
+                    if isinstance(value, torch.Tensor):
+                        nbytes = value.numel() * value.element_size()
+                        measured += nbytes
+                        scaled += nbytes * (self._shard_dtype.itemsize / value.element_size()
+                                            if value.dtype == dtype else 1)
+        return scaled / measured if measured else 1.0
+
+    @override
+    def _stepped(self, opt: Any) -> None:
+        super()._stepped(opt)
+        if self.sharding.param_dtype is not None:
+            self._scales["optimizer_state"] = self._optimizer_state_scale()
 
     def _follow_units(self, module: nn.Module) -> None:
         """FSDP2 gathers a model's root unit for its forward and its backward only; and when a forward
@@ -720,8 +784,34 @@ class EstimateRun(PhaseRecorder, StepIO):
             self._root_bytes[key] = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in in_blocks)
             model.register_forward_pre_hook(lambda *_, k=key: self._in_forward.add(k))
             model.register_forward_hook(lambda *_, k=key: self._in_forward.discard(k))
+            trained = any(p.requires_grad for p in model.parameters())
+            keeps = self.sharding.reshard_after_forward is not True and trained  # frozen models reshard
             for block in self.strategy.blocks_to_shard(model):
                 block.register_forward_pre_hook(self._entering_unit)
+                if keeps and self.sharding.reshard_after_forward is False:  # gathered from now until its backward
+                    block.register_forward_pre_hook(lambda *_, b=block, k=key: self._keep(k, b))
+                elif keeps:  # an int: resharded to a smaller group after its forward
+                    block.register_forward_hook(lambda *_, b=block, k=key: self._keep(k, b))
+            if keeps:
+                model.register_forward_hook(lambda *_, k=key: self._keep(k, None))
+        if self._flight is not None:
+            self._flight.on_left = self._release
+
+    def _keep(self, model: int, block: nn.Module | None) -> None:
+        """A unit that ``reshard_after_forward`` keeps after its forward (None: the model's root)."""
+        if not torch.is_grad_enabled():
+            return
+        k = self.sharding.reshard_after_forward
+        nbytes = self._root_bytes[model] if block is None else sum(
+            p.numel() * p.element_size() for p in block.parameters())
+        self._resident[id(block) if block is not None else model] = nbytes if k is False else math.ceil(nbytes / k)
+
+    def _release(self, unit: int | None) -> None:
+        """Backward left ``unit`` (None: all of them, at its end): FSDP2 reshards it."""
+        if unit is None:
+            self._resident.clear()
+        else:
+            self._resident.pop(unit, None)
 
     def _entering_unit(self, *_: Any) -> None:
         self._entering = True
@@ -772,14 +862,23 @@ class EstimateRun(PhaseRecorder, StepIO):
     # -- the per-rank view ------------------------------------------------------------------------
     def _per_rank(self, breakdown: dict[str, int], host: int) -> tuple[dict[str, int], int]:
         flight = self._flight
-        units = self._units
+        units, count, resident = self._units, self._gathered_units(), 0
         if flight is not None:  # the roots gathered now: models in a forward, or in a backward
             block, _ = units
-            units = (block, sum(self._root_bytes.get(k, 0) for k in self._in_forward | set(flight.roots)))
+            active = self._in_forward | set(flight.roots)
+            units = (block, sum(self._root_bytes.get(k, 0) for k in active))
+            kept_blocks = sum(v for k, v in self._resident.items() if k not in self._root_bytes)
+            kept_roots = sum(v for k, v in self._resident.items() if k in self._root_bytes and k not in active)
+            if kept_blocks and self.sharding.reshard_after_forward is False:
+                # Every unit it computes with is among those kept; a forward holds the latest flat
+                # all-gather output beside them, a backward nothing more.
+                count = 0 if flight.in_backward else 1
+            resident = kept_blocks + kept_roots
         return shard_per_rank(breakdown, host, self.sharding, self.world_size, units, self._grad_size,
+                              scales=self._scales, resident=resident,
                               gathered=not self._stepping,
                               in_flight=(flight.unreduced, flight.buffered) if flight is not None else None,
-                              gathered_units=self._gathered_units())
+                              gathered_units=count)
 
     def _gathered_units(self) -> int | None:
         flight = self._flight
@@ -908,6 +1007,7 @@ class _GradientFlight:
     index: dict[int, tuple[int, int]] = field(default_factory=dict)  # id(block) -> (root, place in forward order)
     roots: dict[int, _RootFlight] = field(default_factory=dict)
     last_block: bool = False  # backward is in a model's first block: nothing left to prefetch
+    on_left: Callable[[int | None], None] | None = None  # told when backward leaves a unit (None: all)
 
     @classmethod
     def of(cls, module: nn.Module, strategy: Any) -> "_GradientFlight":
@@ -932,6 +1032,8 @@ class _GradientFlight:
             inputs[0].register_hook(lambda grad, unit=id(block): self._left(unit))
 
     def _left(self, unit: int) -> None:
+        if self.on_left is not None:
+            self.on_left(unit)
         key, index = self.index[unit]
         state = self.roots.setdefault(key, _RootFlight())
         if unit == state.current:  # its gradients are reduced now; the reduce-scatter input stays
@@ -969,6 +1071,8 @@ class _GradientFlight:
         return bool(self.roots)
 
     def reset(self) -> None:
+        if self.on_left is not None:
+            self.on_left(None)
         self.roots.clear()
         self.last_block = False
 

@@ -75,8 +75,10 @@ class MemoryLedger:
         self._context.append(category)
 
     def end_section(self, category: str) -> None:
-        if self._context[-1:] == [category]:
-            self._context.pop()
+        for index in range(len(self._context) - 1, -1, -1):  # the latest one of that category
+            if self._context[index] == category:
+                del self._context[index]
+                return
 
     def _category_for(self, tensor: torch.Tensor) -> str:
         if self._context:

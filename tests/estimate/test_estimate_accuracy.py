@@ -145,12 +145,24 @@ def _tiny_4bit_bytes() -> int:
     return quantized_weight_bytes(model)[0]
 
 
-@pytest.mark.parametrize("offload", [True, False], ids=["cpu_offload", "on_device"])
-def test_sft_fsdp2_two_ranks(offload, data):
-    """The tiny FSDP2 SFT config (every block checkpointed), with and without CPU offload, on 2
-    processes: each rank's peak and every category against the estimate's per-rank figures."""
-    overrides = [*data["sft"], *([] if offload else ["--trainer.strategy.init_args.cpu_offload=false"])]
-    est, ranks = _held("configs/sft/tiny_cpu_fsdp2.yaml", overrides, world_size=2)
+FSDP2_CASES = {
+    "cpu_offload": [],
+    "on_device": ["--trainer.strategy.init_args.cpu_offload=false"],
+    # Mixed precision: fp32 shards and optimizer state, units gathered and computed in bf16.
+    "bf16_compute": ["--trainer.strategy.init_args.param_dtype=bfloat16",
+                     "--trainer.strategy.init_args.reduce_dtype=float32"],
+    # Units stay gathered from their forward until their backward.
+    "kept_gathered": ["--trainer.strategy.init_args.cpu_offload=false",
+                      "--trainer.strategy.init_args.reshard_after_forward=false"],
+}
+
+
+@pytest.mark.parametrize("case", list(FSDP2_CASES))
+def test_sft_fsdp2_two_ranks(case, data):
+    """The tiny FSDP2 SFT config (every block checkpointed) in four settings, on 2 processes: each
+    rank's peak and every category against the estimate's per-rank figures."""
+    offload = case in ("cpu_offload", "bf16_compute")
+    est, ranks = _held("configs/sft/tiny_cpu_fsdp2.yaml", [*data["sft"], *FSDP2_CASES[case]], world_size=2)
     assert est.world_size == 2 and len(ranks) == 2
     for (real,) in ranks:  # the same bytes, not only the same sum
         for cat, value in real.device_breakdown_bytes.items():
@@ -161,7 +173,12 @@ def test_sft_fsdp2_two_ranks(offload, data):
     # Gathered for compute: the root unit and two blocks (the one computing, the one prefetched);
     # each parameter's rows are padded to an even split over the ranks (at most a few KB).
     gathered = 4 * (TINY_ROOT_PARAMS + 2 * TINY_BLOCK_PARAMS)
-    if offload:  # shards, their gradients and the optimizer live on the host: half of each per rank
+    if case == "bf16_compute":  # the gathered units are bf16; the host shards fp32
+        assert real["weights"] <= gathered // 2 + 4096
+        assert ranks[0][0].host_peak_bytes >= (4 + 4 + 8) * TINY_PARAMS / 2
+    elif case == "kept_gathered":  # at the peak (in backward) more than two blocks are gathered
+        assert real["weights"] > 4 * TINY_PARAMS / 2 + gathered
+    elif offload:  # shards, their gradients and the optimizer live on the host: half of each per rank
         assert real["optimizer_state"] == 0
         assert gathered <= real["weights"] <= gathered + 4096
         assert ranks[0][0].host_peak_bytes >= (4 + 4 + 8) * TINY_PARAMS / 2
