@@ -74,3 +74,22 @@ def test_freeing_changes_no_weight(tmp_path):
     kept, _ = _fit(tmp_path / "b", GradientsUntilNextForward)
     for (name, a), (_, b) in zip(freed.model.named_parameters(), kept.model.named_parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=name)
+
+
+def test_tracked_bytes_no_gradient_in_the_forward(tmp_path):
+    """Exact tracked bytes of the real fit (lightning_mem.estimate.measure_fit): with gradients freed
+    after the step, a step peaks in its backward with this step's gradients only; with Lightning's
+    default lifetime the last step's gradients sit beside the forward's activations too."""
+    import json
+
+    from lightning_mem.estimate import measure_fit
+
+    rows = tmp_path / "rows.jsonl"  # rows that fill max_length: every micro-batch is 4 x 64 tokens
+    rows.write_text("".join(json.dumps({"prompt": "1+1", "completion": "x" * 120}) + "\n" for _ in range(32)))
+    overrides = [f"--data.train_file={rows}", "--data.val_file=null", "--data.max_tokens_per_batch=256"]
+    (freed,), = measure_fit(CONFIG, overrides, steps=3)
+    (kept,), = measure_fit(CONFIG, overrides, steps=3, recipe="tests.test_gradients")
+    params = 3_059_456 * 4
+    assert freed.device_breakdown_bytes["gradients"] < params  # only part of this step's, in backward
+    assert kept.device_breakdown_bytes["gradients"] >= params  # every gradient, at the forward's peak
+    assert kept.device_peak_bytes - freed.device_peak_bytes >= 0.5 * params

@@ -22,6 +22,7 @@ each rank holds them (:class:`~lightning_mem.estimate.sharded.FSDP2Categories`).
 from __future__ import annotations
 
 import contextlib
+import json
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,30 @@ class FSDP2FitRecorder(FSDP2Categories, FitRecorder):
     def __init__(self, ledger: MemoryLedger, *, steps: int, offload: bool) -> None:
         super().__init__(ledger, steps=steps)
         self.offload = offload
+
+
+def filling_rows(folder: str | Path, tokenizer: str = "assets/tiny-llama", rows: int = 64) -> dict[str, list[str]]:
+    """Overrides that point a config at rows filling every micro-batch, written to ``folder``:
+    ``"sft"`` (completions longer than ``max_length`` 64, so a 256-token budget takes 4 full rows)
+    and ``"ppo"`` (prompts all of one length, which becomes ``max_prompt_length``; 4 a batch). The
+    estimate describes this case; a run on it is what the estimate is held to."""
+    from lightning_mem.data.chat import encode_prompt, row_to_prompt_messages
+    from lightning_mem.models import load_tokenizer
+
+    folder = Path(folder)
+    sft = folder / "sft.jsonl"
+    sft.write_text("".join(json.dumps({"prompt": "1+1", "completion": "x" * 120}) + "\n" for _ in range(rows)))
+    prompts = [{"prompt": f"Compute {i % 10} + 3, and then a few words more.", "answer": str(i % 10 + 3)}
+               for i in range(rows)]
+    loaded = load_tokenizer(tokenizer)
+    (length,) = {len(encode_prompt(row_to_prompt_messages(r), loaded)) for r in prompts}
+    ppo = folder / "prompts.jsonl"
+    ppo.write_text("".join(json.dumps(r) + "\n" for r in prompts))
+    return {
+        "sft": [f"--data.train_file={sft}", "--data.val_file=null", "--data.max_tokens_per_batch=256"],
+        "ppo": [f"--data.train_file={ppo}", f"--data.max_prompt_length={length}",
+                f"--model.name_or_path={tokenizer}", "--data.batch_size=4"],
+    }
 
 
 def measure_fit(

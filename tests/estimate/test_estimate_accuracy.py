@@ -13,15 +13,13 @@ more alive is estimated as itself. Each technique shows its effect in the breakd
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from lightning_mem.data.chat import encode_prompt, row_to_prompt_messages
 from lightning_mem.estimate import estimate, measure_fit
-from lightning_mem.models import load_tokenizer
+from lightning_mem.estimate.measure import filling_rows
 
 TINY_PARAMS = 3_059_456  # tiny-llama, fp32
 TINY_VOCAB = 307
@@ -32,22 +30,7 @@ TINY_ROOT_PARAMS = TINY_PARAMS - 4 * TINY_BLOCK_PARAMS  # embeddings, head, fina
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> dict[str, list[str]]:
     """Overrides that point SFT and PPO configs at rows that fill every micro-batch."""
-    root = tmp_path_factory.mktemp("full_rows")
-    # SFT: completions longer than max_length (64), truncated to it: 4 rows fill a 256-token batch.
-    sft = root / "sft.jsonl"
-    sft.write_text("".join(json.dumps({"prompt": "1+1", "completion": "x" * 120}) + "\n" for _ in range(64)))
-    # PPO: prompts all of one length, which becomes max_prompt_length.
-    rows = [{"prompt": f"Compute {i % 10} + 3, and then a few words more.", "answer": str(i % 10 + 3)}
-            for i in range(64)]
-    tokenizer = load_tokenizer("assets/tiny-llama")
-    (length,) = {len(encode_prompt(row_to_prompt_messages(r), tokenizer)) for r in rows}
-    prompts = root / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return {
-        "sft": [f"--data.train_file={sft}", "--data.val_file=null", "--data.max_tokens_per_batch=256"],
-        "ppo": [f"--data.train_file={prompts}", f"--data.max_prompt_length={length}",
-                "--model.name_or_path=assets/tiny-llama", "--data.batch_size=4"],
-    }
+    return filling_rows(tmp_path_factory.mktemp("full_rows"))
 
 
 def _held(config: str, overrides: list[str], *, world_size: int = 1, recipe: str | None = None):
