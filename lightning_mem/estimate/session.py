@@ -40,10 +40,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_mem.assets import ASSETS, HUB_ASSETS
 from lightning_mem.estimate.tracker import HOST, MemoryLedger, TrackingMode
 
-ASSETS = Path(__file__).resolve().parents[2] / "assets"
-HUB_ASSETS = ASSETS / "hub"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 _RECIPES = {"sft": "recipes.sft", "qlora": "recipes.qlora", "ppo": "recipes.ppo"}
 
