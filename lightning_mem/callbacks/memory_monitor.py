@@ -8,7 +8,7 @@ import logging
 import re
 import time
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Protocol, runtime_checkable
 
 import lightning.pytorch as pl
 import psutil
@@ -310,13 +310,23 @@ class MemoryMonitor(Callback):
         return line
 
 
+@runtime_checkable
+class PhaseObserver(Protocol):
+    """A callback that measures named phases of a step: :class:`MemoryMonitor`, and the memory
+    estimate's recorder (:mod:`lightning_mem.estimate`)."""
+
+    def phase(self, name: str) -> contextlib.AbstractContextManager: ...
+
+
 def memory_phase(trainer: Optional[pl.Trainer], name: str) -> contextlib.AbstractContextManager:
-    """``with memory_phase(self.trainer, "rollout"):`` measures a phase if the trainer has a
-    :class:`MemoryMonitor`, and does nothing otherwise (recipes call it unconditionally)."""
+    """``with memory_phase(self.trainer, "rollout"):`` measures a phase in every callback of the
+    trainer that observes phases (a :class:`PhaseObserver`), and does nothing without one (recipes
+    call it unconditionally)."""
+    stack = contextlib.ExitStack()
     for callback in getattr(trainer, "callbacks", None) or []:
-        if isinstance(callback, MemoryMonitor):
-            return callback.phase(name)
-    return contextlib.nullcontext()
+        if isinstance(callback, PhaseObserver):
+            stack.enter_context(callback.phase(name))
+    return stack
 
 
 _DEVICE_METRICS = ("device_allocated_bytes", "device_reserved_bytes", "device_peak_allocated_bytes",
