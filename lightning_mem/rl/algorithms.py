@@ -222,6 +222,7 @@ def clipped_policy_loss(
 class ValueLossTerms:
     loss_sum: Tensor  # sum over tokens of 0.5 * max((V - R)^2, (V_clip - R)^2)
     clipped_tokens: Tensor
+    loss: Tensor | None = None  # [N, R] the per-token loss (0 on padding), for weighted aggregation
 
 
 def clipped_value_loss(
@@ -235,12 +236,14 @@ def clipped_value_loss(
     values, old_values, returns = (_masked(x, mask) for x in (values, old_values, returns))
     unclipped = (values - returns).square()
     if clip_range is None:
-        return ValueLossTerms(0.5 * masked_sum(unclipped, mask), torch.zeros((), device=values.device))
+        per_token = _masked(0.5 * unclipped, mask)
+        return ValueLossTerms(per_token.sum(), torch.zeros((), device=values.device), per_token)
     v_clipped = old_values + torch.clamp(values - old_values, -clip_range, clip_range)
     clipped = (v_clipped - returns).square()
     with torch.no_grad():
         clipped_tokens = masked_sum((clipped > unclipped).to(values.dtype), mask)
-    return ValueLossTerms(0.5 * masked_sum(torch.maximum(unclipped, clipped), mask), clipped_tokens)
+    per_token = _masked(0.5 * torch.maximum(unclipped, clipped), mask)
+    return ValueLossTerms(per_token.sum(), clipped_tokens, per_token)
 
 
 # ---------------------------------------------------------------------------------------------

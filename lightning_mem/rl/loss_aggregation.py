@@ -50,6 +50,12 @@ def token_weights(mask: Tensor, mode: str) -> Tensor:
     raise ValueError(f"unknown loss aggregation mode {mode!r}; choose one of {LOSS_AGG_MODES}")
 
 
+def weighted_sum(values: Tensor, weights: Tensor) -> Tensor:
+    """sum(values * weights) over the tokens with a weight; a non-finite value where the weight is
+    0 (padding, a filtered sample) gives 0 and no NaN gradient."""
+    return torch.where(weights > 0, values * weights, torch.zeros((), dtype=values.dtype, device=values.device)).sum()
+
+
 def counts(mask: Tensor) -> Tensor:
     """``[tokens, sequences]`` of a (micro- or mini-) batch, as float64: sum them over ranks, then
     pass them to :func:`denominator`."""
@@ -76,7 +82,6 @@ def denominator(mode: str, tokens: Tensor | float, sequences: Tensor | float, ho
 
 def aggregate(loss: Tensor, mask: Tensor, mode: str, horizon: int | None = None) -> Tensor:
     """One batch's aggregated loss (the table in the module docstring), in a single process."""
-    weights = token_weights(mask, mode)
-    numerator = torch.where(weights > 0, loss * weights, torch.zeros((), dtype=loss.dtype)).sum()
+    numerator = weighted_sum(loss, token_weights(mask, mode))
     tokens, sequences = counts(mask)
     return numerator / denominator(mode, tokens, sequences, horizon).to(loss.dtype)
