@@ -58,7 +58,8 @@ class RolloutCorrectionConfig:
             (masked: drop what falls outside [lower, upper]).
         level: ``token`` (each token's ratio) or ``sequence`` (the product over the response).
         upper: the TIS cap, or MIS's upper bound; above 1.
-        lower: MIS's lower bound, below 1 (None: none). TIS has no lower bound.
+        lower: MIS's lower bound, below 1 (None: none; verl's `rollout_rs_threshold_lower` defaults to
+            1 / upper instead). TIS has no lower bound.
     """
 
     mode: CorrectionMode = "none"
