@@ -62,7 +62,7 @@ from lightning_mem.rl.algorithms import (
     whiten,
 )
 from lightning_mem.rl.config import CriticConfig, GRPOConfig, KLConfig, PPOConfig, RewardModelConfig
-from lightning_mem.rl.engines import RolloutEngineConfig, build_rollout_engine, logprob_mismatch
+from lightning_mem.rl.engines import RolloutEngineConfig, logprob_mismatch
 from lightning_mem.rl.critic import SeparateCritic, SharedHead, ValueHead, ValueModel, load_value_model, value_function
 from lightning_mem.rl.memory_plan import PhaseMemory, PhaseMemoryPlan
 from lightning_mem.rl.reference import AdaptersOff, FrozenCopy, ReferenceMode, disable_dropout, reference_policy
@@ -284,7 +284,7 @@ class PPOModule(LightningModule):
                 rm.name_or_path, dtype=rm.dtype or hp.dtype, trust_remote_code=hp.trust_remote_code, max_length=rm.max_length,
                 key="model.reward_model.name_or_path",
             )
-        self.rollout_engine = build_rollout_engine(
+        self.rollout_engine = step_io(self.trainer).rollout_engine(
             self.rollout_engine_config, self.generation, model_path=hp.name_or_path,
             eos_token_ids=_eos_ids(self.actor, self.tokenizer), pad_token_id=self.tokenizer.pad_token_id,
             dtype=next(self.actor.parameters()).dtype, trust_remote_code=hp.trust_remote_code,
