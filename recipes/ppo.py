@@ -76,7 +76,7 @@ from lightning_mem.rl.loss_aggregation import counts, denominator, token_weights
 from lightning_mem.rl.policy_losses import policy_loss
 from lightning_mem.rl.rollout_correction import correction_weights, mismatch_kl
 from lightning_mem.rl.sample_filters import groups_filtered, overlong_penalty, truncated, varied_groups
-from lightning_mem.rl.engines import RolloutEngineConfig, build_rollout_engine, logprob_mismatch
+from lightning_mem.rl.engines import RolloutEngineConfig, logprob_mismatch
 from lightning_mem.rl.critic import SeparateCritic, SharedHead, ValueHead, ValueModel, load_value_model, value_function
 from lightning_mem.rl.memory_plan import PhaseMemory, PhaseMemoryPlan
 from lightning_mem.rl.reference import AdaptersOff, FrozenCopy, ReferenceMode, disable_dropout, reference_policy
@@ -335,7 +335,7 @@ class PPOModule(LightningModule):
                 key="model.reward_model.name_or_path",
             )
         self.eos_token_ids = _eos_ids(self.actor, self.tokenizer)
-        self.rollout_engine = build_rollout_engine(
+        self.rollout_engine = step_io(self.trainer).rollout_engine(
             self.rollout_engine_config, self.generation, model_path=hp.name_or_path,
             eos_token_ids=self.eos_token_ids, pad_token_id=self.tokenizer.pad_token_id,
             dtype=next(self.actor.parameters()).dtype, trust_remote_code=hp.trust_remote_code,
