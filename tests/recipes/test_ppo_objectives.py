@@ -36,6 +36,9 @@ CASES = {
     **{mode: ("grpo", dict(loss_agg_mode=mode, clip_ratio_low=0.1, clip_ratio_high=0.15, clip_ratio_c=2.0,
                            filter_groups=True), RolloutCorrectionConfig(mode="tis", level="token", upper=1.05))
        for mode in LOSS_AGG_MODES},
+    # ...and with DAPO's overlong filter: the three full-length responses (no end token) leave the loss.
+    "overlong-filter": ("grpo", dict(loss_agg_mode="seq-mean-token-sum", overlong={"filter": True}),
+                        RolloutCorrectionConfig()),
     "gspo": ("rloo", dict(policy_loss="gspo", loss_agg_mode="seq-mean-token-mean", clip_ratio_low=0.01,
                           clip_ratio_high=0.01), RolloutCorrectionConfig(mode="mis", level="sequence", upper=1.2, lower=0.8)),
     "cispo": ("reinforce_pp_baseline", dict(policy_loss="cispo", loss_agg_mode="seq-mean-token-sum-norm",
@@ -209,5 +212,7 @@ def test_clip_filter_and_correction_counts(single_rank):
     assert token_mean["correction_affected"] > 0 and token_mean["mismatch_kl"] > 0
     for k in SPLITS:
         assert single_rank["token-mean"][k][1] == pytest.approx(token_mean)
+    _, overlong = single_rank["overlong-filter"][1]
+    assert overlong["truncated"] == 3 and overlong["tokens"] == 33 - 3 * 6  # rows 0, 3 and 7 reached 6 tokens
     _, mis = single_rank["cispo"][1]
     assert mis["tokens"] == 33 - mis["correction_affected"]  # MIS's dropped tokens left the loss
