@@ -5,6 +5,8 @@ fake tensors, and need not be installed for an estimate). What the stand-in hold
 rules: on a CUDA device ``gpu_memory_utilization`` of the device's total while awake, the weights
 on the host at sleep level 1, nothing at level 2; on the CPU build its weights and
 ``cpu_kv_cache_space_gb`` in every phase. Its rollout runs no decoding through the actor.
+Where vLLM is installed (``.venv-vllm``), the estimate is held to the recipe's real fit with the
+engine, as the other configs are (tests/estimate/test_estimate_accuracy.py).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import pytest
 
 from lightning_mem.estimate import estimate
+from lightning_mem.estimate.measure import filling_rows
+from tests.estimate.test_estimate_accuracy import _held
 from tests.helpers import TINY_MODEL
 
 CONFIG = "configs/ppo/tiny_cpu.yaml"
@@ -68,3 +72,11 @@ def test_on_cuda_the_engine_takes_its_share_awake_and_sleeps_at_its_level(hf, le
 def test_on_cuda_the_engine_needs_the_devices_size():
     with pytest.raises(ValueError, match="--device-memory"):
         estimate(CONFIG, [*VLLM, "--trainer.accelerator", "gpu"])
+
+
+@pytest.mark.vllm
+def test_the_estimate_holds_to_a_real_fit_with_vllm(tmp_path):
+    """Measured on 2026-11-25 (2-core CPU): every phase's estimate 1.004-1.006 of the real fit's."""
+    est, _ = _held(CONFIG, [*filling_rows(tmp_path)["ppo"], "--model.rollout_engine.name", "vllm",
+                            "--model.rollout_engine.cpu_kv_cache_space_gb", "1"])
+    assert [p.phase for p in est.phases] == ["rollout", "engine_sleep", "score", "train"]
