@@ -422,7 +422,9 @@ class PPOModule(LightningModule):
         with self.memory.phase("score"):
             self.score(exp)
             self.logprobs_and_values(exp)
-        if exp.engine_logprobs is not None:  # an engine with weights of its own: how far off-policy it sampled
+        # An engine with weights of its own: how far off-policy it sampled (on-policy, without the
+        # old-logprob pass, the update measures it against its own logprobs: see `loss`).
+        if exp.engine_logprobs is not None and exp.old_logprobs is not None:
             self.log("engine_logprob_abs_diff", float(logprob_mismatch(exp.engine_logprobs, exp.old_logprobs, exp.response_mask)),
                      on_step=True, on_epoch=False)
         # 4. Advantages: KL-penalised rewards and GAE, or GRPO's group-relative scores.
@@ -639,6 +641,9 @@ class PPOModule(LightningModule):
                      "clipped_high": count(pg.clipped_high), "dual_clipped": count(pg.dual_clipped),
                      "approx_kl": masked_sum(torch.expm1(pg.log_ratio) - pg.log_ratio, loss_mask),
                      "entropy": masked_sum(out.entropy.detach(), loss_mask)}
+            if mb.engine_logprobs is not None and mb.old_logprobs is None:  # pi_old is this pass's
+                terms["engine_abs_diff"] = masked_sum((mb.engine_logprobs - out.logprobs.detach()).abs(), mask)
+                terms["engine_tokens"] = mask.sum()
         if mb.ref_logprobs is not None and (not self.kl.in_reward or mb.old_logprobs is None):
             kl = kl_estimate(out.logprobs, mb.ref_logprobs, self.kl.estimator, mask=mask)
             terms["kl_sum"] = masked_sum(kl, mask).detach()  # per sample, every response token (the metric)
@@ -707,6 +712,8 @@ class PPOModule(LightningModule):
         # The engine's drift over all response tokens, and the share the correction cut or dropped.
         if "mismatch_kl" in t:
             metrics["mismatch_kl"] = t["mismatch_kl"] / t["response_tokens"]
+        if "engine_abs_diff" in t:  # on-policy: measured in the update, every response token once
+            metrics["engine_logprob_abs_diff"] = t["engine_abs_diff"] / t["engine_tokens"].clamp(min=1)
         if "correction_affected" in t:
             metrics["correction_affected_frac"] = t["correction_affected"] / t["response_tokens"]
         return metrics

@@ -184,6 +184,18 @@ def test_rollout_correction_weighs_by_the_engines_own_logprobs(tmp_path):
     assert all(0 <= v <= 1 for v in affected.values()), affected
 
 
+def test_on_policy_the_update_measures_the_engines_drift(tmp_path):
+    """One mini-batch and one epoch skip the old-logprob pass: the update's own logprobs are pi_old,
+    and the engine's drift is measured against them, every response token once."""
+    from lightning_mem.rl.config import GRPOConfig
+
+    module = fit_vllm(tmp_path, ppo=PPOConfig(ppo_epochs=1, num_mini_batches=1, max_tokens_per_microbatch=256),
+                      advantage_estimator="grpo", grpo=GRPOConfig(group_size=4), kl=KLConfig(in_reward=False))
+    assert module.on_policy  # no critic, no KL in the reward: nothing needs pi_old before the update
+    diffs = read_metric(tmp_path, "engine_logprob_abs_diff")
+    assert len(diffs) == 2 and all(0 <= v < 1e-3 for v in diffs.values()), diffs
+
+
 def test_memory_plan_drives_the_engine_in_order_and_warns_once_on_cpu(tmp_path, monkeypatch, caplog):
     from lightning_mem.rl.vllm_engine import VLLMRolloutEngine
 
