@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=str(ROOT / "assets/hub/Qwen/Qwen2.5-0.5B-Instruct"))
     parser.add_argument("--rows", type=int, default=4)
     parser.add_argument("--length", type=int, default=256)
+    parser.add_argument("--dtype", default=None, help="model.dtype (default: unset, the trainer's precision decides)")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     warnings.filterwarnings("ignore")
@@ -104,7 +105,8 @@ def main(argv: list[str] | None = None) -> None:
                                 for _ in range(4 * args.rows)))
         overrides = [f"--model.name_or_path={folder}", f"--data.train_file={rows}", "--data.val_file=null",
                      f"--data.max_length={args.length}", f"--data.max_tokens_per_batch={args.rows * args.length}",
-                     "--model.optimizer.init_args.lr=1e-5", "--model.lr_scheduler.init_args.warmup_steps=1"]
+                     "--model.optimizer.init_args.lr=1e-5", "--model.lr_scheduler.init_args.warmup_steps=1",
+                     *([f"--model.dtype={args.dtype}"] if args.dtype else [])]
         config = ROOT / "configs/sft/tiny_cpu.yaml"
         est = estimate(config, overrides).phases[0]
         print(f"estimate: {est.device_peak_bytes / GB:.3f} GB {est.device_breakdown_bytes}", file=sys.stderr, flush=True)

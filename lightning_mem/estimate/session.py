@@ -46,11 +46,10 @@ from torch import nn
 from lightning.pytorch import Callback
 from typing_extensions import override
 
+from lightning_mem.assets import ASSETS, HUB_ASSETS
 from lightning_mem.estimate.tracker import HOST, MemoryLedger, TrackingMode
 from lightning_mem.step_io import StepIO
 
-ASSETS = Path(__file__).resolve().parents[2] / "assets"
-HUB_ASSETS = ASSETS / "hub"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 _RECIPES = {"sft": "recipes.sft", "qlora": "recipes.qlora", "ppo": "recipes.ppo"}
 
