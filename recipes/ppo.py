@@ -161,6 +161,8 @@ class PPOModule(LightningModule):
         self.lora = lora
         self.generation, self.ppo, self.kl, self.grpo = generation, ppo, kl, grpo
         self.critic_config, self.memory_plan = critic, memory_plan
+        # Kept as given: under the CLI, hparams hold the parsed config's plain dicts, not this dataclass.
+        self.reward_model_config = reward_model
         self.logits_chunk_size = logits_chunk_size or None
         self.use_critic = advantage_estimator == "gae"
         # What the KL penalty compares with, and where values come from: one object each, chosen
@@ -284,8 +286,8 @@ class PPOModule(LightningModule):
                 "actor": load(hp.dtype, "frozen" if self.lora is not None else "trained", "dtype"),
                 "reference": load(hp.dtype if self.lora is not None else None, "frozen", "dtype"),
                 "critic": load(self.critic_config.dtype, "trained", "critic.dtype"),
-                "reward_model": load(hp.reward_model.dtype if hp.reward_model is not None else None, "frozen",
-                                     "reward_model.dtype"),
+                "reward_model": load(None if self.reward_model_config is None else self.reward_model_config.dtype,
+                                     "frozen", "reward_model.dtype"),
                 "trained": dtypes.trained,
                 "compute": dtypes.compute,
             }
@@ -313,8 +315,8 @@ class PPOModule(LightningModule):
             built = self.value_function.build(self.actor, lambda: self._load_critic(dtypes["critic"]),
                                               dtype=dtypes["trained"])
             setattr(self, self.value_function.attribute, built)
-        if hp.reward_model is not None:
-            rm = hp.reward_model
+        if self.reward_model_config is not None:
+            rm = self.reward_model_config
             self.reward_model = load_reward_model(
                 rm.name_or_path, dtype=dtypes["reward_model"], trust_remote_code=hp.trust_remote_code,
                 max_length=rm.max_length, key="model.reward_model.name_or_path",

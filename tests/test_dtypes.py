@@ -142,7 +142,7 @@ def _sft_step(root, folder, precision, config="tiny_cpu.yaml", *extra):
 
 
 #: Trainable parameters of the tiny Llama (full fine-tune) and of its r=16 all-linear adapters.
-TINY_PARAMS, TINY_ADAPTER_PARAMS = 3_059_456, 835_584
+TINY_PARAMS, TINY_ADAPTER_PARAMS = 3_059_456, 295_936
 
 
 @pytest.fixture(scope="module", params=["32-true", "bf16-mixed", "bf16-true"])
@@ -166,3 +166,79 @@ def test_a_bf16_checkpoint_trains_in_what_the_precision_says(sft_step):
         f"gradients {dtype_name(dtype)}, optimizer state {dtype_name(dtype)} {2 * width * TINY_PARAMS / 2**20:.1f} MiB, "
         f"compute {compute}"
     ), held["line"]
+
+
+def test_lora_adapters_train_fp32_on_a_base_frozen_in_the_compute_dtype(tmp_path, bf16_folder):
+    held = _sft_step(tmp_path, bf16_folder, "bf16-mixed", "tiny_cpu_lora.yaml", f"--model.random_init_dir={tmp_path}/base")
+    assert held["trained"] == {"model": {F32: 4 * TINY_ADAPTER_PARAMS}}
+    assert held["frozen"] == {"model": {BF16: 2 * TINY_PARAMS}}
+    assert held["gradients"] == {F32: 4 * TINY_ADAPTER_PARAMS}
+    assert held["optimizer_state"] == {F32: 8 * TINY_ADAPTER_PARAMS}
+    assert "frozen: model bfloat16 (3.06M; the compute dtype, to save memory)" in held["line"], held["line"]
+
+
+def _ppo_step(root, folder, precision):
+    """One PPO iteration (GAE, a separate critic, a frozen reference copy, a reward model) in-process."""
+    import recipes.ppo as ppo
+    from lightning_mem.rl.config import PPOConfig, RewardModelConfig
+    from lightning_mem.rl.rollout import GenerationConfig
+
+    seed_everything(0)
+    module = ppo.PPOModule(
+        name_or_path=str(folder), reward_model=RewardModelConfig(name_or_path=str(folder)),
+        generation=GenerationConfig(max_new_tokens=4),
+        ppo=PPOConfig(ppo_epochs=1, num_mini_batches=1, max_tokens_per_microbatch=256), export_dir=None,
+    )  # fmt: skip
+    data = PromptDataModule(str(ARITH / "prompts.jsonl"), tokenizer=str(TINY_MODEL), batch_size=4, max_prompt_length=64)
+    probe = DtypeProbe()
+    trainer = Trainer(
+        accelerator="cpu", devices=1, precision=precision, max_steps=2, default_root_dir=root, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[probe],
+    )  # fmt: skip
+    trainer.fit(module, data)
+    return probe.held | {"gradients": probe.gradients, "line": _callback(trainer, TrainingDtypes).report.line()}
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_ppo_roles_follow_the_rule(tmp_path, bf16_folder, precision):
+    """Actor and critic train fp32 under bf16-mixed, the reference copy and the reward model are
+    frozen in bf16; under bf16-true everything is bf16 (and the step's float32 buffers still work)."""
+    held = _ppo_step(tmp_path, bf16_folder, precision)
+    trained = BF16 if precision == "bf16-true" else F32
+    width = trained.itemsize
+    config = json.loads((TINY_MODEL / "config.json").read_text())
+    backbone = TINY_PARAMS - config["vocab_size"] * config["hidden_size"]  # no lm_head
+    critic = backbone + config["hidden_size"] + 1  # + a value head (with a bias)
+    reward_model = backbone + config["hidden_size"]  # + a score head (no bias)
+    assert held["trained"] == {"actor": {trained: width * TINY_PARAMS}, "critic": {trained: width * critic}}
+    assert held["frozen"] == {"reference": {BF16: 2 * TINY_PARAMS}, "reward_model": {BF16: 2 * reward_model}}
+    assert held["gradients"] == {trained: width * (TINY_PARAMS + critic)}
+    assert held["optimizer_state"] == {trained: 2 * width * (TINY_PARAMS + critic)}
+    assert f"dtypes under precision {precision}: trainable parameters {dtype_name(trained)}" in held["line"]
+
+
+@pytest.mark.parametrize(
+    ("recipe", "config", "extra", "message"),
+    [("sft", "sft/tiny_cpu.yaml", ["--trainer.precision=bf16-mixed", "--model.dtype=bfloat16"],
+      r"`model.dtype: bfloat16` contradicts `trainer.precision: bf16-mixed`.*`trainer.precision: bf16-true`"),
+     ("ppo", "ppo/tiny_cpu.yaml", ["--trainer.precision=bf16-mixed", "--model.critic.dtype=bf16"],
+      r"`model.critic.dtype: bfloat16` contradicts `trainer.precision: bf16-mixed`"),
+     ("ppo", "ppo/tiny_cpu.yaml", ["--trainer.precision=bf16-true", "--model.reward=null",
+                                   f"--model.reward_model.name_or_path={TINY_MODEL}", "--model.reward_model.dtype=fp32"],
+      r"`model.reward_model.dtype: float32` contradicts `trainer.precision: bf16-true`, which casts every parameter")],
+    ids=["sft", "ppo_critic", "ppo_reward_model"],
+)
+def test_a_contradicting_dtype_fails_before_any_model_loads(tmp_path, monkeypatch, recipe, config, extra, message):
+    import importlib
+
+    module = importlib.import_module(f"recipes.{recipe}")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the bad dtype was reported")
+
+    for loader in ("load_causal_lm", "load_value_model", "load_reward_model"):
+        if hasattr(module, loader):
+            monkeypatch.setattr(module, loader, refuse)
+    with pytest.raises(SettingError, match=message):
+        module.main(["fit", "--config", str(REPO / "configs" / config), f"--trainer.default_root_dir={tmp_path}",
+                     f"--model.name_or_path={TINY_MODEL}", "--trainer.logger=false", *extra])
