@@ -1,6 +1,7 @@
 """Gradients are freed right after the optimizer step (lightning_mem.gradients), in the SFT recipe
 through its real CLI: none is alive when a step's forward starts, accumulation keeps them until
-the step, and the weights are those of the loop that freed them at the next step's zero_grad."""
+the step, and the weights are those of the loop that freed them at the next step's zero_grad.
+PPO's hand-stepped optimizers free theirs before the next rollout, scoring pass and mini-batch."""
 
 from __future__ import annotations
 
