@@ -31,6 +31,7 @@ from lightning_mem.models import building_config_only, check_model_source, has_w
 from lightning_mem.settings import HalfOpenUnitInterval, SettingError, check_fields, settings_at
 from lightning_mem.quantization import (
     QuantizationSettings,
+    freeze_quantized_base,
     is_quantized_linear,
     load_quantized_causal_lm,
     materialize_random_weights,
@@ -266,10 +267,10 @@ def _base_of(adapter_config: dict[str, Any], base: str | None) -> str:
 def load_adapter_model(adapter_dir: str | Path, *, base: str | None = None, **placement: Any) -> nn.Module:
     """Rebuild the trained model: the base quantized as in training, prepared the same way, plus the adapter.
 
-    Gives the trained model's outputs exactly (same quantized codes, same fp32 upcasts, same adapter
+    Gives the trained model's outputs exactly (same quantized codes, same dtypes, same adapter
     weights). ``placement``: ``device_map``/``max_memory``/``offload_folder`` for ``from_pretrained``.
     """
-    from peft import PeftModel, prepare_model_for_kbit_training
+    from peft import PeftModel
 
     adapter_config, sidecar = _read_adapter(adapter_dir)
     if sidecar is None:
@@ -289,7 +290,9 @@ def load_adapter_model(adapter_dir: str | Path, *, base: str | None = None, **pl
             trust_remote_code=trust,
             **placement,
         )
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        # The unquantized parameters in the dtype training held them in (fp32 for an adapter
+        # recorded before that dtype was: peft's upcast, which training then applied).
+        model = freeze_quantized_base(model, resolve_dtype(sidecar.get("dtype"), key="dtype") or torch.float32)
     return PeftModel.from_pretrained(model, str(adapter_dir)).eval()
 
 
@@ -365,7 +368,8 @@ def base_record(
 ) -> dict[str, Any]:
     """What :data:`BASE_SIDECAR` holds: enough to load the base exactly as training did.
 
-    ``settings`` None: a plain (bf16/fp32) base, loaded in ``dtype``.
+    ``dtype``: with ``settings`` None, the dtype a plain base loaded in; with ``settings``, the
+    dtype its unquantized parameters were held in (:func:`~lightning_mem.quantization.freeze_quantized_base`).
     """
     return {
         "quantization": None if settings is None else asdict(settings),

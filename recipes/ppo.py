@@ -39,6 +39,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
+from lightning_mem.callbacks.training_dtypes import TrainingDtypes
 from lightning_mem.checkpointing import check_trainable_kept, keep_trainable
 from lightning_mem.cli import RecipeCLI
 from lightning_mem.data import PromptDataModule, row_to_prompt_messages
@@ -46,7 +47,7 @@ from lightning_mem.export import export_hf, export_main
 from lightning_mem.logits import check_supported
 from lightning_mem.lora import LoraSettings, apply_lora, check_lora_targets, meta_model
 from lightning_mem.models import check_model_source, load_causal_lm, load_tokenizer
-from lightning_mem.dtypes import resolve_dtype
+from lightning_mem.dtypes import cast_trainable, resolve_dtype, trainer_dtypes
 from lightning_mem.optim import param_groups, warn_if_paged_on_cpu
 from lightning_mem.schedules import build_lr_scheduler, check_schedule
 from lightning_mem.settings import settings_at
@@ -94,7 +95,13 @@ class PPOModule(LightningModule):
 
     Args:
         name_or_path: the policy to start from (usually an SFT checkpoint); folder or hub id.
-        dtype, attn_implementation, trust_remote_code: as in the SFT recipe.
+        dtype, attn_implementation, trust_remote_code: as in the SFT recipe: ``dtype`` is the
+            actor's, and with ``lora`` its frozen base's. Every model follows one rule under
+            ``trainer.precision`` (:mod:`lightning_mem.dtypes`), whatever the checkpoints'
+            ``torch_dtype``: what trains (the actor or its adapters, the critic, the shared value
+            head) in the precision's trained dtype, float32 under ``32-true`` and ``*-mixed``; the
+            frozen reference copy, and the reward model unless ``reward_model.dtype`` says
+            otherwise, in the compute dtype (bfloat16 under ``bf16-mixed``).
         lora: train LoRA adapters instead of the whole actor
             (:class:`~lightning_mem.lora.LoraSettings`, peft's names: ``r``, ``lora_alpha``,
             ``lora_dropout``, ``target_modules``...; the same section as SFT's and QLoRA's). The
@@ -178,6 +185,8 @@ class PPOModule(LightningModule):
         self.lora = lora
         self.generation, self.ppo, self.kl, self.grpo = generation, ppo, kl, grpo
         self.critic_config, self.memory_plan = critic, memory_plan
+        # Kept as given: under the CLI, hparams hold the parsed config's plain dicts, not this dataclass.
+        self.reward_model_config = reward_model
         self.logits_chunk_size = logits_chunk_size or None
         self.advantage_estimator = advantage_estimator
         self.use_critic = advantage_estimator in WITH_CRITIC
@@ -303,6 +312,7 @@ class PPOModule(LightningModule):
                 " shards every model and owns where its shards live. Keep them 'device' in the plan and use the"
                 " strategy's `cpu_offload` instead."
             )
+        self.load_dtypes()  # a dtype the precision contradicts fails before any model loads
         check_schedule(self.lr_scheduler_factory, self.trainer, key="model.lr_scheduler", **self._schedule_steps())
         # The data are loaded (the datamodule's setup runs first), the models are not: a row the
         # reward rule cannot score fails now rather than minutes into the first rollout.
@@ -310,42 +320,71 @@ class PPOModule(LightningModule):
         if self.reward_fn is not None and train_set is not None:
             self.reward_fn.check_rows(train_set.rows, source=str(getattr(self.trainer.datamodule, "train_path", "data")))
 
+    def configure_callbacks(self) -> list[Any]:
+        return [TrainingDtypes()]  # one line at the start: the dtypes this run really has
+
+    def load_dtypes(self) -> dict[str, torch.dtype | str]:
+        """The dtype each model loads in under ``trainer.precision``: ``actor`` (with ``lora``, its
+        frozen base), ``reference`` (a frozen copy: the compute dtype, or the LoRA base's),
+        ``critic`` (trained: ``critic.dtype`` must agree), ``reward_model`` (frozen), and
+        ``trained``, the dtype of whatever trains (adapters, the value head)."""
+        hp = self.hparams
+        dtypes = trainer_dtypes(self._trainer, key="trainer.precision")
+        load = lambda value, role, key: dtypes.load_dtype(value, role=role, key=key, precision_key="trainer.precision")  # noqa: E731
+        with settings_at("model"):
+            return {
+                "actor": load(hp.dtype, "frozen" if self.lora is not None else "trained", "dtype"),
+                "reference": load(hp.dtype if self.lora is not None else None, "frozen", "dtype"),
+                "critic": load(self.critic_config.dtype, "trained", "critic.dtype"),
+                "reward_model": load(None if self.reward_model_config is None else self.reward_model_config.dtype,
+                                     "frozen", "reward_model.dtype"),
+                "trained": dtypes.trained,
+                "compute": dtypes.compute,
+            }
+
     def configure_model(self) -> None:
         if self.actor is not None:
             return
         hp = self.hparams
-        load = dict(dtype=hp.dtype, attn_implementation=hp.attn_implementation, trust_remote_code=hp.trust_remote_code,
+        dtypes = self.load_dtypes()
+        load = dict(attn_implementation=hp.attn_implementation, trust_remote_code=hp.trust_remote_code,
                     key="model.name_or_path")
         self.tokenizer = load_tokenizer(hp.name_or_path, trust_remote_code=hp.trust_remote_code, key="model.name_or_path")
-        self.actor = load_causal_lm(hp.name_or_path, **load)
+        self.actor = load_causal_lm(hp.name_or_path, dtype=dtypes["actor"], **load)
         if self.lora is not None:
             self.actor = apply_lora(self.actor, self.lora)
+            cast_trainable(self.actor, dtypes["trained"])  # adapters train in the precision's dtype on any base
         # After the adapters exist: their lora_dropout too would give the ratio pi/pi_old two masks.
         disable_dropout(self.actor)
         if self.logits_chunk_size:  # a policy the chunked path cannot score fails here, naming our key
             check_supported(self.actor, key="model.logits_chunk_size")
         if self.reference_policy is not None:
-            self.reference = self.reference_policy.build(lambda: load_causal_lm(hp.name_or_path, **load))
+            self.reference = self.reference_policy.build(
+                lambda: load_causal_lm(hp.name_or_path, dtype=dtypes["reference"], **load))
         if self.value_function is not None:
-            setattr(self, self.value_function.attribute, self.value_function.build(self.actor, self._load_critic))
-        if hp.reward_model is not None:
-            rm = hp.reward_model
+            built = self.value_function.build(self.actor, lambda: self._load_critic(dtypes["critic"]),
+                                              dtype=dtypes["trained"])
+            setattr(self, self.value_function.attribute, built)
+        if self.reward_model_config is not None:
+            rm = self.reward_model_config
             self.reward_model = load_reward_model(
-                rm.name_or_path, dtype=rm.dtype or hp.dtype, trust_remote_code=hp.trust_remote_code, max_length=rm.max_length,
-                key="model.reward_model.name_or_path",
+                rm.name_or_path, dtype=dtypes["reward_model"], trust_remote_code=hp.trust_remote_code,
+                max_length=rm.max_length, key="model.reward_model.name_or_path",
             )
         self.eos_token_ids = _eos_ids(self.actor, self.tokenizer)
         self.rollout_engine = step_io(self.trainer).rollout_engine(
             self.rollout_engine_config, self.generation, model_path=hp.name_or_path,
             eos_token_ids=self.eos_token_ids, pad_token_id=self.tokenizer.pad_token_id,
-            dtype=next(self.actor.parameters()).dtype, trust_remote_code=hp.trust_remote_code,
+            # An engine with weights of its own samples in what the actor computes in, not in its
+            # fp32 master weights.
+            dtype=dtypes["compute"], trust_remote_code=hp.trust_remote_code,
         )
 
-    def _load_critic(self) -> ValueModel:
+    def _load_critic(self, dtype: torch.dtype | str) -> ValueModel:
         hp = self.hparams
         critic = load_value_model(
             self.critic_config.name_or_path or hp.name_or_path,
-            dtype=self.critic_config.dtype or hp.dtype,
+            dtype=dtype,
             attn_implementation=hp.attn_implementation,
             trust_remote_code=hp.trust_remote_code,
             key="model.critic.name_or_path",
@@ -500,9 +539,11 @@ class PPOModule(LightningModule):
         reference) and ``exp.old_values`` (None without a critic), micro-batch by micro-batch."""
         shape = exp.response_ids.shape
         reference, values = self.reference_policy, self.value_function
-        exp.old_logprobs = None if self.on_policy else torch.zeros(shape, device=self.device)
-        exp.ref_logprobs = torch.zeros(shape, device=self.device) if reference is not None else None
-        exp.old_values = torch.zeros(shape, device=self.device) if values is not None else None
+        # float32 under any precision: bf16-true makes bf16 torch's default dtype inside the step.
+        zeros = lambda: torch.zeros(shape, dtype=torch.float32, device=self.device)  # noqa: E731
+        exp.old_logprobs = None if self.on_policy else zeros()
+        exp.ref_logprobs = zeros() if reference is not None else None
+        exp.old_values = zeros() if values is not None else None
         plan = step_io(self.trainer).micro_batches
         for idx in plan(exp.sequence_lengths, self.ppo.logprob_budget, agree_on_count=self.agree_on_count):
             mb = exp.select(idx)

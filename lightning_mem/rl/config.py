@@ -226,7 +226,8 @@ class CriticConfig:
             (``model.critic_optimizer``); ``shared``: a value head on the actor's backbone,
             trained with the actor's optimizer.
         name_or_path: checkpoint of the separate critic's backbone; None starts it from the actor's.
-        dtype: its parameter dtype; None: the actor's ``dtype``.
+        dtype: its parameter dtype. It trains, so it follows ``trainer.precision`` (float32 under
+            ``32-true`` and ``*-mixed``); None follows it, and any other dtype is an error.
     """
 
     layout: Literal["separate", "shared"] = "separate"
@@ -243,7 +244,9 @@ class RewardModelConfig:
 
     Args:
         name_or_path: its checkpoint (with its own tokenizer).
-        dtype: parameter dtype; None: the actor's ``dtype``.
+        dtype: parameter dtype. It is frozen: None loads it in the compute dtype of
+            ``trainer.precision`` (bfloat16 under ``bf16-mixed``, float32 under ``32-true``);
+            ``auto`` keeps the checkpoint's; under ``*-true`` only the precision's dtype holds.
         max_length: tokens per scored conversation (cut from the left).
     """
 

@@ -53,7 +53,8 @@ class RolloutEngineConfig:
             re-synced from the actor at the next rollout anyway). Needs vLLM's sleep mode, which
             CUDA has and the CPU build has not: on CPU it is a no-op, with one warning.
         sync_bucket_mb: weight sync hands the engine at most this many MiB of tensors at a time.
-        dtype: the engine's weight dtype; None: the actor's.
+        dtype: the engine's weight dtype; None: the compute dtype of ``trainer.precision``
+            (bfloat16 under ``bf16-mixed``, not the actor's fp32 master weights).
         cpu_kv_cache_space_gb: KV cache size on CPU (vLLM's ``VLLM_CPU_KVCACHE_SPACE``); ignored on CUDA.
         seed: the engine's own sampling seed; None draws one from torch's generator, so a seeded
             run samples the same responses.

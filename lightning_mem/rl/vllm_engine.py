@@ -72,7 +72,8 @@ class VLLMRolloutEngine(RolloutEngine):
         model_path: the actor's checkpoint folder or hub id: vLLM reads its config (architecture,
             sizes) from there; the weights come from the actor.
         eos_token_ids, pad_token_id: as for :class:`RolloutEngine`.
-        dtype: the engine's weight dtype when ``engine.dtype`` is None (the actor's).
+        dtype: the engine's weight dtype when ``engine.dtype`` is None (the recipe passes the
+            compute dtype of its precision).
         device: where the generated tensors are returned (the actor's device).
     """
 

@@ -422,6 +422,7 @@ class FSDP2Strategy(ModelParallelStrategy):
 
         if reshard_after_forward is None:
             reshard_after_forward = self._reshard_after_forward
+        self._check_unit_dtypes(module)
         fully_shard(
             module,
             mesh=self.data_parallel_mesh,
@@ -429,6 +430,31 @@ class FSDP2Strategy(ModelParallelStrategy):
             mp_policy=self.mixed_precision_policy(),
             offload_policy=self.offload_policy(),
         )
+
+    @staticmethod
+    def _check_unit_dtypes(module: nn.Module) -> None:
+        """FSDP2 reduce-scatters a unit's gradients as one flat buffer, so the trainable parameters
+        the unit will own must share one dtype (frozen ones may differ: a bf16 LoRA base beside
+        fp32 adapters is fine, all-gathered as bytes). FSDP2's own check is a bare AssertionError
+        at the first backward; this one names the parameters, before anything is sharded."""
+        from torch.distributed.fsdp import FSDPModule
+
+        owned: dict[torch.dtype, list[str]] = {}
+        stack = [("", module)]
+        while stack:
+            prefix, sub = stack.pop()
+            for name, param in sub.named_parameters(recurse=False):
+                if param.requires_grad:
+                    owned.setdefault(param.dtype, []).append(prefix + name)
+            # A child sharded already is a unit of its own: its parameters are not this unit's.
+            stack += [(f"{prefix}{n}.", c) for n, c in sub.named_children() if not isinstance(c, FSDPModule)]
+        if len(owned) > 1:
+            examples = ", ".join(f"{names[0]} ({str(dtype).removeprefix('torch.')})" for dtype, names in owned.items())
+            raise ValueError(
+                f"FSDP2Strategy: `{type(module).__name__}` would be one FSDP2 unit whose trainable parameters differ in"
+                f" dtype ({examples}); FSDP2 needs one dtype for them. Load everything that trains in one dtype"
+                " (the recipes follow `trainer.precision`; see lightning_mem.dtypes.cast_trainable)."
+            )
 
     def materialize(self, name: str, unit: nn.Module) -> None:
         """Step 5: give meta-device tensors of a sharded ``unit`` real memory and values.
