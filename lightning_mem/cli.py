@@ -9,16 +9,22 @@
   (:func:`lightning_mem.run_dir.run_dir`), and every setting reaches the logger as a hyperparameter;
 - relative input paths in a config file (data files, model folders) are found from the config
   file, not from wherever the command runs (:func:`resolve_input_path`);
-- ``--ckpt_path`` naming an empty or non-checkpoint file fails before any model is loaded.
+- ``--ckpt_path`` naming an empty or non-checkpoint file fails before any model is loaded;
+- at the command line (:func:`run_command`), a user's mistake -- a setting, a path, a data line --
+  prints one line and exits with status 2, as the parser's own errors do; a bug keeps its
+  traceback, and ``LIGHTNING_MEM_DEBUG=1`` shows the traceback of either.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import sys
 import types
 import typing
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +38,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_mem.callbacks.progress import StepProgressBar, StepRichProgressBar
 from lightning_mem.checkpointing import AtomicCheckpointIO, ResumeCheck, find_last_checkpoint
+from lightning_mem.data.rows import DataFormatError
 from lightning_mem.quiet import silence_unactionable_warnings
 from lightning_mem.run_dir import run_dir
-from lightning_mem.settings import settings_at
+from lightning_mem.settings import SettingError, SettingPathError, settings_at
 
 # Before a recipe imports bitsandbytes (it logs at import): recipes import this module first.
 silence_unactionable_warnings()
@@ -89,7 +96,7 @@ def resolve_input_path(value: str, key: str, dirs: list[Path], *, may_be_hub_id:
         return value
     tried = ", ".join(str(d) for d in dirs)
     what = "model path" if may_be_hub_id else "data file"
-    raise FileNotFoundError(f"`{key}`: {what} {value!r} does not exist; a relative path is looked for under: {tried}")
+    raise SettingPathError(key, f": {what} {value!r} does not exist; a relative path is looked for under: {tried}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -166,17 +173,20 @@ def check_checkpoint_path(ckpt_path: str | None) -> None:
     if "://" in str(ckpt_path):
         return  # a remote URL: fsspec reads it
     if not path.exists():
-        raise FileNotFoundError(f"`ckpt_path`: {str(ckpt_path)!r} does not exist (relative to {Path.cwd()})")
+        raise SettingPathError("ckpt_path", f": {str(ckpt_path)!r} does not exist (relative to {Path.cwd()})")
     if path.is_dir():
         if not any(path.iterdir()):
-            raise ValueError(f"`ckpt_path`: {str(ckpt_path)!r} is an empty folder, not a checkpoint")
+            raise SettingError("ckpt_path", f": {str(ckpt_path)!r} is an empty folder, not a checkpoint")
         return
     if path.stat().st_size == 0:
-        raise ValueError(f"`ckpt_path`: {str(ckpt_path)!r} is empty (0 bytes); it is not a checkpoint (a run killed while writing it?)")
+        raise SettingError(
+            "ckpt_path", f": {str(ckpt_path)!r} is empty (0 bytes); it is not a checkpoint (a run killed while writing it?)"
+        )
     if not zipfile.is_zipfile(path):
-        raise ValueError(
-            f"`ckpt_path`: {str(ckpt_path)!r} is not a PyTorch checkpoint (torch.save writes a zip archive; this"
-            " file is not one: truncated, or another kind of file)"
+        raise SettingError(
+            "ckpt_path",
+            f": {str(ckpt_path)!r} is not a PyTorch checkpoint (torch.save writes a zip archive; this"
+            " file is not one: truncated, or another kind of file)",
         )
 
 
@@ -316,7 +326,7 @@ def check_numbers(config: Any) -> None:
     flat = config.as_dict() if hasattr(config, "as_dict") else dict(config)
     accumulate = flat.get("trainer", {}).get("accumulate_grad_batches")
     if accumulate is not None and (isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1):
-        raise ValueError(f"`trainer.accumulate_grad_batches` must be an int >= 1, got {accumulate!r}")
+        raise SettingError("trainer.accumulate_grad_batches", f" must be an int >= 1, got {accumulate!r}")
 
     def walk(node: Any, key: str) -> None:
         if isinstance(node, dict):
@@ -324,7 +334,7 @@ def check_numbers(config: Any) -> None:
                 walk(value, f"{key}.{name}" if key else str(name))
         elif key.endswith("init_args.lr") and isinstance(node, (int, float)) and not isinstance(node, bool):
             if node < 0 or not math.isfinite(node):
-                raise ValueError(f"`{key}` must be a finite learning rate >= 0, got {node!r}")
+                raise SettingError(key, f" must be a finite learning rate >= 0, got {node!r}")
 
     walk(flat, "")
 
@@ -375,3 +385,33 @@ def _get(config: Any, key: str) -> Any:
         return config[key]
     except (KeyError, TypeError, AttributeError):
         return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The command line: one line for a user's mistake, a traceback for a bug
+# ---------------------------------------------------------------------------------------------
+
+#: Errors a user causes and fixes in their config, command line or data, each of which names the
+#: key, file or line: at the command line they print as one line. Anything else is a bug in this
+#: code (or in a library under it) and keeps its traceback.
+USER_ERRORS: tuple[type[BaseException], ...] = (SettingError, DataFormatError)
+
+#: Set to 1 to see the traceback of a user error too (e.g. to report where a check fired).
+DEBUG_ENV = "LIGHTNING_MEM_DEBUG"
+
+
+def run_command(main: Callable[[], Any]) -> Any:
+    """Run a recipe's ``main()`` as the command line does (``python -m recipes.sft ...``).
+
+    A user error (:data:`USER_ERRORS`) prints ``error: <message>`` on stderr and exits with status
+    2, like the parser's own errors (a misspelled key, a value of the wrong type); with
+    ``LIGHTNING_MEM_DEBUG=1`` it raises as it is. Called from Python, ``main()`` itself raises:
+    only the command line turns errors into an exit status.
+    """
+    try:
+        return main()
+    except USER_ERRORS as err:
+        if os.environ.get(DEBUG_ENV, "").strip() not in ("", "0"):
+            raise
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None

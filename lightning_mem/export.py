@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from lightning_mem.checkpointing import saved_module_keys, staged_directory, trainable_names
+from lightning_mem.settings import SettingError, SettingPathError
 
 
 @runtime_checkable
@@ -91,7 +92,7 @@ def load_checkpoint_weights(module: torch.nn.Module, ckpt_path: str | Path) -> d
     """
     path = Path(ckpt_path)
     if not path.exists():
-        raise FileNotFoundError(f"`--ckpt_path`: {str(ckpt_path)!r} does not exist")
+        raise SettingPathError("--ckpt_path", f": {str(ckpt_path)!r} does not exist")
     own = module.state_dict()
     if path.is_dir():
         import warnings
@@ -100,8 +101,9 @@ def load_checkpoint_weights(module: torch.nn.Module, ckpt_path: str | Path) -> d
         from lightning_mem.strategies.fsdp2 import CHECKPOINT_METADATA, FSDP2Strategy
 
         if not (path / ".metadata").is_file():
-            raise ValueError(
-                f"`--ckpt_path`: {path} is a folder but not a sharded (torch distributed) checkpoint; for a DeepSpeed"
+            raise SettingError(
+                "--ckpt_path",
+                f": {path} is a folder but not a sharded (torch distributed) checkpoint; for a DeepSpeed"
                 " folder, convert it first with lightning.pytorch.utilities.deepspeed.convert_zero_checkpoint_to_fp32_state_dict"
             )
         FSDP2Strategy.check_complete(path)
@@ -117,7 +119,7 @@ def load_checkpoint_weights(module: torch.nn.Module, ckpt_path: str | Path) -> d
     else:
         meta = torch.load(path, map_location="cpu", weights_only=False)
         if not isinstance(meta, dict) or "state_dict" not in meta:
-            raise ValueError(f"`--ckpt_path`: {path} is not a Lightning checkpoint (no `state_dict`)")
+            raise SettingError("--ckpt_path", f": {path} is not a Lightning checkpoint (no `state_dict`)")
         state = meta.pop("state_dict")
         _check_keys(set(state), own, module, path)
     module.load_state_dict(state, strict=False)

@@ -42,6 +42,19 @@ UNACTIONABLE: tuple[tuple[str, str], ...] = (
 #: (logger, message prefix, why): log records of other libraries, dropped the same way.
 UNACTIONABLE_LOGS: tuple[tuple[str, str, str], ...] = (
     (
+        "lightning.pytorch.utilities.rank_zero",
+        "💡 Tip: For seamless cloud",
+        "Lightning's advertisement for its optional cloud logger (litlogger) and model registry (litmodels),"
+        " printed by every run that does not use them; the run's logs and checkpoints do not depend on them",
+    ),
+    (
+        "DeepSpeed",
+        "Setting accelerator to CPU",
+        "printed when `deepspeed` is imported on a machine without CUDA: transformers' save_pretrained"
+        " (through accelerate) imports it at every export, DeepSpeed strategy or not; Lightning's own"
+        " 'GPU available: False' line already says which device the run uses",
+    ),
+    (
         "bitsandbytes.backends.cpu.ops",
         "Failed to load CPU gemm_4bit_forward from kernels-community",
         "an optional CPU kernel that bitsandbytes would download from the hub at run time; the"

@@ -31,7 +31,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_mem.activation_checkpointing import checkpoint_blocks
-from lightning_mem.cli import RecipeCLI
+from lightning_mem.cli import RecipeCLI, run_command
 from lightning_mem.data import SFTDataModule
 from lightning_mem.export import export_main
 from lightning_mem.logits import check_supported
@@ -197,4 +197,4 @@ def main(args: list[str] | None = None) -> RecipeCLI | Path:
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

@@ -26,7 +26,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_mem.checkpointing import check_trainable_kept, keep_trainable
-from lightning_mem.cli import RecipeCLI
+from lightning_mem.cli import RecipeCLI, run_command
 from lightning_mem.data import SFTDataModule
 from lightning_mem.export import export_hf, export_main
 from lightning_mem.logits import check_supported, next_token_targets, score_tokens
@@ -140,10 +140,12 @@ class SFTModule(LightningModule):
         )
         self.model.config.use_cache = False  # training never reuses the KV cache
         if self.lora is not None:
-            # from_pretrained returns eval mode and Lightning keeps modules as they are: train()
-            # so that lora_dropout is active.
             with settings_at("model"):
-                self.model = apply_lora(self.model, self.lora).train()
+                self.model = apply_lora(self.model, self.lora)
+        # from_pretrained returns eval mode and Lightning keeps modules as they are: without this
+        # dropout (the model's, LoRA's) would never be active, and Lightning would warn at the start
+        # of training about modules in eval mode.
+        self.model.train()
         if self.logits_chunk_size:  # a model the chunked path cannot score fails here, naming our key
             check_supported(self.model, key="model.logits_chunk_size")
 
@@ -243,4 +245,4 @@ def main(args: list[str] | None = None) -> RecipeCLI | Path:
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)
