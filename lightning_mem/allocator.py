@@ -59,8 +59,9 @@ def allocator_advice(host_offload: list[str], allocator: str | None = None) -> s
     allocator = allocator or host_allocator()
     if not host_offload or allocator != "glibc":
         return None
+    named = ", ".join(host_offload[:3]) + (f" and {len(host_offload) - 3} more" if len(host_offload) > 3 else "")
     return (
-        f"Host offload is on ({', '.join(host_offload)}) and this process uses glibc malloc, whose host memory"
+        f"Host offload is on ({named}) and this process uses glibc malloc, whose host memory"
         f" can grow step after step from fragmentation: run it under jemalloc or tcmalloc ({PRELOAD_HINT})."
     )
 
@@ -150,3 +151,26 @@ def apply_expandable_segments(decision: ExpandableSegments) -> bool:
         return False
     os.environ[ALLOC_CONF] = decision.value
     return True
+
+
+def host_offloads(trainer: object, model: object = None) -> list[str]:
+    """What in this run moves buffers between device and host every step, named as a config
+    names it: FSDP2's ``cpu_offload``, ZeRO's optimizer or parameter offload, the
+    ``ActivationOffload`` and ``OptimizerStateOffload`` callbacks, a PPO memory plan's host
+    placements. Read from the built objects, so a strategy chosen by short name counts too."""
+    found = []
+    strategy = getattr(trainer, "strategy", None)
+    if getattr(strategy, "cpu_offload", False) is True:
+        found.append("strategy.cpu_offload")
+    tier = getattr(strategy, "tier", None)
+    if getattr(tier, "offload_optimizer", "none") == "cpu":
+        found.append("strategy.offload_optimizer")
+    if getattr(tier, "offload_params", "none") == "cpu":
+        found.append("strategy.offload_params")
+    for callback in getattr(trainer, "callbacks", None) or []:
+        if type(callback).__name__ in ("ActivationOffload", "OptimizerStateOffload"):
+            found.append(type(callback).__name__)
+    plan = getattr(model, "memory_plan", None)
+    if hasattr(plan, "host_placements"):
+        found += [f"model.memory_plan.{where}" for where in plan.host_placements()]
+    return found

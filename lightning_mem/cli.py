@@ -39,6 +39,12 @@ from lightning.pytorch.loggers import Logger
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_mem.allocator import (
+    allocator_advice,
+    apply_expandable_segments,
+    expandable_segments_decision,
+    host_offloads,
+)
 from lightning_mem.callbacks.progress import StepProgressBar, StepRichProgressBar
 from lightning_mem.checkpointing import AtomicCheckpointIO, ResumeCheck, find_last_checkpoint
 from lightning_mem.data.rows import DataFormatError
@@ -255,6 +261,7 @@ class RecipeCLI(LightningCLI):
         self._default_logger(config)
         check_numbers(config)
         check_setting_groups(self.model_class, config.get("model"), "model")
+        _set_device_allocator(config)
         if self.datamodule_class is not None and _is_plain_section(config.get("data")):
             # Built once here, cheaply (a datamodule reads its data in setup): a rule relating its
             # arguments (train_file or dataset) fails now, named data.<argument>.
@@ -332,6 +339,20 @@ class RecipeCLI(LightningCLI):
             keys = getattr(self.model, "optimizer_config_keys", ("model.optimizer",))
             self.trainer.callbacks.append(ResumeCheck(keys))
         _count_steps_in_progress_bar(self.trainer)
+        advice = allocator_advice(host_offloads(self.trainer, self.model))
+        if advice:
+            rank_zero_warn(advice)
+
+
+def _set_device_allocator(config: Any) -> None:
+    """Turn on CUDA's expandable segments before anything touches CUDA, unless the user set
+    ``PYTORCH_CUDA_ALLOC_CONF`` or a vLLM engine sleeps between rollouts (its own allocator)."""
+    import torch
+
+    vllm_sleep = _get(config, "model.rollout_engine.name") == "vllm" and (
+        _get(config, "model.rollout_engine.sleep_level") or 0) > 0
+    decision = expandable_segments_decision(vllm_sleep=vllm_sleep, cuda=torch.cuda.is_available())
+    apply_expandable_segments(decision)
 
 
 def _recipe_module(model_class: type) -> str:

@@ -12,6 +12,7 @@ from lightning_mem.allocator import (
     apply_expandable_segments,
     expandable_segments_decision,
     host_allocator,
+    host_offloads,
     release_free_host_memory,
 )
 
@@ -79,3 +80,36 @@ def test_apply_sets_the_environment_only_when_decided(monkeypatch):
     if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
         assert apply_expandable_segments(expandable_segments_decision(vllm_sleep=False, current="", cuda=True))
         assert os.environ[allocator.ALLOC_CONF] == "expandable_segments:True"
+
+
+def test_host_offloads_are_read_from_the_built_run():
+    from types import SimpleNamespace
+
+    from lightning_mem.callbacks import ActivationOffload, MemoryMonitor, OptimizerStateOffload
+    from lightning_mem.rl.memory_plan import PhaseMemoryPlan, PhasePlacement
+    from lightning_mem.strategies.zero_config import zero_tier
+
+    plain = SimpleNamespace(strategy=SimpleNamespace(), callbacks=[MemoryMonitor()])
+    assert host_offloads(plain, SimpleNamespace()) == []
+    fsdp = SimpleNamespace(strategy=SimpleNamespace(cpu_offload=True), callbacks=[ActivationOffload(), OptimizerStateOffload()])
+    assert host_offloads(fsdp) == ["strategy.cpu_offload", "ActivationOffload", "OptimizerStateOffload"]
+    zero = SimpleNamespace(strategy=SimpleNamespace(tier=zero_tier("zero3_offload")), callbacks=[])
+    assert host_offloads(zero) == ["strategy.offload_optimizer", "strategy.offload_params"]
+    ppo = SimpleNamespace(memory_plan=PhaseMemoryPlan(rollout=PhasePlacement(actor_optimizer="host")))
+    assert host_offloads(SimpleNamespace(strategy=None, callbacks=[]), ppo) == ["model.memory_plan.rollout.actor_optimizer"]
+    advice = allocator_advice(host_offloads(fsdp) + ["x", "y"], allocator="glibc")
+    assert "strategy.cpu_offload, ActivationOffload, OptimizerStateOffload and 2 more" in advice
+
+
+@pytest.mark.parametrize("engine, sleep, expected", [("vllm", 1, None), ("vllm", 0, "expandable_segments:True"),
+                                                     ("hf", 1, "expandable_segments:True")])
+def test_the_cli_turns_on_expandable_segments_except_under_vllm_sleep(monkeypatch, engine, sleep, expected):
+    from jsonargparse import Namespace
+
+    from lightning_mem import cli
+
+    monkeypatch.delenv(allocator.ALLOC_CONF, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    cli._set_device_allocator(Namespace(model=Namespace(rollout_engine=Namespace(name=engine, sleep_level=sleep))))
+    assert os.environ.get(allocator.ALLOC_CONF) == expected
