@@ -23,7 +23,8 @@ estimated peak fits a device budget (:func:`blocks_within_budget`).
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+import math
+from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 import torch
@@ -153,3 +154,39 @@ def checkpoint_blocks(
     for i in chosen:
         checkpoint_block(blocks[i], policy, offloader)
     return len(chosen), len(blocks)
+
+
+def fewest_blocks_within(budget_bytes: int, peak_of: Callable[[int], int], num_blocks: int) -> tuple[int, dict[int, int]]:
+    """The fewest blocks to checkpoint (the first n) whose peak ``peak_of(n)`` fits ``budget_bytes``;
+    returns it and every peak it asked for.
+
+    ``peak_of`` is an estimate (the recipe CLI passes the estimator's device peak of the run with n
+    blocks checkpointed). Blocks are alike, so each saves about the same: the peaks with none and
+    with all give the per-block saving, one more estimate checks the interpolated n, and n grows
+    one block at a time only if that estimate is still over (a few estimates, not a search).
+
+    Raises:
+        ValueError: even with every block checkpointed the peak is over the budget.
+    """
+    peaks: dict[int, int] = {}
+
+    def peak(n: int) -> int:
+        if n not in peaks:
+            peaks[n] = peak_of(n)
+        return peaks[n]
+
+    if peak(0) <= budget_bytes:
+        return 0, peaks
+    if peak(num_blocks) > budget_bytes:
+        raise ValueError(
+            f"with all {num_blocks} blocks checkpointed the estimated peak is {peak(num_blocks) / 2**30:.2f} GiB,"
+            f" over the budget of {budget_bytes / 2**30:.2f} GiB: checkpointing alone cannot fit it"
+        )
+    per_block = max(1.0, (peak(0) - peak(num_blocks)) / num_blocks)
+    n = min(num_blocks, max(1, math.ceil((peak(0) - budget_bytes) / per_block)))
+    while n < num_blocks and peak(n) > budget_bytes:
+        n += 1
+    # The interpolation may overshoot by one where savings are uneven: the block before may fit too.
+    while n > 1 and peak(n - 1) <= budget_bytes:
+        n -= 1
+    return n, peaks

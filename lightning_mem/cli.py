@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import sys
@@ -262,6 +263,8 @@ class RecipeCLI(LightningCLI):
         check_numbers(config)
         check_setting_groups(self.model_class, config.get("model"), "model")
         _set_device_allocator(config)
+        if self.subcommand == "fit":
+            self._checkpoint_within_budget(config)
         if self.datamodule_class is not None and _is_plain_section(config.get("data")):
             # Built once here, cheaply (a datamodule reads its data in setup): a rule relating its
             # arguments (train_file or dataset) fails now, named data.<argument>.
@@ -299,6 +302,46 @@ class RecipeCLI(LightningCLI):
         rank_zero_info(f"auto_fit: {line}")
         extra = [*chosen["overrides"]] if chosen is not None else []
         self.parse_arguments(self.parser, [*args, *extra, f"--auto_fit_applied={line}"])
+
+    def _checkpoint_within_budget(self, config: Any) -> None:
+        """An ``ActivationCheckpointing`` callback with a ``budget`` and no ``blocks`` gets the fewest
+        blocks whose estimated device peak fits: the run is estimated (on fake tensors, before any
+        model loads) with its callback list as configured, that callback set to n blocks."""
+        callbacks = config.trainer.get("callbacks") or []
+        entries = [c for c in callbacks if isinstance(c, dict) or hasattr(c, "class_path")]
+        for index, entry in enumerate(entries):
+            if not str(_get(entry, "class_path")).endswith("ActivationCheckpointing"):
+                continue
+            budget, blocks = _get(entry, "init_args.budget"), _get(entry, "init_args.blocks")
+            if budget is None or blocks is not None:
+                continue
+            key = f"trainer.callbacks[{index}].init_args.budget"
+            from lightning_mem import auto_fit
+            from lightning_mem.activation_checkpointing import fewest_blocks_within
+            from lightning_mem.estimate import estimate
+            from lightning_mem.estimate.report import parse_size
+
+            try:
+                budget_bytes = parse_size(str(budget))
+            except ValueError as err:
+                raise SettingError(key, f": {err}") from None
+            args = sys.argv[1:] if self._args is None else self._args
+            config_file, overrides = auto_fit.split_command_line(list(args))
+
+            def peak_of(n: int) -> int:
+                listed = [_callback_as_dict(c) for c in callbacks]
+                listed[index]["init_args"].update(budget=None, blocks=n)
+                return estimate(config_file, [*overrides, f"--trainer.callbacks={json.dumps(listed)}"]).device_peak_bytes
+
+            num_blocks = _num_blocks(_get(config, "model.name_or_path"))
+            try:
+                chosen, peaks = fewest_blocks_within(budget_bytes, peak_of, num_blocks)
+            except ValueError as err:
+                raise SettingError(key, f" ({budget}): {err}") from None
+            entry.init_args.blocks = chosen
+            rank_zero_info(
+                f"ActivationCheckpointing budget {budget}: {chosen} of {num_blocks} blocks checkpointed (estimated"
+                f" peak {peaks[chosen] / 2**30:.2f} GiB; none: {peaks[0] / 2**30:.2f} GiB)")
 
     def _resolve_input_paths(self, config: Any) -> None:
         files = [Path(p.absolute if hasattr(p, "absolute") else p) for p in (config.get("config") or [])]
@@ -342,6 +385,20 @@ class RecipeCLI(LightningCLI):
         advice = allocator_advice(host_offloads(self.trainer, self.model))
         if advice:
             rank_zero_warn(advice)
+
+
+def _callback_as_dict(entry: Any) -> dict[str, Any]:
+    """A parsed callback entry as plain data, to pass back on an estimate's command line."""
+    data = entry.as_dict() if hasattr(entry, "as_dict") else dict(entry)
+    data.setdefault("init_args", {})
+    return data
+
+
+def _num_blocks(name_or_path: Any) -> int:
+    """The decoder blocks of the configured model, read from its config.json (no weights)."""
+    from transformers import AutoConfig
+
+    return int(AutoConfig.from_pretrained(str(name_or_path)).num_hidden_layers)
 
 
 def _set_device_allocator(config: Any) -> None:
