@@ -8,6 +8,7 @@ listed still prints.
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 
 #: (message regex, why it does not apply to the recipes)
@@ -87,3 +88,11 @@ def silence_unactionable_warnings() -> None:
         warnings.filterwarnings("ignore", message=pattern)
     for name, prefix, _reason in UNACTIONABLE_LOGS:
         logging.getLogger(name).addFilter(_DropPrefix(prefix))
+    # transformers 5 draws a progress bar per shard on every load and save ("Loading weights",
+    # "Writing model shards"): a tiny model's bars flash by, a big one's shard count is not
+    # progress a user can act on; the recipes report their own steps. HF_HUB_DISABLE_PROGRESS_BARS=0
+    # (or transformers' enable_progress_bar()) brings them back.
+    if os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS") != "0":
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
