@@ -629,7 +629,7 @@ class EstimateRun(PhaseRecorder, StepIO):
     """
 
     def __init__(self, init: Any, cfg: Any, *, world_size: int, fake: bool, vocab: list[int], workdir: Path,
-                 full_loops: bool = False) -> None:
+                 full_loops: bool = False, device_memory: int | None = None) -> None:
         trainer_cfg = init.trainer
         strategy = trainer_cfg.strategy if not isinstance(trainer_cfg.strategy, str) else None
         super().__init__(MemoryLedger(set(vocab)), sharding=sharding_of(strategy), world_size=world_size)
@@ -656,6 +656,9 @@ class EstimateRun(PhaseRecorder, StepIO):
         self._shard_dtype = torch.float32
         self._resident: dict[int, int] = {}  # units kept gathered after their forward -> bytes
         self._fill, self._eos = 0, None
+        self.device_memory = device_memory  # one device's total bytes, when the estimate knows the card
+        accelerator = str(trainer_cfg.accelerator or "auto").lower()
+        self.on_cuda = accelerator not in ("cpu", "mps")  # what the config runs on, not this machine
 
     def measured(self, step: int) -> bool:
         return step == 1
@@ -857,6 +860,15 @@ class EstimateRun(PhaseRecorder, StepIO):
         if self.full_loops or not self._measuring:  # the warm-up's responses end at once anyway
             return contextlib.nullcontext()
         return _last_decode_step(self, model)
+
+    @override
+    def rollout_engine(self, config: Any, generation: Any, **kwargs: Any) -> Any:
+        if config.name != "vllm":
+            return super().rollout_engine(config, generation, **kwargs)
+        from lightning_mem.estimate.engine import ReservedEngine
+
+        return ReservedEngine(generation, config, run=self, on_cuda=self.on_cuda, device_memory=self.device_memory,
+                              **kwargs)
 
     # -- the per-rank view ------------------------------------------------------------------------
     def _per_rank(self, breakdown: dict[str, int], host: int) -> tuple[dict[str, int], int]:
@@ -1338,6 +1350,7 @@ def estimate(
     fake: bool = True,
     full_loops: bool = False,
     run_class: type[EstimateRun] = EstimateRun,
+    device_memory: int | None = None,
 ) -> Estimate:
     """Estimate every phase of ``config`` (plus recipe CLI ``overrides``) per rank.
 
@@ -1345,17 +1358,24 @@ def estimate(
     ``full_loops=True`` runs every decode step, micro-batch, mini-batch, epoch and accumulated
     micro-batch instead of the ones that decide the peak (:class:`EstimateRun`): the same figures,
     many times slower. ``run_class`` makes the run: :class:`EstimateRun`, or a subclass such as
-    :mod:`.sharded`'s, which really shards the model.
+    :mod:`.sharded`'s, which really shards the model. ``device_memory`` is one device's total bytes
+    (default: the config's tier, if it names one): a vLLM rollout engine takes a fraction of it.
     """
+    from lightning_mem.estimate.report import tier_of
+    from lightning_mem.rl.engine_config import engines_stood_in
+
     module_name = recipe_for(config, recipe)
     cli, cfg, module_class = parse_config(module_name, ["--config", str(config), *overrides])
-    with tempfile.TemporaryDirectory(prefix="lightning_mem_estimate_") as tmp:
+    if device_memory is None and (tier := tier_of(config)) is not None:
+        device_memory = tier.memory_bytes
+    with tempfile.TemporaryDirectory(prefix="lightning_mem_estimate_") as tmp, engines_stood_in():
         vocab = _localize_models(cfg.model, Path(tmp))
         if cfg.get("data") is not None and "tokenizer" in cfg.data:
             cfg.data.tokenizer = cfg.model.name_or_path
         init = instantiate(cli, cfg)
         size = world_size or _world_size(cfg.trainer)
-        run = run_class(init, cfg, world_size=size, fake=fake, vocab=vocab, workdir=Path(tmp), full_loops=full_loops)
+        run = run_class(init, cfg, world_size=size, fake=fake, vocab=vocab, workdir=Path(tmp), full_loops=full_loops,
+                        device_memory=device_memory)
         run.fit()
     notes = []
     if run.sharding.shard:

@@ -6,13 +6,31 @@ which imports neither of them.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import importlib.util
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from lightning_mem.settings import AtLeastOne, AtLeastTwo, LeftOpenUnitInterval, SettingError, check_fields
 
 EngineName = Literal["hf", "vllm"]
+
+# False while the memory estimate runs a recipe: it builds a stand-in for the engine
+# (lightning_mem.estimate.engine), so the engine need not be installed where the estimate runs.
+_ENGINE_RUNS = contextvars.ContextVar("lightning_mem_engine_runs", default=True)
+
+
+@contextlib.contextmanager
+def engines_stood_in() -> Iterator[None]:
+    """Inside: :meth:`RolloutEngineConfig.validate` does not ask for the engine's package (the
+    memory estimate of a vLLM config, on a machine without vLLM)."""
+    token = _ENGINE_RUNS.set(False)
+    try:
+        yield
+    finally:
+        _ENGINE_RUNS.reset(token)
 
 
 @dataclass
@@ -64,7 +82,7 @@ class RolloutEngineConfig:
         The one place this is checked: the recipe calls it before any model loads, and an engine
         built directly calls it too. Errors name ``rollout_engine.<field>`` and
         ``generation.<field>`` (a recipe names their parent, ``settings_at("model")``)."""
-        if self.name == "vllm" and importlib.util.find_spec("vllm") is None:
+        if self.name == "vllm" and _ENGINE_RUNS.get() and importlib.util.find_spec("vllm") is None:
             raise SettingError(
                 "rollout_engine.name",
                 "`rollout_engine.name: vllm` needs vLLM, which is not installed in this environment: "

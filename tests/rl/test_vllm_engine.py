@@ -169,6 +169,21 @@ def test_after_an_update_and_a_sync_greedy_equals_the_updated_actor(tmp_path, lo
     assert all(v >= 0 for v in read_metric(tmp_path, "engine_logprob_abs_diff").values())
 
 
+def test_rollout_correction_weighs_by_the_engines_own_logprobs(tmp_path):
+    """TIS against the engine's drift, from the engine's log-probs of its own samples: the old-logprob
+    pass runs (pi_old is needed before the update), and the mismatch KL and the truncated share are
+    logged each step. Synced fp32 weights on CPU drift little, so the KL is small but measured."""
+    from lightning_mem.rl.config import RolloutCorrectionConfig
+
+    module = fit_vllm(tmp_path, ppo=PPOConfig(ppo_epochs=1, num_mini_batches=1, max_tokens_per_microbatch=256,
+                                             rollout_correction=RolloutCorrectionConfig(mode="tis", upper=1.5)))
+    assert not module.on_policy  # one mini-batch would otherwise skip the old-logprob pass
+    kl, affected = read_metric(tmp_path, "mismatch_kl"), read_metric(tmp_path, "correction_affected_frac")
+    assert len(kl) == len(affected) == 2
+    assert all(0 <= v < 1e-2 for v in kl.values()), kl
+    assert all(0 <= v <= 1 for v in affected.values()), affected
+
+
 def test_memory_plan_drives_the_engine_in_order_and_warns_once_on_cpu(tmp_path, monkeypatch, caplog):
     from lightning_mem.rl.vllm_engine import VLLMRolloutEngine
 
