@@ -38,12 +38,19 @@ def build(layers: int, vocab: int):
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
 
 
+def _live_bytes(created) -> int:
+    # A live storage seen twice (an op returning its input, a view) counts once.
+    live = {ref.cdata: n for ref, n in created if not ref.expired()}
+    return sum(live.values())
+
+
 def held_and_seconds(model, ids) -> tuple[int, float]:
     from torch.multiprocessing.reductions import StorageWeakRef
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
-    created: dict[int, tuple[StorageWeakRef, int]] = {}
+    # Every storage made, not keyed by address: a freed one's address is reused by later ones.
+    created: list[tuple[StorageWeakRef, int]] = []
 
     class Created(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -51,7 +58,7 @@ def held_and_seconds(model, ids) -> tuple[int, float]:
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor):
                     s = t.untyped_storage()
-                    created.setdefault(s.data_ptr(), (StorageWeakRef(s), s.nbytes()))
+                    created.append((StorageWeakRef(s), s.nbytes()))
             return out
 
     model.zero_grad(set_to_none=True)
@@ -59,7 +66,7 @@ def held_and_seconds(model, ids) -> tuple[int, float]:
     start = time.perf_counter()
     with Created():
         loss = model(input_ids=ids, labels=ids).loss
-    held = sum(n for ref, n in created.values() if not ref.expired())
+    held = _live_bytes(created)
     loss.backward()
     return held, time.perf_counter() - start
 

@@ -33,6 +33,12 @@ def test_a_model_without_the_blocks_is_an_error():
 # ---------------------------------------------------------------- selective, input offload, first n blocks
 
 
+def _live_bytes(created) -> int:
+    # A live storage seen twice (an op returning its input, a view) counts once.
+    live = {ref.cdata: n for ref, n in created if not ref.expired()}
+    return sum(live.values())
+
+
 def held_for_backward(model, ids) -> tuple[int, torch.Tensor]:
     """Bytes of every storage the forward created that is still alive when it returns (what the
     graph keeps for backward, plus the logits and loss), whoever keeps it: autograd's saved
@@ -43,7 +49,8 @@ def held_for_backward(model, ids) -> tuple[int, torch.Tensor]:
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
-    created: dict[int, tuple[StorageWeakRef, int]] = {}
+    # Every storage made, not keyed by address: a freed one's address is reused by later ones.
+    created: list[tuple[StorageWeakRef, int]] = []
 
     class Created(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -51,13 +58,13 @@ def held_for_backward(model, ids) -> tuple[int, torch.Tensor]:
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor):
                     storage = t.untyped_storage()
-                    created.setdefault(storage.data_ptr(), (StorageWeakRef(storage), storage.nbytes()))
+                    created.append((StorageWeakRef(storage), storage.nbytes()))
             return out
 
     with Created():
         loss = model(input_ids=ids, labels=ids).loss
     gc.collect()
-    return sum(n for ref, n in created.values() if not ref.expired()), loss
+    return _live_bytes(created), loss
 
 
 def grads_and_held(configure) -> tuple[int, dict[str, torch.Tensor]]:
