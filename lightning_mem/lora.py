@@ -28,7 +28,7 @@ from lightning_mem.checkpointing import staged_directory
 from lightning_mem.export import gather_state_dict
 from lightning_mem.dtypes import resolve_dtype
 from lightning_mem.models import building_config_only, check_model_source, has_weights, load_causal_lm, load_tokenizer
-from lightning_mem.settings import HalfOpenUnitInterval, SettingError, check_fields, settings_at
+from lightning_mem.settings import HalfOpenUnitInterval, SettingError, SettingPathError, check_fields, settings_at
 from lightning_mem.quantization import (
     QuantizationSettings,
     freeze_quantized_base,
@@ -251,7 +251,7 @@ def _read_adapter(adapter_dir: str | Path) -> tuple[dict[str, Any], dict[str, An
     folder = Path(adapter_dir)
     config_file = folder / "adapter_config.json"
     if not config_file.is_file():
-        raise FileNotFoundError(f"`--adapter`: {str(adapter_dir)!r} has no adapter_config.json")
+        raise SettingPathError("--adapter", f": {str(adapter_dir)!r} has no adapter_config.json")
     sidecar = folder / BASE_SIDECAR
     return json.loads(config_file.read_text()), (json.loads(sidecar.read_text()) if sidecar.is_file() else None)
 
@@ -259,7 +259,7 @@ def _read_adapter(adapter_dir: str | Path) -> tuple[dict[str, Any], dict[str, An
 def _base_of(adapter_config: dict[str, Any], base: str | None) -> str:
     base = base or adapter_config.get("base_model_name_or_path")
     if not base:
-        raise ValueError("`--base`: the adapter does not name its base model; pass --base")
+        raise SettingError("--base", ": the adapter does not name its base model; pass --base")
     check_model_source(base, key="--base")
     return base
 
@@ -322,7 +322,7 @@ def merge_adapter(
 
     torch_dtype = resolve_dtype(dtype, key="--dtype")
     if torch_dtype is None:
-        raise ValueError(f"`--dtype` must name a dtype, not {dtype!r}")
+        raise SettingError("--dtype", f" must name a dtype, not {dtype!r}")
     adapter_config, sidecar = _read_adapter(adapter_dir)
     base_path = _base_of(adapter_config, base)
     trust = bool(sidecar and sidecar.get("trust_remote_code"))
@@ -331,9 +331,9 @@ def merge_adapter(
         model = load_causal_lm(base_path, dtype=torch_dtype, from_config=False, trust_remote_code=trust)
     elif base_weights == "dequantized":
         if sidecar is None:
-            raise FileNotFoundError(
-                f"`--adapter`: {adapter_dir} has no {BASE_SIDECAR}, so how its base was quantized is unknown; "
-                "use --base_weights original"
+            raise SettingPathError(
+                "--adapter",
+                f": {adapter_dir} has no {BASE_SIDECAR}, so how its base was quantized is unknown; use --base_weights original",
             )
         settings = QuantizationSettings(**sidecar["quantization"])
         model = load_quantized_causal_lm(base_path, settings, trust_remote_code=trust)
@@ -343,7 +343,7 @@ def merge_adapter(
     elif base_weights == "original":
         model = load_causal_lm(base_path, dtype=torch_dtype, from_config=False, trust_remote_code=trust)
     else:
-        raise ValueError(f"`--base_weights` must be 'dequantized' or 'original', got {base_weights!r}")
+        raise SettingError("--base_weights", f" must be 'dequantized' or 'original', got {base_weights!r}")
     assert not any(is_quantized_linear(m) for m in model.modules())
     merged = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
     out = Path(out_dir)

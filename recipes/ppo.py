@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from lightning_mem.callbacks.training_dtypes import TrainingDtypes
 from lightning_mem.checkpointing import check_trainable_kept, keep_trainable
-from lightning_mem.cli import RecipeCLI
+from lightning_mem.cli import RecipeCLI, run_command
 from lightning_mem.data import PromptDataModule, row_to_prompt_messages
 from lightning_mem.export import export_hf, export_main
 from lightning_mem.logits import check_supported
@@ -831,4 +831,4 @@ def main(args: list[str] | None = None) -> RecipeCLI:
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

@@ -33,7 +33,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_mem.activation_checkpointing import checkpoint_blocks
-from lightning_mem.cli import RecipeCLI
+from lightning_mem.cli import RecipeCLI, run_command
 from lightning_mem.dtypes import cast_trainable, dtype_name, trainer_dtypes
 from lightning_mem.data import SFTDataModule
 from lightning_mem.export import export_main
@@ -208,4 +208,4 @@ def main(args: list[str] | None = None) -> RecipeCLI | Path:
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

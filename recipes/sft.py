@@ -27,7 +27,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_mem.callbacks.training_dtypes import TrainingDtypes
 from lightning_mem.checkpointing import check_trainable_kept, keep_trainable
-from lightning_mem.cli import RecipeCLI
+from lightning_mem.cli import RecipeCLI, run_command
 from lightning_mem.data import SFTDataModule
 from lightning_mem.export import export_hf, export_main
 from lightning_mem.gradients import FreesGradientsAfterStep
@@ -164,12 +164,14 @@ class SFTModule(FreesGradientsAfterStep, LightningModule):
         )
         self.model.config.use_cache = False  # training never reuses the KV cache
         if self.lora is not None:
-            # from_pretrained returns eval mode and Lightning keeps modules as they are: train()
-            # so that lora_dropout is active.
             with settings_at("model"):
-                self.model = apply_lora(self.model, self.lora).train()
+                self.model = apply_lora(self.model, self.lora)
             # Adapters (and any modules_to_save copy) train in the precision's dtype on any base.
             cast_trainable(self.model, trainer_dtypes(self._trainer).trained)
+        # from_pretrained returns eval mode and Lightning keeps modules as they are: without this
+        # dropout (the model's, LoRA's) would never be active, and Lightning would warn at the start
+        # of training about modules in eval mode.
+        self.model.train()
         if self.logits_chunk_size:  # a model the chunked path cannot score fails here, naming our key
             check_supported(self.model, key="model.logits_chunk_size")
 
@@ -271,4 +273,4 @@ def main(args: list[str] | None = None) -> RecipeCLI | Path:
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

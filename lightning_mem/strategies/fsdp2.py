@@ -45,6 +45,7 @@ from lightning_mem.checkpointing import (
 from lightning_mem.dtypes import resolve_dtype
 from lightning_mem.offload import optimizer_state_onto
 from lightning_mem import activation_checkpointing, module_tree
+from lightning_mem.activation_checkpointing import POLICIES
 from lightning_mem.strategies import shard_plan
 from lightning_mem.export import full_state_dict
 
@@ -100,6 +101,9 @@ class FSDP2Strategy(ModelParallelStrategy):
         reduce_dtype: dtype gradients are reduce-scattered in; ``None`` follows ``param_dtype``.
         activation_checkpointing: ``True`` recomputes every block's activations in backward
             (non-reentrant); an int ``k`` checkpoints every ``k``-th block (blocks 0, k, 2k, ...).
+        activation_checkpointing_policy: ``"full"`` recomputes the whole block; ``"selective"``
+            keeps matmul and attention outputs and recomputes the rest
+            (:mod:`lightning_mem.activation_checkpointing`).
         shard_modules: class names of the blocks to shard (e.g. ``["LlamaDecoderLayer"]``);
             ``None`` takes each HF model's ``_no_split_modules``.
         data_parallel_size: ranks parameters are sharded across; ``"auto"`` is world size
@@ -149,6 +153,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         param_dtype: Union[str, torch.dtype, None] = None,
         reduce_dtype: Union[str, torch.dtype, None] = None,
         activation_checkpointing: Union[bool, int] = False,
+        activation_checkpointing_policy: Literal["full", "selective"] = "full",
         shard_modules: Optional[Sequence[str]] = None,
         data_parallel_size: Union[Literal["auto"], int] = "auto",
         tensor_parallel_size: int = 1,
@@ -176,6 +181,11 @@ class FSDP2Strategy(ModelParallelStrategy):
         self._reduce_dtype = resolve_dtype(reduce_dtype, key="reduce_dtype")
         # `True` means every block; an int counts blocks; bool is an int, so normalize.
         self._checkpoint_every = int(activation_checkpointing)
+        # The argument `activation_checkpointing` shadows the module of that name here.
+        if activation_checkpointing_policy not in POLICIES:
+            raise ValueError(f"`activation_checkpointing_policy` must be one of {POLICIES},"
+                             f" got {activation_checkpointing_policy!r}.")
+        self._checkpoint_policy = activation_checkpointing_policy
         self._shard_modules = shard_modules
 
     @staticmethod
@@ -394,7 +404,7 @@ class FSDP2Strategy(ModelParallelStrategy):
     def apply_activation_checkpointing(self, block: nn.Module) -> None:
         """Step 3: make ``block`` recompute its activations in backward
         (:func:`lightning_mem.activation_checkpointing.checkpoint_block`)."""
-        activation_checkpointing.checkpoint_block(block)
+        activation_checkpointing.checkpoint_block(block, self._checkpoint_policy)
 
     def offload_policy(self) -> "OffloadPolicy":
         """Step 4a: where sharded parameters, gradients and the optimizer step live."""

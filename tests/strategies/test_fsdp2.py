@@ -388,6 +388,18 @@ def test_activation_checkpointing_cuts_saved_bytes_and_changes_no_gradient():
 # ---------------------------------------------------------------- configuration and errors (1 process)
 
 
+def test_the_selective_policy_reaches_each_checkpointed_block():
+    model = sc.tiny_llama(seed=0)
+    model.config.use_cache = False
+    strategy = FSDP2Strategy(activation_checkpointing=True, activation_checkpointing_policy="selective")
+    blocks = strategy.blocks_to_shard(model)
+    strategy.apply_activation_checkpointing(blocks[0])
+    assert getattr(blocks[0], "_lightning_mem_checkpointed") == "selective"
+    with pytest.raises(ValueError, match="`activation_checkpointing_policy` must be one of"):
+        FSDP2Strategy(activation_checkpointing=True, activation_checkpointing_policy="some")
+
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
