@@ -79,7 +79,9 @@ def source_identity(source: DataSource, which: str) -> list[Any]:
         path = source.train_file
     if path is not None:
         return ["file", _file_identity(path), split if path.is_dir() else None, source.columns]
-    return ["hub", source.dataset, source.subset, split, source.columns]
+    # The loaded split's fingerprint, which `datasets` derives from the downloaded files: a new
+    # revision of the hub dataset is a new cache.
+    return ["hub", source.dataset, source.subset, split, source.hub_split(split)._fingerprint, source.columns]
 
 
 def tokenizer_identity(tokenizer: Any) -> list[Any]:
@@ -170,10 +172,10 @@ def parse_rows(lines: list[bytes], indices: list[int], jsonl: str, columns: dict
                 row = json.loads(text)
             except json.JSONDecodeError as err:
                 raise DataFormatError(f"{name}: not valid JSON ({err.msg})") from None
-            row = _record(row, name)
+            row = rename_columns([_record(row, name)], columns)[0]
         else:
-            row = json.loads(raw)
-        rows.append(rename_columns([row], columns)[0])
+            row = json.loads(raw)  # written by DataSource.rows: columns already renamed
+        rows.append(row)
     return rows
 
 
