@@ -11,6 +11,7 @@ import warnings
 from typing import Any
 from collections.abc import Callable, Iterator, Sequence
 
+import numpy as np
 import torch
 from torch.utils.data import DistributedSampler
 
@@ -166,9 +167,11 @@ class TokenBudgetSampler(DistributedSampler):
             raise ValueError("set exactly one of `max_tokens_per_batch` and `batch_size`")
         if batch_size is not None and batch_size <= 0:
             raise ValueError(f"`batch_size` must be positive, got {batch_size}")
-        # DistributedSampler only needs a sized dataset; the lengths list is one.
+        # DistributedSampler only needs a sized dataset; the lengths array is one.
         super().__init__(lengths, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
-        self.lengths = list(lengths)
+        # Arrays, not lists: a million-row set's lengths come from the tokenized cache's int32
+        # column without a Python int per row (int64 here so that length x count cannot overflow).
+        self.lengths = np.asarray(lengths, dtype=np.int64)
         self.max_tokens = max_tokens
         self.batch_size = batch_size
         self.sort_window = sort_window
@@ -176,7 +179,7 @@ class TokenBudgetSampler(DistributedSampler):
             raise ValueError(f"`weights` has {len(weights)} entries for {len(self.lengths)} samples")
         if accumulate_grad_batches < 1:
             raise ValueError(f"`accumulate_grad_batches` must be >= 1, got {accumulate_grad_batches}")
-        self.weights = None if weights is None else list(weights)
+        self.weights = None if weights is None else np.asarray(weights, dtype=np.float64)
         self.accumulate_grad_batches = accumulate_grad_batches
         self.position_fn: Callable[[], int] | None = None
         self.batches = self._plan()
@@ -191,7 +194,9 @@ class TokenBudgetSampler(DistributedSampler):
         else:
             batches = []
             for start in range(0, len(order), self.sort_window):
-                window = sorted(order[start : start + self.sort_window], key=lambda i: -self.lengths[i])
+                window = np.asarray(order[start : start + self.sort_window], dtype=np.int64)
+                # Longest first; a stable sort keeps the shuffled order among equal lengths.
+                window = window[np.argsort(-self.lengths[window], kind="stable")].tolist()
                 batches += pack_by_token_budget(window, self.lengths, self.max_tokens)
         batches = split_batches_to_multiple(batches, self.num_replicas, self.lengths)
         planned = len(batches)

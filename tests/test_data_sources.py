@@ -41,11 +41,16 @@ def _sft(**kwargs):
     return dm
 
 
+def _examples(dataset):
+    # The cached examples as lists, to compare with the Python tokenization's (tokenize_rows).
+    return [{k: v.tolist() for k, v in dataset[i].items()} for i in range(len(dataset))]
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The examples the shipped JSONL path makes of ROWS: every other source must equal them."""
     path = _jsonl(tmp_path_factory.mktemp("ref") / "rows.jsonl", ROWS)
-    return _sft(train_file=str(path)).train_set.examples
+    return _examples(_sft(train_file=str(path)).train_set)
 
 
 # -- datasets save_to_disk folders (what a hub download looks like on disk) ------------------------
@@ -55,7 +60,7 @@ def test_save_to_disk_dataset_folder_loads_like_the_jsonl(tmp_path, reference):
     import datasets
 
     datasets.Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "ds"))
-    assert _sft(train_file=str(tmp_path / "ds")).train_set.examples == reference
+    assert _examples(_sft(train_file=str(tmp_path / "ds")).train_set) == reference
 
 
 def test_save_to_disk_datasetdict_uses_the_named_splits(tmp_path, reference):
@@ -66,8 +71,8 @@ def test_save_to_disk_datasetdict_uses_the_named_splits(tmp_path, reference):
         {"train": datasets.Dataset.from_list(ROWS), "validation": datasets.Dataset.from_list(ROWS[:4])}
     ).save_to_disk(str(folder))
     dm = _sft(train_file=str(folder), val_split="validation")
-    assert dm.train_set.examples == reference
-    assert dm.val_set.examples == reference[:4]
+    assert _examples(dm.train_set) == reference
+    assert _examples(dm.val_set) == reference[:4]
     with pytest.raises(DataFormatError, match=r"`data.train_split`: .*dd holds the splits \['train', 'validation'\], not 'dev'"):
         _sft(train_file=str(folder), train_split="dev")
 
@@ -86,10 +91,12 @@ def test_val_split_of_a_source_without_splits_names_the_key(tmp_path):
 
 
 @pytest.fixture
-def fake_hub(monkeypatch):
-    """Stands in for the hub: records the load_dataset calls and returns ROWS (no network)."""
+def fake_hub(monkeypatch, tmp_path):
+    """Stands in for the hub: records the load_dataset calls and returns ROWS (no network); the
+    tokenized cache goes under tmp_path rather than the user's datasets cache."""
     import datasets
 
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path)
     calls = []
 
     def load_dataset(path, name=None, split=None, **kwargs):
@@ -106,7 +113,7 @@ def fake_hub(monkeypatch):
 def test_hub_dataset_with_subset_splits_and_columns(fake_hub, reference):
     dm = _sft(dataset="org/arith", subset="easy", val_split="test", columns={"prompt": "question", "completion": "answer"})
     assert fake_hub == [("org/arith", "easy", "train", {}), ("org/arith", "easy", "test", {})]
-    assert dm.train_set.examples == reference and dm.val_set.examples == reference[:4]
+    assert _examples(dm.train_set) == reference and _examples(dm.val_set) == reference[:4]
 
 
 def test_hub_dataset_for_prompts(fake_hub):
@@ -138,7 +145,7 @@ def test_source_settings_name_their_keys(tmp_path):
 
 def test_column_mapping_renames_fields_and_names_a_missing_one(tmp_path, reference):
     path = _jsonl(tmp_path / "qa.jsonl", [{"question": r["prompt"], "answer": r["completion"]} for r in ROWS])
-    assert _sft(train_file=str(path), columns={"prompt": "question", "completion": "answer"}).train_set.examples == reference
+    assert _examples(_sft(train_file=str(path), columns={"prompt": "question", "completion": "answer"}).train_set) == reference
     with pytest.raises(DataFormatError, match=r"`data.columns.completion`: .*qa.jsonl:1 has no field 'solution'"):
         _sft(train_file=str(path), columns={"prompt": "question", "completion": "solution"})
 
@@ -192,7 +199,7 @@ def _mixed_rows():
 def test_json_array_mixing_messages_and_prompt_rows(tmp_path, reference):
     path = tmp_path / "mixed.json"
     path.write_text(json.dumps(_mixed_rows()))
-    assert _sft(train_file=str(path)).train_set.examples == reference
+    assert _examples(_sft(train_file=str(path)).train_set) == reference
 
 
 def test_parquet_mixing_messages_and_prompt_rows(tmp_path, reference):
@@ -202,12 +209,12 @@ def test_parquet_mixing_messages_and_prompt_rows(tmp_path, reference):
     rows = _mixed_rows()
     columns = {k: [r.get(k) for r in rows] for k in ("messages", "prompt", "completion")}
     datasets.Dataset.from_dict(columns).to_parquet(str(path))
-    assert _sft(train_file=str(path)).train_set.examples == reference
+    assert _examples(_sft(train_file=str(path)).train_set) == reference
 
 
 def test_json_file_holding_json_lines_is_read(tmp_path, reference):
     path = _jsonl(tmp_path / "lines.json", ROWS)
-    assert _sft(train_file=str(path)).train_set.examples == reference
+    assert _examples(_sft(train_file=str(path)).train_set) == reference
 
 
 # -- truncation is a warning with the counts ---------------------------------------------------------

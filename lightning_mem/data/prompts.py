@@ -3,8 +3,14 @@ left-padded for generation, in full batches of the same size on every rank."""
 
 from __future__ import annotations
 
+import json
 import logging
+from collections.abc import Iterator, Sequence
+from functools import partial
+from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 import torch
 from jsonargparse.typing import PositiveInt
@@ -12,7 +18,25 @@ from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_mem.batching import TokenBudgetSampler, resume_where_stopped
-from lightning_mem.data.chat import encode_prompt, row_to_prompt_messages
+from lightning_mem.data.cache import (
+    BLANK,
+    DROPPED,
+    KEPT,
+    arrow_files,
+    build_once,
+    cache_key,
+    code_version,
+    column,
+    default_cache_root,
+    map_rows,
+    open_arrow,
+    parse_rows,
+    raw_rows,
+    source_identity,
+    take_ragged,
+    tokenizer_identity,
+)
+from lightning_mem.data.chat import encode_rendered, render_prompt, row_to_prompt_messages
 from lightning_mem.data.rows import DataFormatError, data_source, warn_once
 from lightning_mem.padding import pad_sequences
 from lightning_mem.settings import SettingError, check_arguments, join_key, settings_at
@@ -20,19 +44,100 @@ from lightning_mem.settings import SettingError, check_arguments, join_key, sett
 log = logging.getLogger(__name__)
 
 
-class PromptDataset(Dataset):
-    """Tokenized prompts and their rows; indexing with a list returns a list (for batch samplers)."""
+def with_system_prompt(row: dict[str, Any], system_prompt: str | None) -> dict[str, Any]:
+    """``row`` with ``system_prompt`` as its system message, unless it brings its own.
 
-    def __init__(self, prompt_ids: list[list[int]], rows: list[dict[str, Any]]) -> None:
-        self.prompt_ids, self.rows = prompt_ids, rows
+    Written into the row, so that whatever rebuilds the conversation from it later (a reward
+    model) sees the same system message as the policy."""
+    if not system_prompt:
+        return row
+    if isinstance(row.get("prompt"), str):
+        return row if row.get("system") else {**row, "system": system_prompt}
+    prompt = row.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict) and prompt[0].get("role") != "system":
+        return {**row, "prompt": [{"role": "system", "content": system_prompt}, *prompt]}
+    messages = row.get("messages")
+    if isinstance(messages, list) and messages and isinstance(messages[0], dict) and messages[0].get("role") != "system":
+        return {**row, "messages": [{"role": "system", "content": system_prompt}, *messages]}
+    return row
+
+
+def tokenize_prompt_batch(
+    batch: dict[str, list[Any]], indices: list[int], *, tokenizer: Any, max_prompt_length: int, system_prompt: str | None,
+    jsonl: str, columns: dict[str, str] | None,
+) -> dict[str, list[Any]]:
+    """``datasets.map`` function: raw rows to the cached prompt columns (the ids of
+    :func:`~lightning_mem.data.chat.encode_prompt`, and the row as JSON for the reward), one output
+    row per input row; ``status`` marks prompts over ``max_prompt_length`` and blank lines."""
+    rows = [None if r is None else with_system_prompt(r, system_prompt) for r in parse_rows(batch["line"], indices, jsonl, columns)]
+    texts = [render_prompt(row_to_prompt_messages(r), tokenizer) for r in rows if r is not None]
+    encoded = iter(encode_rendered(texts, tokenizer)["input_ids"] if texts else [])
+    out: dict[str, list[Any]] = {"prompt_ids": [], "row": [], "length": [], "status": [], "where": []}
+    for row in rows:
+        if row is None:
+            values = (np.zeros(0, dtype=np.int32), "", 0, BLANK, "")
+        else:
+            ids = np.asarray(next(encoded), dtype=np.int32)
+            status = DROPPED if len(ids) > max_prompt_length else KEPT
+            values = (ids, json.dumps(row), len(ids), status, row["_where"])
+        for k, v in zip(out, values):
+            out[k].append(v)
+    return out
+
+
+def _features() -> Any:
+    import datasets
+
+    return datasets.Features(
+        {"prompt_ids": datasets.List(datasets.Value("int32")), "row": datasets.Value("string"), "length": datasets.Value("int32"),
+         "status": datasets.Value("int8"), "where": datasets.Value("string")}
+    )
+
+
+class _Rows(Sequence):
+    """The kept prompts' data rows, decoded from the cache's JSON when read (a reward rule's
+    ``answer``...); a million rows stay on disk until someone iterates them."""
+
+    def __init__(self, table: Any, positions: np.ndarray) -> None:
+        self.table, self.positions = table, positions
 
     def __len__(self) -> int:
-        return len(self.prompt_ids)
+        return len(self.positions)
+
+    def __getitem__(self, idx: Any) -> Any:
+        if isinstance(idx, slice):
+            return [self[i] for i in range(*idx.indices(len(self)))]
+        return json.loads(self.table.data.column("row")[int(self.positions[idx])].as_py())
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        rows = self.table.data.column("row")
+        for start in range(0, len(self.positions), 10_000):
+            for text in rows.take(self.positions[start : start + 10_000]).to_pylist():
+                yield json.loads(text)
+
+
+class PromptDataset(Dataset):
+    """Tokenized prompts and their rows, memory-mapped from the Arrow cache; indexing with a list
+    returns a list (for batch samplers). ``lengths`` is an int32 array, one entry per prompt."""
+
+    def __init__(self, table: Any) -> None:
+        self.table = table
+        self.positions = np.flatnonzero(column(table, "status") == KEPT)
+        self.lengths: np.ndarray = column(table, "length")[self.positions]
+        self.rows = _Rows(table, self.positions)
+
+    def __len__(self) -> int:
+        return len(self.positions)
 
     def __getitem__(self, idx: int | list[int]) -> Any:
         if isinstance(idx, list):
-            return [self[i] for i in idx]
-        return {"prompt_ids": self.prompt_ids[idx], "row": self.rows[idx]}
+            positions = self.positions[np.asarray(idx, dtype=np.int64)]
+            ids = take_ragged(self.table, positions, "prompt_ids")
+            rows = self.table.data.column("row").take(positions).to_pylist()
+            return [{"prompt_ids": i, "row": json.loads(r)} for i, r in zip(ids, rows)]
+        if not -len(self) <= idx < len(self):
+            raise IndexError(idx)
+        return self[[idx % len(self)]][0]
 
 
 def collate_left_padded(items: list[dict[str, Any]], pad_token_id: int) -> dict[str, Any]:
@@ -89,6 +194,10 @@ class PromptDataModule(LightningDataModule):
         train_split: the split to read (``"train"``).
         columns: field names of the dataset for the ones read here, e.g. ``{prompt: question}``
             (``answer: solution`` gives a reward rule its ``answer``).
+        num_proc: processes that tokenize when the cache is built (``datasets.map``'s ``num_proc``).
+        cache_dir: where tokenized prompt sets are cached; None: ``.lightning_mem_cache`` next to
+            ``train_file`` (see :func:`~lightning_mem.data.cache.default_cache_root`). Built once by
+            ``prepare_data`` (local rank 0), memory-mapped by every rank, reused by later starts.
 
     Errors name the arguments (``batch_size``), under :attr:`config_key` when it is set.
     """
@@ -110,13 +219,15 @@ class PromptDataModule(LightningDataModule):
         subset: str | None = None,
         train_split: str = "train",
         columns: dict[str, str] | None = None,
+        num_proc: PositiveInt = 1,
+        cache_dir: str | None = None,
     ) -> None:
         super().__init__()
         self.source = data_source(train_file, None, dataset, subset, train_split, None, columns)
         self.train_path = self.source.train_file
         self.system_prompt = system_prompt
         # The ranges are the annotations (the CLI checks them while parsing); the same rule here.
-        check_arguments(PromptDataModule.__init__, {"max_prompt_length": max_prompt_length, "batch_size": batch_size})
+        check_arguments(PromptDataModule.__init__, {"max_prompt_length": max_prompt_length, "batch_size": batch_size, "num_proc": num_proc})
         if tokenizer is None:
             raise SettingError("tokenizer", " is not set: name the model folder or hub id to load it from")
         self.tokenizer_name = tokenizer
@@ -124,9 +235,18 @@ class PromptDataModule(LightningDataModule):
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.seed = seed
+        self.num_proc = num_proc
+        self.cache_root = Path(cache_dir).expanduser() if cache_dir else default_cache_root(self.source)
         self.tokenizer: Any = None
         self.train_set: PromptDataset | None = None
         self.dropped: list[str] = []
+
+    def prepare_data(self) -> None:
+        # Lightning calls this on each node's local rank 0 before any rank's setup: the prompts
+        # are tokenized once while the other ranks wait (see lightning_mem.data.cache).
+        with settings_at(self.config_key):
+            self._load_tokenizer()
+            self._cached()
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
@@ -134,23 +254,46 @@ class PromptDataModule(LightningDataModule):
         with settings_at(self.config_key):  # errors name data.columns... under the recipes' CLI
             self.train_set = self._load_prompts()
 
-    def _load_prompts(self) -> PromptDataset:
+    def _load_tokenizer(self) -> None:
         from lightning_mem.models import load_tokenizer
 
-        self.tokenizer = load_tokenizer(self.tokenizer_name, key="tokenizer")
+        if self.tokenizer is None:
+            self.tokenizer = load_tokenizer(self.tokenizer_name, key="tokenizer")
+
+    def cache_folder(self) -> Path:
+        """The cache folder of the prompt set under these settings."""
+        parts = ["prompts", source_identity(self.source, "train"), tokenizer_identity(self.tokenizer),
+                 self.max_prompt_length, self.system_prompt, code_version(tokenize_prompt_batch, encode_rendered)]
+        return self.cache_root / f"prompts-{cache_key(parts)}"
+
+    def _cached(self) -> tuple[Path, dict[str, Any]]:
+        folder = self.cache_folder()
+        return folder, build_once(folder, lambda tmp: self._build(tmp, folder.name))
+
+    def _build(self, folder: Path, key: str) -> dict[str, Any]:
+        log.info(f"tokenizing prompts ({self.source.describe('train')}) into {folder.parent} with {self.num_proc} process(es)")
+        raw, jsonl = raw_rows(self.source, "train", folder)
+        meta: dict[str, Any] = {"files": [], "rows": 0, "dropped_where": []}
+        if len(raw):
+            function = partial(tokenize_prompt_batch, tokenizer=self.tokenizer, max_prompt_length=self.max_prompt_length,
+                               system_prompt=self.system_prompt, jsonl=jsonl, columns=self.source.columns)
+            mapped = map_rows(raw, function, folder, num_proc=self.num_proc, features=_features(), key=key, desc="tokenizing prompts")
+            status = column(mapped, "status")
+            dropped = np.flatnonzero(status == DROPPED)
+            meta = {"files": arrow_files(mapped), "rows": int((status != BLANK).sum()),
+                    "dropped_where": mapped.data.column("where").take(dropped).to_pylist()}
+        del raw
+        for f in folder.glob("raw-*.arrow"):
+            f.unlink()
+        return meta
+
+    def _load_prompts(self) -> PromptDataset:
+        self._load_tokenizer()
         where = self.source.describe("train")
-        rows = self.source.rows("train")
-        prompt_ids, kept = [], []
-        for row in rows:
-            row = self._with_system_prompt(row)
-            ids = encode_prompt(row_to_prompt_messages(row), self.tokenizer)
-            if len(ids) > self.max_prompt_length:
-                self.dropped.append(row.get("_where", "?"))
-                continue
-            prompt_ids.append(ids)
-            kept.append(row)
+        folder, meta = self._cached()
+        self.dropped = list(meta["dropped_where"])
         summary = (
-            f"prompts ({where}): {len(rows)} rows, {len(self.dropped)} dropped as longer than"
+            f"prompts ({where}): {meta['rows']} rows, {len(self.dropped)} dropped as longer than"
             f" max_prompt_length={self.max_prompt_length}"
         )
         if self.dropped:
@@ -158,27 +301,16 @@ class PromptDataModule(LightningDataModule):
         else:
             log.info(summary)
         world = self.trainer.world_size if self.trainer else 1
-        if len(kept) < self.batch_size * world:
+        kept = meta["rows"] - len(self.dropped)
+        if kept < self.batch_size * world:
             raise DataFormatError(
-                f"{where}: {len(kept)} usable prompts, fewer than one step needs"
+                f"{where}: {kept} usable prompts, fewer than one step needs"
                 f" (`{join_key(self.config_key, 'batch_size')}`={self.batch_size} x {world} ranks)"
             )
-        return PromptDataset(prompt_ids, kept)
+        return PromptDataset(open_arrow(folder, meta["files"]))
 
     def _with_system_prompt(self, row: dict[str, Any]) -> dict[str, Any]:
-        # Written into the row, so that whatever rebuilds the conversation from it later (a reward
-        # model) sees the same system message as the policy.
-        if not self.system_prompt:
-            return row
-        if isinstance(row.get("prompt"), str):
-            return row if row.get("system") else {**row, "system": self.system_prompt}
-        prompt = row.get("prompt")
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict) and prompt[0].get("role") != "system":
-            return {**row, "prompt": [{"role": "system", "content": self.system_prompt}, *prompt]}
-        messages = row.get("messages")
-        if isinstance(messages, list) and messages and isinstance(messages[0], dict) and messages[0].get("role") != "system":
-            return {**row, "messages": [{"role": "system", "content": self.system_prompt}, *messages]}
-        return row
+        return with_system_prompt(row, self.system_prompt)
 
     def largest_batch(self, fill_token: int) -> dict[str, Any]:
         """The largest batch of prompts these settings allow, made of ``fill_token``: ``batch_size``
@@ -194,7 +326,7 @@ class PromptDataModule(LightningDataModule):
         assert self.train_set is not None, "call setup() first"
         trainer = self.trainer
         sampler = FullBatchSampler(
-            [len(p) for p in self.train_set.prompt_ids],
+            self.train_set.lengths,
             batch_size=self.batch_size,
             num_replicas=trainer.world_size if trainer else 1,
             rank=trainer.global_rank if trainer else 0,

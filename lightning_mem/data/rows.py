@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -157,17 +157,23 @@ def read_rows(path: str | Path, *, split: str | None = "train", split_key: str =
     return _read_parquet(p)
 
 
-def read_hub_rows(dataset: str, *, subset: str | None, split: str, key: str = "dataset") -> list[dict[str, Any]]:
-    """Rows of a Hugging Face hub dataset: ``datasets.load_dataset(dataset, name=subset, split=split)``.
+def load_hub(dataset: str, *, subset: str | None, split: str, key: str = "dataset") -> Any:
+    """``datasets.load_dataset(dataset, name=subset, split=split)``, a failure naming ``key``.
 
     Downloads go to the ``datasets`` cache (``HF_DATASETS_CACHE``); offline, the cache is used.
     """
     import datasets
 
     try:
-        data = datasets.load_dataset(dataset, name=subset, split=split)
+        return datasets.load_dataset(dataset, name=subset, split=split)
     except Exception as err:
         raise DataSettingError(key, f": could not load {dataset!r} (subset={subset!r}, split={split!r}): {err}") from None
+
+
+def read_hub_rows(dataset: str, *, subset: str | None, split: str, key: str = "dataset", data: Any = None) -> list[dict[str, Any]]:
+    """Rows of a Hugging Face hub dataset (``data``, when :func:`load_hub` already loaded it)."""
+    if data is None:
+        data = load_hub(dataset, subset=subset, split=split, key=key)
     where = f"{dataset}" + (f"/{subset}" if subset else "") + f"[{split}]"
     return [_record(row, f"{where}:row {i}") for i, row in enumerate(data)]
 
@@ -215,6 +221,14 @@ class DataSource:
     train_split: str = "train"
     val_split: str | None = None
     columns: dict[str, str] | None = None
+    #: Hub datasets loaded so far, by split: the tokenized cache's key and the rows come from one load.
+    _hub: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def hub_split(self, split: str) -> Any:
+        """The hub dataset's ``split`` (loaded once; ``datasets`` keeps the download)."""
+        if split not in self._hub:
+            self._hub[split] = load_hub(self.dataset, subset=self.subset, split=split)
+        return self._hub[split]
 
     @property
     def has_val(self) -> bool:
@@ -233,13 +247,13 @@ class DataSource:
             if self.train_file is not None:
                 rows = read_rows(self.train_file, split=self.train_split, split_key="train_split")
             else:
-                rows = read_hub_rows(self.dataset, subset=self.subset, split=self.train_split)
+                rows = read_hub_rows(self.dataset, subset=self.subset, split=self.train_split, data=self.hub_split(self.train_split))
         elif self.val_file is not None:
             rows = read_rows(self.val_file, split=self.val_split, split_key="val_split")
         elif self.train_file is not None:
             rows = read_rows(self.train_file, split=self.val_split, split_key="val_split")
         else:
-            rows = read_hub_rows(self.dataset, subset=self.subset, split=self.val_split)
+            rows = read_hub_rows(self.dataset, subset=self.subset, split=self.val_split, data=self.hub_split(self.val_split))
         return rename_columns(rows, self.columns)
 
 

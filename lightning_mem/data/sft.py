@@ -6,14 +6,35 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from jsonargparse.typing import PositiveInt
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_mem.batching import MicroBatch, TokenBudgetSampler, resume_where_stopped
+from lightning_mem.data.cache import (
+    BLANK,
+    DROPPED,
+    KEPT,
+    arrow_files,
+    build_once,
+    cache_key,
+    code_version,
+    column,
+    default_cache_root,
+    map_rows,
+    open_arrow,
+    parse_rows,
+    raw_rows,
+    source_identity,
+    take_ragged,
+    tokenizer_identity,
+)
 from lightning_mem.data.chat import encode_rendered, render_with_spans, row_to_conversation
 from lightning_mem.data.rows import DataFormatError, data_source, warn_once
 from lightning_mem.padding import pad_sequences
@@ -82,33 +103,103 @@ def tokenize_rows(
     return examples, stats
 
 
-class TokenizedDataset(Dataset):
-    """A list of tokenized examples; indexing with a list returns a list (for batch samplers)."""
+def _labels(ids: Any, offsets: Any, spans: list[tuple[int, int]]) -> np.ndarray:
+    # tokenize_example's rule on arrays: a token is learned when it starts inside an assistant
+    # span and covers at least one character.
+    offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    start, end = offsets[:, 0], offsets[:, 1]
+    inside = np.zeros(len(start), dtype=bool)
+    for s, e in spans:
+        inside |= (start >= s) & (start < e)
+    inside &= end > start
+    return np.where(inside, np.asarray(ids, dtype=np.int32), IGNORE_INDEX).astype(np.int32)
 
-    def __init__(self, examples: list[dict[str, list[int]]]) -> None:
-        self.examples = examples
+
+def tokenize_batch(
+    batch: dict[str, list[Any]], indices: list[int], *, tokenizer: Any, max_length: int, jsonl: str, columns: dict[str, str] | None
+) -> dict[str, list[Any]]:
+    """``datasets.map`` function: raw rows (:func:`~lightning_mem.data.cache.raw_rows`) to the
+    cached columns, one output row per input row (the same tokens as :func:`tokenize_example`).
+
+    ``status`` marks rows with nothing left to learn and blank lines, so that the counts and the
+    rows' names come from the columns afterwards, whatever process tokenized them."""
+    if not getattr(tokenizer, "is_fast", False):
+        raise TypeError("a fast (Rust) tokenizer is required: loss masking uses its offset mapping")
+    rows = parse_rows(batch["line"], indices, jsonl, columns)
+    texts, spans, wheres = [], [], []
+    for row in rows:
+        if row is not None:
+            messages, first = row_to_conversation(row)
+            text, row_spans = render_with_spans(messages, tokenizer, first)
+            texts.append(text)
+            spans.append(row_spans)
+            wheres.append(row["_where"])
+    encoded = encode_rendered(texts, tokenizer, return_offsets_mapping=True) if texts else {"input_ids": [], "offset_mapping": []}
+    out: dict[str, list[Any]] = {k: [] for k in ("input_ids", "labels", "length", "label_tokens", "truncated", "status", "where")}
+    done = iter(zip(encoded["input_ids"], encoded["offset_mapping"], spans, wheres))
+    empty = np.zeros(0, dtype=np.int32)
+    for row in rows:
+        if row is None:
+            values = (empty, empty, 0, 0, False, BLANK, "")
+        else:
+            ids, offsets, row_spans, where = next(done)
+            labels = _labels(ids, offsets, row_spans)[:max_length]
+            ids = np.asarray(ids[:max_length], dtype=np.int32)
+            learned = int((labels[1:] != IGNORE_INDEX).sum())
+            status = DROPPED if not (labels != IGNORE_INDEX).any() else KEPT
+            values = (ids, labels, len(ids), learned, len(offsets) > max_length, status, where)
+        for k, v in zip(out, values):
+            out[k].append(v)
+    return out
+
+
+def _features() -> Any:
+    import datasets
+
+    ids = datasets.List(datasets.Value("int32"))
+    return datasets.Features(
+        {"input_ids": ids, "labels": ids, "length": datasets.Value("int32"), "label_tokens": datasets.Value("int32"),
+         "truncated": datasets.Value("bool"), "status": datasets.Value("int8"), "where": datasets.Value("string")}
+    )
+
+
+class TokenizedDataset(Dataset):
+    """Tokenized examples, memory-mapped from the Arrow cache; indexing with a list returns a list
+    (for batch samplers). Each example is ``{"input_ids", "labels"}``, int32 numpy arrays.
+
+    ``lengths`` and ``label_tokens`` are int32 arrays (one entry per example) read from the cache's
+    columns: a sampler plans a million rows without a Python object per row.
+    """
+
+    def __init__(self, table: Any) -> None:
+        self.table = table
+        status = column(table, "status")
+        #: Positions of the kept examples in the cached table (dropped rows and blank lines stay
+        #: in it, so that nothing had to be rewritten to drop them).
+        self.positions = np.flatnonzero(status == KEPT)
+        self.lengths: np.ndarray = column(table, "length")[self.positions]
+        #: Tokens each example is scored on: labels that a previous position predicts (the first
+        #: token is never a target).
+        self.label_tokens: np.ndarray = column(table, "label_tokens")[self.positions]
 
     def __len__(self) -> int:
-        return len(self.examples)
+        return len(self.positions)
+
+    def examples(self, indices: Any) -> list[dict[str, np.ndarray]]:
+        rows = self.positions[np.asarray(indices, dtype=np.int64)]
+        ids, labels = take_ragged(self.table, rows, "input_ids"), take_ragged(self.table, rows, "labels")
+        return [{"input_ids": i, "labels": lab} for i, lab in zip(ids, labels)]
 
     def __getitem__(self, idx: int | list[int]) -> Any:
         if isinstance(idx, MicroBatch):  # keeps its step's label-token total for the collator
-            batch = MicroBatch(self.examples[i] for i in idx)
+            batch = MicroBatch(self.examples(idx))
             batch.step_weight = idx.step_weight
             return batch
         if isinstance(idx, list):
-            return [self.examples[i] for i in idx]
-        return self.examples[idx]
-
-    @property
-    def lengths(self) -> list[int]:
-        return [len(e["input_ids"]) for e in self.examples]
-
-    @property
-    def label_tokens(self) -> list[int]:
-        """Tokens each example is scored on: labels that a previous position predicts (the first
-        token is never a target)."""
-        return [sum(label != IGNORE_INDEX for label in e["labels"][1:]) for e in self.examples]
+            return self.examples(idx)
+        if not -len(self) <= idx < len(self):
+            raise IndexError(idx)
+        return self.examples([idx % len(self)])[0]
 
 
 def collate_right_padded(examples: list[dict[str, list[int]]], pad_token_id: int) -> dict[str, torch.Tensor]:
@@ -158,6 +249,13 @@ class SFTDataModule(LightningDataModule):
             unless ``val_file`` is set.
         columns: field names of the dataset for the ones read here, e.g. ``{prompt: question,
             completion: answer}``; other fields ride along.
+        num_proc: processes that tokenize when the cache is built (``datasets.map``'s ``num_proc``).
+        cache_dir: where tokenized sets are cached (a folder per data, tokenizer, chat template,
+            ``max_length`` and tokenization code); None: ``.lightning_mem_cache`` next to
+            ``train_file`` (see :func:`~lightning_mem.data.cache.default_cache_root`).
+
+    Tokenization runs once, on the first start: Lightning's ``prepare_data`` (local rank 0)
+    builds the cache, every rank memory-maps it in ``setup``; later starts and resumes reuse it.
 
     Errors name the arguments (``max_length``), under :attr:`config_key` when it is set.
     """
@@ -181,13 +279,15 @@ class SFTDataModule(LightningDataModule):
         train_split: str = "train",
         val_split: str | None = None,
         columns: dict[str, str] | None = None,
+        num_proc: PositiveInt = 1,
+        cache_dir: str | None = None,
     ) -> None:
         super().__init__()
         # Cheap checks first: a bad path or number fails before any model is loaded.
         self.source = data_source(train_file, val_file, dataset, subset, train_split, val_split, columns)
         self.train_path, self.val_path = self.source.train_file, self.source.val_file
         # The ranges are the annotations (the CLI checks them while parsing); the same rule here.
-        numbers = {"max_length": max_length, "batch_size": batch_size, "max_tokens_per_batch": max_tokens_per_batch}
+        numbers = {"max_length": max_length, "batch_size": batch_size, "max_tokens_per_batch": max_tokens_per_batch, "num_proc": num_proc}
         check_arguments(SFTDataModule.__init__, numbers)
         if max_tokens_per_batch is not None:
             if max_tokens_per_batch < max_length:
@@ -207,34 +307,80 @@ class SFTDataModule(LightningDataModule):
         self.max_tokens_per_batch = max_tokens_per_batch
         self.num_workers = num_workers
         self.seed = seed
+        self.num_proc = num_proc
+        self.cache_root = Path(cache_dir).expanduser() if cache_dir else default_cache_root(self.source)
         self.tokenizer: Any = None
         self.train_set: TokenizedDataset | None = None
         self.val_set: TokenizedDataset | None = None
         self.stats: dict[str, TokenizeStats] = {}
 
+    def prepare_data(self) -> None:
+        # Lightning calls this on each node's local rank 0 before any rank's setup: the cache is
+        # built once per node (once in all, on a shared file system) while the other ranks wait.
+        with settings_at(self.config_key):
+            self._load_tokenizer()
+            for name in ("train", "val") if self.source.has_val else ("train",):
+                self._cached(name)
+
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
             return
-        from lightning_mem.models import load_tokenizer
-
         with settings_at(self.config_key):
-            self.tokenizer = load_tokenizer(self.tokenizer_name, key="tokenizer")
+            self._load_tokenizer()
             self.train_set = self._load("train")
             if self.source.has_val:
                 self.val_set = self._load("val")
 
+    def _load_tokenizer(self) -> None:
+        from lightning_mem.models import load_tokenizer
+
+        if self.tokenizer is None:
+            self.tokenizer = load_tokenizer(self.tokenizer_name, key="tokenizer")
+
+    def cache_folder(self, name: str) -> Path:
+        """The cache folder of the ``"train"`` or ``"val"`` set under these settings."""
+        parts = ["sft", source_identity(self.source, name), tokenizer_identity(self.tokenizer), self.max_length,
+                 code_version(tokenize_batch, encode_rendered)]
+        return self.cache_root / f"sft-{name}-{cache_key(parts)}"
+
+    def _cached(self, name: str) -> tuple[Path, dict[str, Any]]:
+        folder = self.cache_folder(name)
+        return folder, build_once(folder, lambda tmp: self._build(name, tmp, folder.name))
+
+    def _build(self, name: str, folder: Path, key: str) -> dict[str, Any]:
+        where = self.source.describe(name)
+        log.info(f"tokenizing {name} ({where}) into {folder.parent} with {self.num_proc} process(es)")
+        raw, jsonl = raw_rows(self.source, name, folder)
+        meta: dict[str, Any] = {"files": [], "stats": TokenizeStats().__dict__}
+        if len(raw):
+            function = partial(tokenize_batch, tokenizer=self.tokenizer, max_length=self.max_length, jsonl=jsonl, columns=self.source.columns)
+            mapped = map_rows(raw, function, folder, num_proc=self.num_proc, features=_features(), key=key, desc=f"tokenizing {name}")
+            status = column(mapped, "status")
+            rows = status != BLANK
+            dropped = np.flatnonzero(status == DROPPED)
+            stats = TokenizeStats(
+                rows=int(rows.sum()), truncated=int(column(mapped, "truncated")[rows].sum()), dropped=len(dropped),
+                dropped_where=mapped.data.column("where").take(dropped).to_pylist(),
+            )
+            meta = {"files": arrow_files(mapped), "stats": stats.__dict__}
+        del raw
+        for f in folder.glob("raw-*.arrow"):
+            f.unlink()
+        return meta
+
     def _load(self, name: str) -> TokenizedDataset:
         where = self.source.describe(name)
-        examples, stats = tokenize_rows(self.source.rows(name), self.tokenizer, self.max_length)
+        folder, meta = self._cached(name)
+        stats = TokenizeStats(**meta["stats"])
         self.stats[name] = stats
         summary = stats.summary(f"{name} ({where})", self.max_length)
         if stats.truncated or stats.dropped:
             warn_once(summary + f"; raise `{join_key(self.config_key, 'max_length')}` to keep whole rows")
         else:
             log.info(summary)
-        if not examples:
+        if stats.rows - stats.dropped <= 0:
             raise DataFormatError(f"{where}: no usable rows after tokenization")
-        return TokenizedDataset(examples)
+        return TokenizedDataset(open_arrow(folder, meta["files"]))
 
     def _sampler(self, dataset: TokenizedDataset, shuffle: bool, *, train: bool = False) -> TokenBudgetSampler:
         trainer = self.trainer
