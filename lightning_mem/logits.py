@@ -208,7 +208,7 @@ def _owner_of(root: nn.Module, target: nn.Module) -> tuple[nn.Module, str]:
 def score_tokens(
     model: nn.Module,
     input_ids: Tensor,
-    attention_mask: Tensor,
+    attention_mask: Tensor | None,
     positions: Tensor,
     targets: Tensor,
     *,
@@ -217,8 +217,12 @@ def score_tokens(
     with_entropy: bool = False,
     entropy_grad: bool = True,
     with_hidden: bool = False,
+    position_ids: Tensor | None = None,
 ) -> TokenScores:
     """Run ``model`` on a right- or left-padded batch and score ``targets`` at ``positions``.
+
+    A packed row (:mod:`lightning_mem.data.packing`) comes with ``position_ids`` restarting per
+    example and ``attention_mask=None``: the model then isolates the examples.
 
     Args:
         model: a ``transformers`` causal LM, or a peft model wrapping one (adapters as they are
@@ -247,7 +251,8 @@ def score_tokens(
         with_hidden=with_hidden,
     )
     with _output_layer_replaced(lm, head):
-        out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        extra = {} if position_ids is None else {"position_ids": position_ids}
+        out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra)
     scores = out.logits if hasattr(out, "logits") else out[0]
     if not isinstance(scores, tuple) or len(scores) != 3:
         raise ValueError(

@@ -29,6 +29,7 @@ from lightning_mem.callbacks.training_dtypes import TrainingDtypes
 from lightning_mem.checkpointing import check_trainable_kept, keep_trainable
 from lightning_mem.cli import RecipeCLI, run_command
 from lightning_mem.data import SFTDataModule
+from lightning_mem.data.packing import check_packing_attention
 from lightning_mem.export import export_hf, export_main
 from lightning_mem.gradients import FreesGradientsAfterStep
 from lightning_mem.logits import check_supported, next_token_targets, score_tokens
@@ -133,6 +134,8 @@ class SFTModule(FreesGradientsAfterStep, LightningModule):
         # the precision contradicts, fails now.
         check_schedule(self.lr_scheduler_factory, self.trainer, key="model.lr_scheduler")
         self.model_dtype()
+        if getattr(self.trainer.datamodule, "packing", False):
+            check_packing_attention(self.hparams.attn_implementation, key="model.attn_implementation", packing_key="data.packing")
 
     def configure_callbacks(self) -> list[Any]:
         return [TrainingDtypes()]  # one line at the start: the dtypes this run really has
@@ -182,9 +185,10 @@ class SFTModule(FreesGradientsAfterStep, LightningModule):
     def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(summed cross-entropy, label tokens)`` of a micro-batch; -100 marks prompt and padding."""
         positions, targets = next_token_targets(batch["input_ids"], batch["labels"])
+        # A packed row (data.packing) has restarting position_ids and no attention mask.
         scores = score_tokens(
-            self.model, batch["input_ids"], batch["attention_mask"], positions, targets,
-            chunk_size=self.logits_chunk_size,
+            self.model, batch["input_ids"], batch.get("attention_mask"), positions, targets,
+            chunk_size=self.logits_chunk_size, position_ids=batch.get("position_ids"),
         )
         return -scores.logprobs.sum(), torch.tensor(targets.numel(), device=targets.device)
 
