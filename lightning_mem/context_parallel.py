@@ -194,6 +194,23 @@ def gather_sequence(local: Tensor, layout: SequenceLayout) -> Tensor:
     return _GatherSequence.apply(local, layout)
 
 
+def sequence_forward(forward: Any, input_ids: Tensor, attention_mask: Tensor, layout: SequenceLayout | None) -> Tensor:
+    """``forward(input_ids=..., attention_mask=..., **kwargs)`` -> per-position ``[B, t, ...]``,
+    run the way ``layout`` splits sequences and returned for the whole ``[B, T, ...]`` batch on
+    every rank (a value model's per-token values, say). Without a layout, ``forward`` as it is."""
+    if layout is None:
+        return forward(input_ids=input_ids, attention_mask=attention_mask)
+    shard = shard_sequences(input_ids, attention_mask, layout)
+    if layout.context_parallel:
+        out = forward(input_ids=shard.input_ids, attention_mask=None, position_ids=shard.position_ids,
+                      sequence_layout=layout)
+        out = gather_sequence(out, layout)
+    else:  # sequence parallelism only: the whole sequence, padded to a multiple of the group
+        mask = torch.nn.functional.pad(attention_mask, (0, shard.width - shard.length))
+        out = forward(input_ids=shard.input_ids, attention_mask=mask, position_ids=shard.position_ids)
+    return out[:, : shard.length]
+
+
 # ---------------------------------------------------------------------------------------------
 # Ulysses attention
 # ---------------------------------------------------------------------------------------------

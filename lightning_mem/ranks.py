@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch.distributed as dist
+from torch import Tensor
+
 
 def data_parallel(trainer: Any) -> tuple[int, int]:
     """``(replicas, this rank's replica)``: from the strategy's ``distributed_sampler_kwargs``
@@ -48,3 +51,17 @@ def check_model_splits(trainer: Any, name_or_path: str, *, trust_remote_code: bo
     from transformers import AutoConfig
 
     check(AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code))
+
+
+def sum_over_replicas(trainer: Any, value: Tensor) -> Tensor:
+    """``value`` summed over the data-parallel replicas (once per replica, not once per rank: the
+    ranks of a tensor- or context-parallel group hold the same samples, and a count or an unbiased
+    variance must see them once)."""
+    replicas, _ = data_parallel(trainer)
+    if trainer is None or trainer.world_size == 1 or replicas == 1:
+        return value
+    if replicas == trainer.world_size:
+        return trainer.strategy.reduce(value, reduce_op="sum")
+    summed = value.clone()
+    dist.all_reduce(summed, group=trainer.strategy.device_mesh["data_parallel"].get_group())
+    return summed

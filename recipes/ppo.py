@@ -46,6 +46,7 @@ from lightning_mem.lora import LoraSettings, apply_lora, check_lora_targets, met
 from lightning_mem.models import check_model_source, load_causal_lm, load_tokenizer
 from lightning_mem.dtypes import resolve_dtype
 from lightning_mem.optim import param_groups, warn_if_paged_on_cpu
+from lightning_mem.ranks import check_model_splits, data_parallel, per_rank_budget, sum_over_replicas
 from lightning_mem.schedules import build_lr_scheduler, check_schedule
 from lightning_mem.settings import settings_at
 from lightning_mem.rl.algorithms import (
@@ -254,6 +255,16 @@ class PPOModule(LightningModule):
                 " strategy's `cpu_offload` instead."
             )
         check_schedule(self.lr_scheduler_factory, self.trainer, key="model.lr_scheduler", **self._schedule_steps())
+        # Models the strategy cannot split its way (heads vs tensor/context-parallel sizes) fail now.
+        hp = self.hparams
+        sources = [hp.name_or_path]
+        if self.use_critic and self.critic_config.layout == "separate":
+            sources.append(self.critic_config.name_or_path or hp.name_or_path)
+        if hp.reward_model is not None:
+            sources.append(hp.reward_model.name_or_path)
+        with settings_at("trainer.strategy.init_args"):
+            for source in dict.fromkeys(sources):
+                check_model_splits(self.trainer, source, trust_remote_code=hp.trust_remote_code)
         # The data are loaded (the datamodule's setup runs first), the models are not: a row the
         # reward rule cannot score fails now rather than minutes into the first rollout.
         train_set = getattr(self.trainer.datamodule, "train_set", None)
@@ -441,7 +452,8 @@ class PPOModule(LightningModule):
         exp.old_logprobs = None if self.on_policy else torch.zeros(shape, device=self.device)
         exp.ref_logprobs = torch.zeros(shape, device=self.device) if reference is not None else None
         exp.old_values = torch.zeros(shape, device=self.device) if values is not None else None
-        for idx in micro_batches(exp.sequence_lengths, self.ppo.logprob_budget, agree_on_count=self.agree_on_count):
+        budget = per_rank_budget(self.ppo.logprob_budget, self.trainer)  # a context-parallel rank runs 1/cp of each sequence
+        for idx in micro_batches(exp.sequence_lengths, budget, agree_on_count=self.agree_on_count):
             mb = exp.select(idx)
             cols = mb.response_ids.shape[1]
             hidden = None
@@ -485,11 +497,13 @@ class PPOModule(LightningModule):
             order = torch.randperm(len(exp), device=self.device)
             for mini_idx in torch.tensor_split(order, self.ppo.num_mini_batches):
                 mini = exp.select(mini_idx)
-                # The loss is a token mean over the whole mini-batch on all ranks, whatever the split.
+                # The loss is a token mean over the whole mini-batch on all replicas, whatever the
+                # split; the gradient average over the replicas is undone by their count.
                 tokens = self._sum_over_ranks(mini.response_mask.sum().float())
-                scale = self.trainer.world_size / tokens
+                scale = data_parallel(self.trainer)[0] / tokens
                 for idx in micro_batches(
-                    mini.sequence_lengths, self.ppo.max_tokens_per_microbatch, agree_on_count=self.agree_on_count
+                    mini.sequence_lengths, per_rank_budget(self.ppo.max_tokens_per_microbatch, self.trainer),
+                    agree_on_count=self.agree_on_count,
                 ):
                     loss, terms = self.loss(mini.select(idx))
                     self.manual_backward(loss * scale)
@@ -568,7 +582,8 @@ class PPOModule(LightningModule):
 
     # -- ranks --------------------------------------------------------------------------------
     def _sum_over_ranks(self, value: Tensor) -> Tensor:
-        return self.trainer.strategy.reduce(value, reduce_op="sum") if self.trainer.world_size > 1 else value
+        # Over the data-parallel replicas: a tensor- or context-parallel group's ranks share samples.
+        return sum_over_replicas(self.trainer, value)
 
     def agree_on_count(self, count: int) -> int:
         if self.trainer.world_size == 1:

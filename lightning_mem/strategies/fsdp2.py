@@ -391,6 +391,8 @@ class FSDP2Strategy(ModelParallelStrategy):
             if not isinstance(model, FSDPModule):
                 self._parallelize_model(name, model)
         for name, leftover in shard_plan.unsharded_modules(module):
+            if self._tensor_parallel_size > 1:  # on the split models' mesh too (see ReplicatedParallel)
+                tensor_parallel.replicate_unsplit(leftover, self.tensor_parallel_mesh)
             self.shard_module(leftover, reshard_after_forward=self._reshard_for(leftover))
         # Every unit root, including any the user sharded in `configure_model`.
         for name, unit in module_tree.outermost(module, lambda sub: isinstance(sub, FSDPModule)):

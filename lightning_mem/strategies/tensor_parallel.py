@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -332,6 +332,62 @@ def sequence_parallel_plan(model: nn.Module, entries: dict[str, str]) -> Styles:
 
 
 # ---------------------------------------------------------------------------------------------
+# What the plan leaves whole
+# ---------------------------------------------------------------------------------------------
+
+
+def _replicate_own(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+    for param_name, param in list(module.named_parameters(recurse=False)):
+        if not isinstance(param, DTensor):
+            replicated = (  # a meta tensor has nothing to broadcast: its values come at materialization
+                DTensor.from_local(param.detach(), mesh, [Replicate()], run_check=False) if param.is_meta
+                else distribute_tensor(param.detach(), mesh, [Replicate()])
+            )
+            module.register_parameter(param_name, nn.Parameter(replicated, requires_grad=param.requires_grad))
+
+
+def _replicated_inputs(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+    return tuple(
+        DTensor.from_local(x, mesh, [Replicate()], run_check=False) if isinstance(x, Tensor) and not isinstance(x, DTensor)
+        else x
+        for x in inputs
+    )
+
+
+def _local_outputs(module: nn.Module, outputs: Any, mesh: DeviceMesh) -> Any:
+    if isinstance(outputs, tuple):
+        return tuple(_local(x) if isinstance(x, Tensor) else x for x in outputs)
+    return _local(outputs) if isinstance(outputs, Tensor) else outputs
+
+
+class ReplicatedParallel(ParallelStyle):
+    """A module the plan does not split (a norm outside sequence parallelism, LoRA's replicated
+    half, a value head), with its parameters made ``Replicate`` DTensors on the tensor-parallel
+    mesh and its inputs and outputs kept plain.
+
+    Its values and gradients are the same on every rank of the group either way; what it changes
+    is that every parameter of a split model then lives on the same two-dimensional mesh once FSDP
+    shards it: gradient clipping takes one norm over all of them, and a ``foreach`` optimizer
+    steps them together (both refuse DTensors of different meshes). The replicas are broadcast
+    from the group's first rank as they are made.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, _replicate_own, _replicated_inputs, _local_outputs)
+
+
+def replicate_unsplit(model: nn.Module, mesh: DeviceMesh) -> list[str]:
+    """Apply :class:`ReplicatedParallel` to every module of ``model`` holding parameters that are
+    not DTensors yet (call it after the plan); returns their names."""
+    names = [name for name, module in model.named_modules()
+             if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False))]
+    modules = dict(model.named_modules())
+    for name in names:
+        parallelize_module(modules[name], mesh, ReplicatedParallel())
+    return names
+
+
+# ---------------------------------------------------------------------------------------------
 # Applying it
 # ---------------------------------------------------------------------------------------------
 
@@ -361,4 +417,5 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, *, sequence_parall
     # after it) gets both hooks, in this order.
     for name, style in styles:
         parallelize_module(modules[name], mesh, style)
+    replicate_unsplit(model, mesh)
     return entries
