@@ -89,7 +89,8 @@ def chunked_logprobs(
         # layer still runs, on no rows, so that its parameters get a (zero) gradient on this rank
         # too: FSDP reduce-scatters a unit's gradients together, and a rank without them would
         # send a shorter buffer than its peers.
-        return _score_chunk(hidden, targets, output_layer, temperature, with_entropy, entropy_grad)
+        logprobs, entropy = _score_chunk(hidden, targets, output_layer, temperature, with_entropy, entropy_grad)
+        return logprobs.clone(), (entropy.clone() if entropy is not None else None)  # fresh tensors, as below
     # cat even of one chunk: a fresh tensor, not a view (a strategy hooks the forward's outputs,
     # and FSDP2 warns that an in-place op on a returned view would bypass its backward hook).
     return torch.cat(logprobs), (torch.cat(entropies) if with_entropy else None)

@@ -403,6 +403,7 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, *, sequence_parall
 
     check_model_parallel(model.config, tensor_parallel_size=mesh.size(), sequence_parallel=sequence_parallel)
     entries = plan_entries(model)
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     modules = dict(model.named_modules())
     styles: Styles = []
     for name, style in entries.items():
@@ -418,4 +419,9 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, *, sequence_parall
     for name, style in styles:
         parallelize_module(modules[name], mesh, style)
     replicate_unsplit(model, mesh)
+    # The styles wrap each parameter in a new nn.Parameter, and torch's SequenceParallel leaves it
+    # trainable whatever it was: a LoRA run's frozen norms would train.
+    for name, param in model.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
     return entries
