@@ -85,6 +85,8 @@ class RolloutEngineConfig:
         The one place this is checked: the recipe calls it before any model loads, and an engine
         built directly calls it too. Errors name ``rollout_engine.<field>`` and
         ``generation.<field>`` (a recipe names their parent, ``settings_at("model")``)."""
+        if self.tensor_parallel_size > 1:
+            self._check_tensor_parallel()
         if self.name == "vllm" and importlib.util.find_spec("vllm") is None:
             raise SettingError(
                 "rollout_engine.name",
@@ -92,8 +94,6 @@ class RolloutEngineConfig:
                 "`pip install '.[vllm]'` (vLLM's CPU build, in a venv of its own: `make vllm-install`), "
                 "or `pip install vllm` on a CUDA machine",
             )
-        if self.tensor_parallel_size > 1:
-            self._check_tensor_parallel()
         if generation is not None and self.name != "hf" and generation.kv_cache == "static":
             raise SettingError(
                 "generation.kv_cache",

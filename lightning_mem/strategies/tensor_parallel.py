@@ -91,11 +91,12 @@ def check_model_parallel(config: Any, *, tensor_parallel_size: int = 1, context_
     heads, kv_heads = attention_heads(config)
     for name, count in (("attention heads", heads), ("key/value heads", kv_heads)):
         if count % (tp * cp):
-            keys = " x ".join(f"`{k}`={v}" for k, v in (("tensor_parallel_size", tp), ("context_parallel_size", cp)) if v > 1)
+            sizes = [f"`{k}`={v}" for k, v in (("tensor_parallel_size", tp), ("context_parallel_size", cp)) if v > 1]
+            split = " x ".join(sizes) + (f" = {tp * cp}" if len(sizes) > 1 else "")
             raise SettingError(
                 "tensor_parallel_size" if tp > 1 else "context_parallel_size",
-                f"{'' if tp > 1 else ''}: {type(config).__name__} has {count} {name}, which {keys} = {tp * cp} does not"
-                " divide: each rank must compute attention for whole heads",
+                f"{type(config).__name__} has {count} {name}, which {split} does not divide: each rank must compute"
+                " attention for whole heads",
                 siblings=("tensor_parallel_size", "context_parallel_size"),
             )
     if tp > 1:
@@ -408,6 +409,11 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, *, sequence_parall
     styles: Styles = []
     for name, style in entries.items():
         module = modules[name]
+        base = module.base_layer if _is_lora_layer(module) else module
+        if "4bit" in type(base).__name__:  # bitsandbytes' Linear4bit: one packed buffer, block scales
+            raise SettingNotSupported(
+                "tensor_parallel_size", f": `{name}` is a 4-bit layer ({type(base).__name__}), which cannot be split"
+                " across ranks; use `tensor_parallel_size: 1`")
         if _is_lora_layer(module):
             styles += [(f"{name}.{part}", s) for part, s in lora_styles(module, style, sequence_parallel=sequence_parallel)]
         else:
