@@ -5,8 +5,11 @@
   truncated file (a full disk, a kill mid-write).
 * :func:`staged_directory` does the same for a folder (an HF export): it is written under a
   temporary name beside the target and swapped in only when complete.
-* :func:`switch_link` / :func:`checkpoint_versions` keep sharded (folder) checkpoints as
-  versioned folders behind an atomically replaced symlink (used by ``FSDP2Strategy``).
+* The sharded (folder) checkpoint format: each save is a versioned folder
+  (:func:`version_dir`) holding the shards, the rest of the checkpoint (:data:`CHECKPOINT_METADATA`)
+  and, written last, a completion marker (:data:`COMPLETE_MARKER`); :func:`publish_version` marks it
+  and points the checkpoint's symlink at it (:func:`switch_link`), and :func:`check_complete`
+  refuses a folder whose save did not finish. ``FSDP2Strategy`` writes it; the export reads it.
 * :class:`ResumeCheck` warns when a resumed run keeps optimizer settings (``lr``...) from the
   checkpoint that differ from the config.
 * :func:`find_last_checkpoint` tells ``--ckpt_path last`` where it looked.
@@ -102,6 +105,15 @@ def staged_directory(target: str | Path) -> Iterator[Path]:
 # -- versioned folders behind a symlink (sharded checkpoints) ---------------------------------------
 
 
+#: Written last into a sharded checkpoint folder, holding its global step: a folder without it
+#: (or with another step than its metadata) is the remains of an interrupted save.
+COMPLETE_MARKER = "COMPLETE"
+#: Beside the shards, the rest of the checkpoint (loops, callbacks, step): the file name Lightning's
+#: ``ModelParallelStrategy.load_checkpoint`` reads (tests/test_checkpointing.py holds the two equal).
+CHECKPOINT_METADATA = "meta.pt"
+
+
+
 def version_dir(link: str | Path, step: int, token: str) -> Path:
     """The folder one save of the checkpoint ``link`` writes to: ``<link>.step<step>.<token>``."""
     link = Path(link)
@@ -154,6 +166,36 @@ def remove_versioned(link: str | Path) -> None:
     elif link.is_dir():
         shutil.rmtree(link)
 
+
+def publish_version(link: str | Path, folder: str | Path, step: int, *, keep: int = 2) -> Path | None:
+    """Mark the versioned folder ``folder`` complete at ``step``, then point ``link`` at it.
+
+    Call once (rank 0) after every rank's shards and the metadata are on disk: the marker is
+    written last, so a folder that has it was written in full. Returns the previous version (kept).
+    """
+    folder = Path(folder)
+    marker = folder / COMPLETE_MARKER
+    marker.write_text(f"{step}\n")
+    return switch_link(link, folder, keep=keep)
+
+
+def check_complete(path: str | Path) -> None:
+    """Raise unless the sharded checkpoint folder ``path`` was completely written (its marker is
+    there and names the step its metadata has)."""
+    path = Path(path)
+    marker = path / COMPLETE_MARKER
+    if not marker.is_file():
+        raise RuntimeError(
+            f"The sharded checkpoint {path} is incomplete (no {COMPLETE_MARKER} marker): its save was"
+            " interrupted. Resume from the previous one (the other `*.ckpt.step*` folder beside it) instead."
+        )
+    marked = int(marker.read_text().strip() or -1)
+    meta = torch.load(path / CHECKPOINT_METADATA, map_location="cpu", weights_only=False)
+    if int(meta.get("global_step", -1)) != marked:
+        raise RuntimeError(
+            f"The sharded checkpoint {path} is torn: its shards were completed at step {marked} but its"
+            f" metadata says step {meta.get('global_step')}. Resume from another checkpoint."
+        )
 
 # -- resuming -----------------------------------------------------------------------------------------
 

@@ -9,18 +9,22 @@
   (:func:`lightning_mem.run_dir.run_dir`), and every setting reaches the logger as a hyperparameter;
 - relative input paths in a config file (data files, model folders) are found from the config
   file, not from wherever the command runs (:func:`resolve_input_path`);
-- ``--ckpt_path`` naming an empty or non-checkpoint file fails before any model is loaded.
+- ``--ckpt_path`` naming an empty or non-checkpoint file fails before any model is loaded;
+- ``fit --auto_fit true`` estimates the run first and applies the cheapest suggestion that fits the
+  device (``--device_memory``, else the CUDA device's), before any model is loaded
+  (:mod:`lightning_mem.auto_fit`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import types
 import typing
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import yaml
 from lightning.pytorch import LightningModule
@@ -28,13 +32,13 @@ from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar, TQDMPr
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.plugins.io import TorchCheckpointIO
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_mem.callbacks.progress import StepProgressBar, StepRichProgressBar
 from lightning_mem.checkpointing import AtomicCheckpointIO, ResumeCheck, find_last_checkpoint
 from lightning_mem.quiet import silence_unactionable_warnings
 from lightning_mem.run_dir import run_dir
-from lightning_mem.settings import settings_at
+from lightning_mem.settings import SettingError, settings_at
 
 # Before a recipe imports bitsandbytes (it logs at import): recipes import this module first.
 silence_unactionable_warnings()
@@ -219,6 +223,14 @@ class RecipeCLI(LightningCLI):
         return commands
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_argument("--auto_fit", type=bool, default=False,
+                            help="fit: estimate the run before any model loads and, if it does not fit the device,"
+                                 " apply the cheapest suggestion that does (logged, and in config.yaml as auto_fit_applied)")
+        parser.add_argument("--device_memory", type=Optional[str], default=None,
+                            help="the memory auto_fit fits one device's share into (24GiB, 80GB, bytes); default: the"
+                                 " CUDA device's total memory")
+        parser.add_argument("--auto_fit_applied", type=Optional[str], default=None,
+                            help="written by auto_fit: what it changed and why (leave it unset)")
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
         parser.set_defaults({"checkpoint.save_last": True, "checkpoint.save_top_k": 0})
         parser.link_arguments("trainer.default_root_dir", "checkpoint.dirpath", compute_fn=_checkpoint_dir)
@@ -227,6 +239,8 @@ class RecipeCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         super().before_instantiate_classes()
+        if self.subcommand == "fit" and self.config["fit"].get("auto_fit"):
+            self._auto_fit()
         config = self.config[self.subcommand] if self.subcommand else self.config
         self._resolve_input_paths(config)
         self._default_logger(config)
@@ -244,12 +258,31 @@ class RecipeCLI(LightningCLI):
             self.datamodule.config_key = "data"  # errors while reading the data name data.<argument>
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        self._args = args  # auto_fit estimates the run from its own command line
         super().parse_arguments(parser, args)
         # Checked here: LightningCLI reads the checkpoint's hyperparameters right after parsing,
         # and torch.load's errors name neither the file nor the option.
         subcommand = self.config.get("subcommand")
         if subcommand:
             check_checkpoint_path(self.config[subcommand].get("ckpt_path"))
+
+    def _auto_fit(self) -> None:
+        """Estimate this run (a subprocess) and, when it does not fit, parse the command line again
+        with the cheapest fitting suggestion's overrides added: the run, its logs and its
+        config.yaml are then the suggested run's."""
+        from lightning_mem import auto_fit
+
+        args = sys.argv[1:] if self._args is None else self._args
+        if not isinstance(args, (list, tuple)):
+            raise SettingError("auto_fit", "`auto_fit: true` needs the run's command line (a list of arguments)")
+        config, overrides = auto_fit.split_command_line(list(args))
+        device_bytes, budget_from = auto_fit.device_budget(self.config["fit"].get("device_memory"))
+        result = auto_fit.estimate_with_suggestions(config, overrides, device_bytes, _recipe_module(self.model_class))
+        chosen = auto_fit.choose(result)
+        line = auto_fit.describe(result, chosen, budget_from)
+        rank_zero_info(f"auto_fit: {line}")
+        extra = [*chosen["overrides"]] if chosen is not None else []
+        self.parse_arguments(self.parser, [*args, *extra, f"--auto_fit_applied={line}"])
 
     def _resolve_input_paths(self, config: Any) -> None:
         files = [Path(p.absolute if hasattr(p, "absolute") else p) for p in (config.get("config") or [])]
@@ -290,6 +323,16 @@ class RecipeCLI(LightningCLI):
             keys = getattr(self.model, "optimizer_config_keys", ("model.optimizer",))
             self.trainer.callbacks.append(ResumeCheck(keys))
         _count_steps_in_progress_bar(self.trainer)
+
+
+def _recipe_module(model_class: type) -> str:
+    """The importable module of a recipe's LightningModule (``recipes.sft``, also when it runs as
+    ``python -m recipes.sft``, where the class's module is ``__main__``)."""
+    name = model_class.__module__
+    if name == "__main__":
+        spec = getattr(sys.modules["__main__"], "__spec__", None)
+        name = spec.name if spec is not None else name
+    return name
 
 
 def _count_steps_in_progress_bar(trainer: Any) -> None:

@@ -8,7 +8,13 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from lightning_mem.checkpointing import saved_module_keys, staged_directory, trainable_names
+from lightning_mem.checkpointing import (
+    CHECKPOINT_METADATA,
+    check_complete,
+    saved_module_keys,
+    staged_directory,
+    trainable_names,
+)
 
 
 @runtime_checkable
@@ -97,14 +103,13 @@ def load_checkpoint_weights(module: torch.nn.Module, ckpt_path: str | Path) -> d
         import warnings
 
         import torch.distributed.checkpoint as dcp
-        from lightning_mem.strategies.fsdp2 import CHECKPOINT_METADATA, FSDP2Strategy
 
         if not (path / ".metadata").is_file():
             raise ValueError(
                 f"`--ckpt_path`: {path} is a folder but not a sharded (torch distributed) checkpoint; for a DeepSpeed"
                 " folder, convert it first with lightning.pytorch.utilities.deepspeed.convert_zero_checkpoint_to_fp32_state_dict"
             )
-        FSDP2Strategy.check_complete(path)
+        check_complete(path)
         reader = dcp.FileSystemReader(str(path))
         saved = saved_module_keys(path)
         _check_keys(saved, own, module, path)

@@ -49,6 +49,7 @@ from lightning_mem.optim import param_groups, warn_if_paged_on_cpu
 from lightning_mem.ranks import check_model_splits, data_parallel, per_rank_budget, sum_over_replicas
 from lightning_mem.schedules import build_lr_scheduler, check_schedule
 from lightning_mem.settings import settings_at
+from lightning_mem.step_io import step_io
 from lightning_mem.rl.algorithms import (
     AdaptiveKLController,
     FixedKLController,
@@ -65,7 +66,6 @@ from lightning_mem.rl.config import CriticConfig, GRPOConfig, KLConfig, PPOConfi
 from lightning_mem.rl.engines import RolloutEngineConfig, build_rollout_engine, logprob_mismatch
 from lightning_mem.rl.critic import SeparateCritic, SharedHead, ValueHead, ValueModel, load_value_model, value_function
 from lightning_mem.rl.memory_plan import PhaseMemory, PhaseMemoryPlan
-from lightning_mem.rl.microbatch import micro_batches
 from lightning_mem.rl.reference import AdaptersOff, FrozenCopy, ReferenceMode, disable_dropout, reference_policy
 from lightning_mem.rl.reward import RewardFunction, RewardModel, load_reward_model
 from lightning_mem.rl.rng import SamplingRNG
@@ -406,7 +406,8 @@ class PPOModule(LightningModule):
             prompt_ids = prompt_ids.repeat_interleave(group, dim=0)
             prompt_mask = prompt_mask.repeat_interleave(group, dim=0)
             rows = [row for row in rows for _ in range(group)]
-        exp = self.rollout_engine.generate(self.actor, prompt_ids, prompt_mask, synced=self.trainer.world_size > 1)
+        with step_io(self.trainer).generation(self.actor):
+            exp = self.rollout_engine.generate(self.actor, prompt_ids, prompt_mask, synced=self.trainer.world_size > 1)
         exp.group_ids = torch.arange(len(exp), device=self.device) // group
         exp.rows = rows
         exp.prompts = self.tokenizer.batch_decode(prompt_ids, skip_special_tokens=True)
@@ -452,8 +453,9 @@ class PPOModule(LightningModule):
         exp.old_logprobs = None if self.on_policy else torch.zeros(shape, device=self.device)
         exp.ref_logprobs = torch.zeros(shape, device=self.device) if reference is not None else None
         exp.old_values = torch.zeros(shape, device=self.device) if values is not None else None
+        plan = step_io(self.trainer).micro_batches
         budget = per_rank_budget(self.ppo.logprob_budget, self.trainer)  # a context-parallel rank runs 1/cp of each sequence
-        for idx in micro_batches(exp.sequence_lengths, budget, agree_on_count=self.agree_on_count):
+        for idx in plan(exp.sequence_lengths, budget, agree_on_count=self.agree_on_count):
             mb = exp.select(idx)
             cols = mb.response_ids.shape[1]
             hidden = None
@@ -493,15 +495,16 @@ class PPOModule(LightningModule):
     # 5. Update ----------------------------------------------------------------------------------
     def update(self, exp: Experience) -> dict[str, Tensor]:
         totals: dict[str, Tensor] = {}
-        for _ in range(self.ppo.ppo_epochs):
+        io = step_io(self.trainer)
+        for _ in io.repeats(range(self.ppo.ppo_epochs)):
             order = torch.randperm(len(exp), device=self.device)
-            for mini_idx in torch.tensor_split(order, self.ppo.num_mini_batches):
+            for mini_idx in io.repeats(torch.tensor_split(order, self.ppo.num_mini_batches)):
                 mini = exp.select(mini_idx)
                 # The loss is a token mean over the whole mini-batch on all replicas, whatever the
                 # split; the gradient average over the replicas is undone by their count.
                 tokens = self._sum_over_ranks(mini.response_mask.sum().float())
                 scale = data_parallel(self.trainer)[0] / tokens
-                for idx in micro_batches(
+                for idx in io.micro_batches(
                     mini.sequence_lengths, per_rank_budget(self.ppo.max_tokens_per_microbatch, self.trainer),
                     agree_on_count=self.agree_on_count,
                 ):

@@ -29,6 +29,7 @@ from lightning_mem.checkpointing import check_trainable_kept, keep_trainable
 from lightning_mem.cli import RecipeCLI
 from lightning_mem.data import SFTDataModule
 from lightning_mem.export import export_hf, export_main
+from lightning_mem.gradients import FreesGradientsAfterStep
 from lightning_mem.logits import check_supported, next_token_targets, score_tokens
 from lightning_mem.lora import (
     LoraSettings,
@@ -52,8 +53,11 @@ def _adamw(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-4)
 
 
-class SFTModule(LightningModule):
+class SFTModule(FreesGradientsAfterStep, LightningModule):
     """A causal LM trained on the assistant tokens of each sample.
+
+    Gradients are freed right after each optimizer step (:mod:`lightning_mem.gradients`), not
+    during the next step's forward.
 
     Args:
         name_or_path: local model folder or hub id. A folder with only config.json (like

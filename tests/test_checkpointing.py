@@ -72,3 +72,12 @@ def test_a_sharded_checkpoint_of_what_trains_resumes_weights_and_optimizer(tmp_p
 
         with pytest.raises(KeyError, match=r"lacks 2 of the model's tensors \(e\.g\. \['0\.bias', '0\.weight'\]\)"):
             load_sharded_checkpoint(_model(2), [], tmp_path, strict=True)
+
+
+def test_checkpoint_metadata_is_the_file_lightning_loads():
+    # The sharded checkpoint's metadata file must be the one ModelParallelStrategy.load_checkpoint reads.
+    from lightning.fabric.utilities.load import _METADATA_FILENAME
+
+    from lightning_mem.checkpointing import CHECKPOINT_METADATA
+
+    assert CHECKPOINT_METADATA == _METADATA_FILENAME

@@ -10,7 +10,7 @@ from lightning_mem.callbacks.activation_checkpointing import ActivationCheckpoin
 from lightning_mem.activation_offload import ActivationOffloader, ActivationOffloadStats
 from lightning_mem.callbacks.activation_offload import ActivationOffload
 from lightning_mem.callbacks.fit_check import FitCheck
-from lightning_mem.callbacks.memory_monitor import MemoryMonitor, memory_phase
+from lightning_mem.callbacks.memory_monitor import MemoryMonitor, PhaseObserver, memory_phase
 from lightning_mem.callbacks.optimizer_in_backward import OptimizerInBackward
 from lightning_mem.callbacks.optimizer_state_offload import OptimizerStateOffload
 from lightning_mem.callbacks.progress import StepProgressBar, StepRichProgressBar
@@ -27,4 +27,5 @@ __all__ = [
     "StepProgressBar",
     "StepRichProgressBar",
     "memory_phase",
+    "PhaseObserver",
 ]

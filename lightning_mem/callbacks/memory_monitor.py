@@ -8,7 +8,7 @@ import logging
 import re
 import time
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Protocol, runtime_checkable
 
 import lightning.pytorch as pl
 import psutil
@@ -27,6 +27,7 @@ _METRICS = (
     "device_allocated_bytes",
     "device_reserved_bytes",
     "device_peak_allocated_bytes",
+    "device_peak_reserved_bytes",
     "device_used_bytes",
     "host_rss_bytes",
     "pinned_host_bytes",
@@ -41,6 +42,8 @@ class MemoryMonitor(Callback):
 
     - ``device_allocated_bytes``, ``device_reserved_bytes``: CUDA caching allocator, now;
     - ``device_peak_allocated_bytes``: the peak allocated within that step or phase;
+    - ``device_peak_reserved_bytes``: the peak the caching allocator held within it (what a
+      ``torch.cuda.set_per_process_memory_fraction`` cap, or the card, runs out of);
     - ``device_used_bytes``: the whole device as NVML sees it (all processes), if available;
     - ``host_rss_bytes``: this process's resident host memory (the only one on CPU);
     - ``pinned_host_bytes``: pinned host memory held by torch's caching host allocator.
@@ -91,7 +94,8 @@ class MemoryMonitor(Callback):
         self._out_dir: Optional[Path] = None
         self._suffix = ""
         self._t0 = time.perf_counter()
-        self._scopes: list[list[Any]] = []  # open step/phase scopes: [name, start time, running peak]
+        # Open step/phase scopes: [name, start time, running peak allocated, running peak reserved].
+        self._scopes: list[list[Any]] = []
         self._nvml_ok = True
         self._history_on = False
         self._stage = "forward"  # forward | backward | optimizer step: for the OOM hint
@@ -193,14 +197,14 @@ class MemoryMonitor(Callback):
     # -- sampling --------------------------------------------------------------------------------
     def _open_scope(self, name: str) -> None:
         self._fold_peak()
-        self._scopes.append([name, time.perf_counter() - self._t0, 0])
+        self._scopes.append([name, time.perf_counter() - self._t0, 0, 0])
         self._reset_peak()
 
     def _close_scope(self, name: str, event: str, log: bool = True) -> None:
         self._fold_peak()
         index = max(i for i, s in enumerate(self._scopes) if s[0] == name)
-        _, start, peak = self._scopes.pop(index)
-        sample = self.sample(peak)
+        _, start, peak, peak_reserved = self._scopes.pop(index)
+        sample = self.sample(peak, peak_reserved)
         row = {"time_s": round(time.perf_counter() - self._t0, 6), "start_s": round(start, 6), "event": event,
                "phase": name, "step": self._trainer.global_step if self._trainer else 0, **sample}
         self.rows.append(row)
@@ -212,20 +216,23 @@ class MemoryMonitor(Callback):
         # CUDA keeps one resettable peak; nested scopes each keep their own running maximum.
         if self._device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(self._device)
+            peak_reserved = torch.cuda.max_memory_reserved(self._device)
             for scope in self._scopes:
                 scope[2] = max(scope[2], peak)
+                scope[3] = max(scope[3], peak_reserved)
 
     def _reset_peak(self) -> None:
         if self._device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self._device)
 
-    def sample(self, peak_allocated: int = 0) -> dict[str, int]:
+    def sample(self, peak_allocated: int = 0, peak_reserved: int = 0) -> dict[str, int]:
         """Memory now: the metrics that exist on this device (host RSS always)."""
         out: dict[str, int] = {}
         if self._device.type == "cuda":
             out["device_allocated_bytes"] = torch.cuda.memory_allocated(self._device)
             out["device_reserved_bytes"] = torch.cuda.memory_reserved(self._device)
             out["device_peak_allocated_bytes"] = max(peak_allocated, torch.cuda.max_memory_allocated(self._device))
+            out["device_peak_reserved_bytes"] = max(peak_reserved, torch.cuda.max_memory_reserved(self._device))
             if self._nvml_ok:
                 try:
                     out["device_used_bytes"] = torch.cuda.device_memory_used(self._device)
@@ -303,16 +310,27 @@ class MemoryMonitor(Callback):
         return line
 
 
+@runtime_checkable
+class PhaseObserver(Protocol):
+    """A callback that measures named phases of a step: :class:`MemoryMonitor`, and the memory
+    estimate's recorder (:mod:`lightning_mem.estimate`)."""
+
+    def phase(self, name: str) -> contextlib.AbstractContextManager: ...
+
+
 def memory_phase(trainer: Optional[pl.Trainer], name: str) -> contextlib.AbstractContextManager:
-    """``with memory_phase(self.trainer, "rollout"):`` measures a phase if the trainer has a
-    :class:`MemoryMonitor`, and does nothing otherwise (recipes call it unconditionally)."""
+    """``with memory_phase(self.trainer, "rollout"):`` measures a phase in every callback of the
+    trainer that observes phases (a :class:`PhaseObserver`), and does nothing without one (recipes
+    call it unconditionally)."""
+    stack = contextlib.ExitStack()
     for callback in getattr(trainer, "callbacks", None) or []:
-        if isinstance(callback, MemoryMonitor):
-            return callback.phase(name)
-    return contextlib.nullcontext()
+        if isinstance(callback, PhaseObserver):
+            stack.enter_context(callback.phase(name))
+    return stack
 
 
-_DEVICE_METRICS = ("device_allocated_bytes", "device_reserved_bytes", "device_peak_allocated_bytes", "device_used_bytes")
+_DEVICE_METRICS = ("device_allocated_bytes", "device_reserved_bytes", "device_peak_allocated_bytes",
+                   "device_peak_reserved_bytes", "device_used_bytes")
 _HOST_METRICS = ("host_rss_bytes", "pinned_host_bytes")
 _LABELLED_SPANS = 40  # name each phase span on the plot up to this many; beyond, the legend names them
 

@@ -11,7 +11,10 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.utilities.rank_zero import WarningCache
 from typing_extensions import override
 
-from lightning_mem.offload import optimizer_state_location, optimizer_state_to_device, optimizer_state_to_host
+# The offload functions are called through their module: the memory estimate attributes what
+# `offload.optimizer_state_to_host` allocates to the host by wrapping it there.
+from lightning_mem import offload
+from lightning_mem.offload import optimizer_state_location
 
 _warning_cache = WarningCache()
 
@@ -68,7 +71,7 @@ class OptimizerStateOffload(Callback):
     ) -> None:
         optimizer = unwrap_optimizer(optimizer)
         if optimizer_state_location(optimizer) == "host":
-            optimizer_state_to_device(optimizer, non_blocking=self.non_blocking)
+            offload.optimizer_state_to_device(optimizer, non_blocking=self.non_blocking)
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._to_host(optimizer)
@@ -91,7 +94,7 @@ class OptimizerStateOffload(Callback):
         self._restore()
 
     def _to_host(self, optimizer: torch.optim.Optimizer) -> None:
-        optimizer_state_to_host(optimizer, pin_memory=self.pin_memory, non_blocking=self.non_blocking)
+        offload.optimizer_state_to_host(optimizer, pin_memory=self.pin_memory, non_blocking=self.non_blocking)
 
     def _restore(self) -> None:
         for handle in self._handles:
@@ -99,7 +102,7 @@ class OptimizerStateOffload(Callback):
         self._handles.clear()
         for optimizer in self._optimizers:
             if optimizer_state_location(optimizer) == "host":
-                optimizer_state_to_device(optimizer, non_blocking=self.non_blocking)
+                offload.optimizer_state_to_device(optimizer, non_blocking=self.non_blocking)
         self._optimizers = []
 
 

@@ -181,6 +181,16 @@ class PromptDataModule(LightningDataModule):
             return {**row, "messages": [{"role": "system", "content": self.system_prompt}, *messages]}
         return row
 
+    def largest_batch(self, fill_token: int) -> dict[str, Any]:
+        """The largest batch of prompts these settings allow, made of ``fill_token``: ``batch_size``
+        prompts of ``max_prompt_length`` tokens, each with the data's first row (what a reward rule
+        reads, e.g. its ``answer``). The memory estimate (:mod:`lightning_mem.estimate`) runs the recipe
+        on it; only that row is read."""
+        with settings_at(self.config_key):
+            row = self._with_system_prompt(self.source.first_row("train"))
+        ids = torch.full((self.batch_size, self.max_prompt_length), fill_token, dtype=torch.long)
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "rows": [row] * self.batch_size}
+
     def train_dataloader(self) -> DataLoader:
         assert self.train_set is not None, "call setup() first"
         trainer = self.trainer

@@ -243,6 +243,27 @@ class DataSource:
         return rename_columns(rows, self.columns)
 
 
+    def first_row(self, which: str = "train") -> dict[str, Any]:
+        """The first ``"train"`` or ``"val"`` row, with ``columns`` applied; a JSONL file is read up to
+        its first row only."""
+        path = self.train_file if which == "train" else self.val_file
+        if path is not None and path.is_file() and path.suffix == ".jsonl":
+            with path.open("rb") as f:
+                for lineno, raw in enumerate(f, start=1):
+                    line = _decode(raw, path, lineno - 1)
+                    if line.strip():
+                        try:
+                            row = json.loads(line)
+                        except json.JSONDecodeError as err:
+                            raise DataFormatError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
+                        return rename_columns([_record(row, f"{path}:{lineno}")], self.columns)[0]
+            raise DataFormatError(f"{path}: no rows")
+        rows = self.rows(which)
+        if not rows:
+            raise DataFormatError(f"{self.describe(which)}: no rows")
+        return rows[0]
+
+
 def _has_splits(path: Path) -> bool:
     return (path / "dataset_dict.json").is_file()
 

@@ -1,5 +1,5 @@
 """``python -m lightning_mem.estimate --config CONFIG [recipe overrides] [--device-memory 24GiB]
-[--world-size N] [--suggest] [--json]``: will this config fit? See docs/will_it_fit.md."""
+[--world-size N] [--suggest [--suggestions N]] [--json]``: will this config fit? See docs/will_it_fit.md."""
 
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="memory of one device (24GiB, 80GB); default: the config's tier (# tier: 1x24GB or _1x24gb)")
     parser.add_argument("--world-size", type=int, default=None, help="ranks; default: trainer.devices x trainer.num_nodes")
     parser.add_argument("--suggest", action="store_true", help="if it does not fit, re-estimate overrides that would")
+    parser.add_argument("--suggestions", type=int, default=3, metavar="N",
+                        help="with --suggest: stop after N suggestions that fit (default 3)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     args, overrides = parser.parse_known_args(argv)
     device_bytes = None
@@ -33,6 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         tier = report.tier_of(args.config)
         device_bytes = tier.memory_bytes if tier else None
+    if args.suggestions < 1:
+        parser.error(f"--suggestions must be >= 1, got {args.suggestions}")
+    if args.suggest and device_bytes is None:
+        parser.error("--suggest needs a device size to fit into: pass --device-memory (e.g. 24GiB), or a config"
+                     " with a tier (# tier: 1x24GB)")
     recipe = recipe_for(args.config, args.recipe)
     for name in ("lightning.pytorch", "lightning.fabric"):
         logging.getLogger(name).setLevel(logging.ERROR)
@@ -40,20 +47,18 @@ def main(argv: list[str] | None = None) -> int:
         warnings.simplefilter("ignore")
         result = estimate(args.config, overrides, recipe=recipe, world_size=args.world_size)
         suggestions = None
-        if args.suggest and device_bytes is not None and result.device_peak_bytes > report.usable_bytes(device_bytes):
+        if args.suggest and result.device_peak_bytes > report.usable_bytes(device_bytes):
             suggestions = suggest(
                 result.parsed, recipe, overrides, device_bytes,
                 lambda extra: estimate(args.config, extra, recipe=recipe, world_size=args.world_size),
+                base=result, config=args.config, limit=args.suggestions,
             )
     if args.json:
         print(report.dumps(report.to_dict(result, device_bytes, suggestions)))
     else:
         print(report.table(result, device_bytes))
         if suggestions is not None:
-            print("\nsuggestions (re-estimated, cheapest first):")
-            for s in suggestions:
-                peak = f"{s['device_peak_bytes'] / report.GiB:.2f} GiB" if "device_peak_bytes" in s else s.get("error")
-                print(f"  {'fits' if s.get('fits') else 'still too big'}: {s['what']}: {peak}\n    {' '.join(s['overrides'])}")
+            print(report.suggestions_text(suggestions))
     fits = device_bytes is None or result.device_peak_bytes <= report.usable_bytes(device_bytes)
     return 0 if fits else 1
 

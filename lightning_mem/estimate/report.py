@@ -122,3 +122,18 @@ def table(estimate: Any, device_bytes: int | None) -> str:
 
 def dumps(data: dict[str, Any]) -> str:
     return json.dumps(data, indent=2)
+
+
+def suggestions_text(suggestions: list[dict[str, Any]]) -> str:
+    """The suggestions as ready-to-run commands, each with its estimated peak and cost."""
+    lines = ["", "suggestions (re-estimated, cheapest first; costs per rank and optimizer step):"]
+    for s in suggestions:
+        if "device_peak_bytes" not in s:
+            lines.append(f"  cannot apply: {s['what']}: {s.get('error')}")
+            continue
+        verdict_text = "fits" if s.get("fits") else "still too big"
+        lines.append(f"  {verdict_text} at {s['device_peak_bytes'] / GiB:.2f} GiB: {s['what']}")
+        if "cost" in s:
+            lines.append(f"    cost: {s['cost']['text']}")
+        lines.append(f"    {s.get('command') or ' '.join(s['overrides'])}")
+    return "\n".join(lines)

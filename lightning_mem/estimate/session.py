@@ -1,25 +1,28 @@
-"""Run a recipe config's own step code on fake tensors and record each phase's memory.
+"""Run a recipe config's own fit on fake tensors and record each phase's memory.
 
-The steps, in the order the real run takes them:
+The steps, in the order the estimate takes them:
 
 1. parse the config with the recipe's own LightningCLI parser (nothing is instantiated but the
-   LightningModule and the strategy, precision and callbacks of the trainer section);
+   LightningModule, its datamodule and the strategy, precision and callbacks of the trainer section);
 2. point every model of the config (policy, critic, reward model) at a folder holding only its
    ``config.json`` (a hub id resolves to ``assets/hub/<id>``), so the recipe's ``configure_model``
    builds it with random init -- on fake tensors, so nothing is allocated or read;
-3. apply what the trainer would: the precision plugin's init context and conversion, the
-   strategy's activation checkpointing, the technique callbacks' hooks;
-4. make the optimizers with the module's ``configure_optimizers`` and take one small warm-up step,
-   so the optimizer's real state tensors exist (their bytes are whatever the optimizer allocates);
-5. run the largest micro-batch the config allows through the recipe's step methods and record,
-   per phase, the peak of live tensor bytes and its breakdown (:mod:`.tracker`).
+3. run Lightning's own ``Trainer.fit`` of the module (:class:`EstimateRun`): one CPU process with the
+   config's precision plugin, clipping and accumulation and its technique callbacks; its data are
+   the datamodule's ``largest_batch``: a short warm-up step, then the largest micro-batch the config
+   allows. The module's own hooks and steps run (``configure_model``, ``configure_optimizers``,
+   ``training_step``, backward, optimizer step, ``zero_grad``), so a recipe -- or a user's subclass
+   of one -- is estimated as itself;
+4. record, per phase the step reports (or for the whole step), the peak of live tensor bytes and
+   its breakdown (:mod:`.tracker`), then stop the fit.
 
 Sharding strategies (FSDP2, DeepSpeed ZeRO) run here as one unsharded process; their per-rank
 bytes are derived from the measured weights, gradients and optimizer state (see
 :func:`shard_per_rank`). For FSDP2 the derivation is the ledger's per-rank view, applied at every
 allocation (a rank peaks where its own bytes do, not where the unsharded process does), with the
-gradients followed unit by unit as FSDP2 reduce-scatters them (:class:`_GradientFlight`);
-:mod:`.sharded` runs the same step really sharded, one process per rank, to check it.
+gradients followed unit by unit as FSDP2 reduce-scatters them (:class:`_GradientFlight`) and each
+model's root unit gathered only while that model runs. :func:`~lightning_mem.estimate.measure_fit`
+runs the config's real fit on 2 ranks to hold it to what each rank holds.
 """
 
 from __future__ import annotations
@@ -40,10 +43,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_mem.estimate.tracker import HOST, MemoryLedger, TrackingMode
+from lightning.pytorch import Callback
+from typing_extensions import override
 
-ASSETS = Path(__file__).resolve().parents[2] / "assets"
-HUB_ASSETS = ASSETS / "hub"
+from lightning_mem.assets import ASSETS, HUB_ASSETS
+from lightning_mem.estimate.tracker import HOST, MemoryLedger, TrackingMode
+from lightning_mem.step_io import StepIO
+
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 _RECIPES = {"sft": "recipes.sft", "qlora": "recipes.qlora", "ppo": "recipes.ppo"}
 
@@ -164,22 +170,33 @@ def config_only_copy(name_or_path: str, key: str, workdir: Path) -> str:
     return str(target)
 
 
+#: Where a recipe config names its models (the policy; PPO's critic and reward model).
+MODEL_KEYS = (("", "model.name_or_path"), ("critic", "model.critic.name_or_path"),
+              ("reward_model", "model.reward_model.name_or_path"))
+
+
+def _model_locations(model_cfg: Any) -> Iterator[tuple[Any, str]]:
+    """``(section holding name_or_path, its key)`` for every model the config names."""
+    for attr, key in MODEL_KEYS:
+        holder = getattr(model_cfg, attr, None) if attr else model_cfg
+        if holder is not None and getattr(holder, "name_or_path", None):
+            yield holder, key
+
+
+def model_vocab_sizes(model_cfg: Any) -> list[int]:
+    """The vocabulary size of every model the config names (a ``[..., vocab]`` tensor is logits)."""
+    sizes = []
+    for holder, key in _model_locations(model_cfg):
+        config = json.loads((config_folder(holder.name_or_path, key) / "config.json").read_text())
+        sizes.append(int(config.get("vocab_size") or config.get("text_config", {}).get("vocab_size", 0)))
+    return sizes
+
+
 def _localize_models(model_cfg: Any, workdir: Path) -> list[int]:
-    """Rewrite every model location of ``model_cfg`` in place; return the vocabulary sizes."""
-    vocab: list[int] = []
-
-    def swap(holder: Any, attr: str, key: str) -> None:
-        value = getattr(holder, attr, None) if holder is not None else None
-        if not value:
-            return
-        folder = config_folder(value, key)
-        config = json.loads((folder / "config.json").read_text())
-        vocab.append(int(config.get("vocab_size") or config.get("text_config", {}).get("vocab_size", 0)))
-        setattr(holder, attr, config_only_copy(value, key, workdir))
-
-    swap(model_cfg, "name_or_path", "model.name_or_path")
-    swap(getattr(model_cfg, "critic", None), "name_or_path", "model.critic.name_or_path")
-    swap(getattr(model_cfg, "reward_model", None), "name_or_path", "model.reward_model.name_or_path")
+    """Point every model location of ``model_cfg`` at a config-only copy; return the vocabulary sizes."""
+    vocab = model_vocab_sizes(model_cfg)
+    for holder, key in _model_locations(model_cfg):
+        holder.name_or_path = config_only_copy(holder.name_or_path, key, workdir)
     return vocab
 
 
@@ -230,6 +247,10 @@ class Sharding:
     shard: tuple[str, ...] = ()  # categories divided by the world size
     host: tuple[str, ...] = ()  # categories kept in host memory
     gathered_units: int = 0  # largest units held unsharded at once on the device (FSDP2/ZeRO-3)
+    # In a forward, if more (0: as many): FSDP2 keeps a unit's flat all-gather output until the next
+    # unit's is copied out (to overlap them), so beside the computing unit's parameters two flat
+    # unit-sized buffers can be alive (measured on 2 gloo ranks: tests/estimate/test_estimate_accuracy.py).
+    forward_gathered_units: int = 0
     # DeepSpeed ZeRO: the optimizer steps fp32 master copies of 16-bit weights (see
     # :class:`_MasterWeights`), and gradients pass through reduce buckets of this many elements.
     master_weights: bool = False
@@ -238,6 +259,13 @@ class Sharding:
     # unit's gradients are whole on the device, and its reduce-scatter input stays allocated until
     # the next unit reduces (see :class:`_GradientFlight`).
     unit_gradients: bool = False
+    # FSDP2's mixed precision: units are gathered, and compute, in ``param_dtype``; gradients are
+    # reduce-scattered in ``reduce_dtype`` (None: ``param_dtype``) onto shards of the parameters' own dtype.
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    # FSDP2's reshard_after_forward: True frees a unit after its forward; False keeps a trained
+    # model's units gathered from their forward until their backward; an int k keeps a 1/k copy.
+    reshard_after_forward: bool | int = True
 
 
 def sharding_of(strategy: Any) -> Sharding:
@@ -246,8 +274,12 @@ def sharding_of(strategy: Any) -> Sharding:
     name = type(strategy).__name__
     if hasattr(strategy, "_cpu_offload") and hasattr(strategy, "_reshard_after_forward"):  # FSDP2Strategy
         cats = ("weights", "gradients", "optimizer_state")
-        return Sharding("FSDP2" + (" + CPU offload" if strategy.cpu_offload else ""), cats,
-                        cats if strategy.cpu_offload else (), gathered_units=2, unit_gradients=True)
+        reshard = strategy._reshard_after_forward
+        precision = f", compute in {str(strategy._param_dtype).removeprefix('torch.')}" if strategy._param_dtype else ""
+        return Sharding("FSDP2" + (" + CPU offload" if strategy.cpu_offload else "") + precision, cats,
+                        cats if strategy.cpu_offload else (), gathered_units=2, forward_gathered_units=3,
+                        unit_gradients=True, param_dtype=strategy._param_dtype, reduce_dtype=strategy._reduce_dtype,
+                        reshard_after_forward=reshard)
     tier = getattr(strategy, "tier", None)
     if tier is not None:  # ZeroStrategy
         shard = ("gradients", "optimizer_state") + (("weights",) if tier.stage == 3 else ())
@@ -266,7 +298,8 @@ def sharding_of(strategy: Any) -> Sharding:
 def shard_per_rank(breakdown: dict[str, int], host: int, sharding: Sharding, world_size: int,
                    unit_bytes: tuple[int, int], grad_element_size: int = 4, *, gathered: bool = True,
                    in_flight: tuple[int, int] | None = None,
-                   gathered_units: int | None = None) -> tuple[dict[str, int], int]:
+                   gathered_units: int | None = None, scales: dict[str, float] | None = None,
+                   resident: int = 0) -> tuple[dict[str, int], int]:
     """Per-rank device breakdown and host bytes of one unsharded measurement under ``sharding``.
 
     A sharded category holds 1/world_size of its measured bytes per rank (on the host when
@@ -279,12 +312,17 @@ def shard_per_rank(breakdown: dict[str, int], host: int, sharding: Sharding, wor
     overrides the sharding's count of gathered blocks (1 in a model's last block of backward).
     DeepSpeed's reduce buckets (``bucket_elements`` of ``grad_element_size`` bytes, no more than the
     gradients) stay on the device; a gradient partition it offloads is fp32 on the host.
+    ``scales``: per category, the sharded bytes per measured byte (the run computed in FSDP2's
+    ``param_dtype`` while the shards keep their own dtype: fp32 shards of a bf16 computation are 2).
+    ``resident``: bytes of units a ``reshard_after_forward`` other than True keeps after their forward.
     """
     measured_grads = breakdown["gradients"]
     out = dict(breakdown)
     unreduced, buffered = in_flight if in_flight is not None and gathered else (0, 0)
+    scales = scales or {}
     for cat in sharding.shard:
-        share = math.ceil((breakdown[cat] - (unreduced if cat == "gradients" else 0)) / world_size)
+        measured = breakdown[cat] - (unreduced if cat == "gradients" else 0)
+        share = math.ceil(measured * scales.get(cat, 1.0) / world_size)
         if cat in sharding.host:
             out[cat] = 0
             host += share * 4 // grad_element_size if cat == "gradients" and sharding.master_weights else share
@@ -293,9 +331,9 @@ def shard_per_rank(breakdown: dict[str, int], host: int, sharding: Sharding, wor
     if "weights" in sharding.shard and sharding.gathered_units and gathered:
         block, root = unit_bytes
         units = sharding.gathered_units if gathered_units is None else gathered_units
-        out["weights"] += min(units * block + root, breakdown["weights"])
+        out["weights"] += min(units * block + root, breakdown["weights"]) + resident
         if in_flight is not None:
-            out["gradients"] += unreduced + buffered
+            out["gradients"] += unreduced + math.ceil(buffered * scales.get("reduce_scatter", 1.0))
         elif breakdown["gradients"]:
             out["gradients"] += min(block + root, breakdown["gradients"])
     if sharding.bucket_elements and measured_grads:
@@ -346,6 +384,9 @@ def _attribution(ledger: MemoryLedger, fake: bool) -> Iterator[None]:
                 stack.enter_context(patched(cls, method, in_section(ledger, "kv_cache")))
         for fn in ("optimizer_state_to_host", "offload_module"):
             stack.enter_context(patched(offload, fn, in_section(ledger, HOST)))
+        # What comes back is what it was (the phase's retag comes before the plan moves it in).
+        stack.enter_context(patched(offload, "optimizer_state_to_device", in_section(ledger, "optimizer_state")))
+        stack.enter_context(patched(offload, "reload_module", in_section(ledger, "weights")))
         stack.enter_context(patched(activation_offload.ActivationOffloader, "_stash", in_section(ledger, HOST)))
         stack.enter_context(patched(torch.utils, "swap_tensors", _swap_or_set_data))
         if fake:
@@ -398,95 +439,140 @@ def _fake_only(ledger: MemoryLedger) -> Callable[[Callable], Callable]:
     return wrap
 
 
-class EstimateRun:
-    """One estimate: the module, its optimizers and trainer pieces, the ledger, and the phases."""
+class MeasuredStep(Exception):
+    """Raised by the estimate's callback once its measured step is recorded: the fit stops there,
+    as a run stopped by a crash would (no end-of-fit export, no checkpoint)."""
 
-    def __init__(self, init: Any, cfg: Any, *, world_size: int, fake: bool, vocab: list[int], workdir: Path) -> None:
-        from lightning.pytorch import Trainer
 
-        self.module = init.model
-        self.data = init.data
-        self.cfg = cfg
-        trainer_cfg = init.trainer
-        self.strategy = trainer_cfg.strategy if not isinstance(trainer_cfg.strategy, str) else None
-        self.callbacks = [cb for cb in (trainer_cfg.callbacks or []) if _is_technique(cb)]
-        self.precision = precision_plugin(trainer_cfg.precision)
-        self.clip = trainer_cfg.gradient_clip_val
+class PhaseRecorder(Callback):
+    """Follows a Lightning fit under a :class:`~lightning_mem.estimate.tracker.MemoryLedger`: tells the
+    ledger what each tensor is, and records the peak of each phase of the measured steps.
+
+    Parameters are weights, ``p.grad`` gradients, optimizer state tensors optimizer state (each
+    unless its storage is on the host). The phases are those a step reports (``rollout``, ``score``,
+    ``train``: :func:`lightning_mem.callbacks.memory_phase` reaches this callback as it reaches the
+    ``MemoryMonitor``); a step that reports none is one phase, ``train``, from its first micro-batch
+    to its optimizer step. Over several measured steps a phase keeps its largest peak.
+    :meth:`measured` says which optimizer steps count (the estimate: the one after its warm-up; a
+    real run: every one after the first).
+    """
+
+    def __init__(self, ledger: MemoryLedger, *, sharding: Sharding | None = None, world_size: int = 1) -> None:
+        self.ledger = ledger
+        self.sharding = sharding or Sharding()
         self.world_size = world_size
-        self.sharding = sharding_of(self.strategy)
-        self.ledger = MemoryLedger(set(vocab))
-        self.mode = TrackingMode(self.ledger, fake=fake)
-        # A CPU trainer for what the module's methods read from it (world size, device).
-        # Its root is the estimate's temporary folder: whatever a recipe writes under
-        # ``trainer.default_root_dir`` (a real run's saved random base) goes nowhere else.
-        self.trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                               default_root_dir=str(workdir),
-                               enable_progress_bar=False, enable_model_summary=False, callbacks=self.callbacks)
-        self.phases: list[PhaseEstimate] = []
-        self.optimizers: list[torch.optim.Optimizer] = []
+        self.peaks: dict[str, PhaseEstimate] = {}
+        self.module: Any = None
+        self.optimizers: list[Any] = []
         self._units = (0, 0)
         self._grad_size = 4
-        self._flight: _GradientFlight | None = None
         self._stepping = False
+        self._measuring = False
+        self._named = False  # the current step reported a phase
+        self._depth = 0  # open phases: nested ones (an engine's sleep inside the rollout) are part of theirs
+        self._shape = ""
 
-    # -- building ---------------------------------------------------------------------------------
-    def build(self) -> None:
-        module = self.module
-        module.trainer = self.trainer
-        # Logging needs a running loop; what a step logs takes no memory worth counting.
-        module.log = module.log_dict = lambda *args, **kwargs: None
-        with self.precision.module_init_context():
-            module.configure_model()
-        _convert(self.precision, module)
-        self._checkpointing()
-        for cb in self.callbacks:
-            cb.setup(self.trainer, module, "fit")
-        self.retag()
-        for p in module.parameters():
+    @property
+    def phases(self) -> list[PhaseEstimate]:
+        return list(self.peaks.values())
+
+    def measured(self, step: int) -> bool:
+        """Whether optimizer step ``step`` (0-based, counted by this fit's batches) is measured."""
+        return step >= 1
+
+    # -- Lightning hooks --------------------------------------------------------------------------
+    @override
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        self.module = pl_module
+        self.optimizers = list(trainer.strategy.optimizers)
+        for opt in self.optimizers:
+            opt.register_step_post_hook(lambda o, *_: self._stepped(o))
+        for p in pl_module.parameters():
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(self._gradient_ready)
-        # A learning-rate schedule holds no tensors, and its horizon needs a running trainer.
-        module.lr_scheduler_factory = None
-        out = module.configure_optimizers()
-        self.optimizers = _optimizer_list(out)
-        if self.sharding.master_weights:
-            self.optimizers = [_MasterWeights.wrap(opt, self.ledger) for opt in self.optimizers]
-        for opt in self.optimizers:
-            opt.register_step_post_hook(lambda o, *_: self._retag_optimizer(o))
-        for cb in self.callbacks:
-            cb.on_fit_start(self.trainer, module)
         self._units, self._grad_size = self.unit_bytes(), self.grad_element_size()
-        if self.sharding.shard:  # a sharded run: the ledger's peaks are one rank's
-            if self.sharding.unit_gradients:  # FSDP2 reduce-scatters gradients unit by unit
-                self._flight = _GradientFlight.of(module, self.strategy)
-            self.ledger.view = self._per_rank
+        self.retag()
 
-    def _per_rank(self, breakdown: dict[str, int], host: int) -> tuple[dict[str, int], int]:
-        flight = self._flight
-        return shard_per_rank(breakdown, host, self.sharding, self.world_size, self._units, self._grad_size,
-                              gathered=not self._stepping,
-                              in_flight=(flight.unreduced, flight.buffered) if flight is not None else None,
-                              gathered_units=1 if flight is not None and flight.last_block else None)
+    @override
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.retag()
+        accumulate = trainer.accumulate_grad_batches
+        if batch_idx % accumulate == 0 and self.measured(batch_idx // accumulate):  # a measured step begins
+            self._measuring, self._named = True, False
+            self._shape = self.describe(batch)
+            self.ledger.reset_peak()
 
+    @override
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        accumulate = trainer.accumulate_grad_batches
+        if not self._measuring or (batch_idx + 1) % accumulate:
+            return
+        if not self._named:  # a step that names no phases is one: train
+            self._record("train", self.step_description(accumulate))
+        self._measuring = False
+
+    def step_description(self, accumulate: int) -> str:
+        return f"micro-batch {self._shape}, {accumulate} accumulated"
+
+    @override
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        self._stepping = True  # a sharded model is resharded: nothing gathered, nothing in flight
+        # What the step allocates (its temporaries) is the optimizer's, and sharded like its state.
+        self.ledger.begin_section("optimizer_state")
+
+    # -- phases (a PhaseObserver, like the MemoryMonitor) -----------------------------------------
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        self._depth += 1
+        top = self._depth == 1 and self._measuring
+        if top:
+            self._named = True
+            self.retag()
+            self.ledger.reset_peak()
+        try:
+            yield
+        finally:
+            self._depth -= 1
+        if top:
+            self._record(name, f"batch of {self._shape}")
+
+    def _record(self, name: str, shape: str) -> None:
+        ledger = self.ledger
+        if ledger.view is not None:  # the peak of one rank's view, taken at every moment
+            breakdown, host = dict(ledger.peak_breakdown), ledger.peak_host_bytes
+        else:  # the unsharded peak, divided over the ranks
+            breakdown, host = shard_per_rank(ledger.peak_breakdown, ledger.peak_host_bytes, self.sharding,
+                                             self.world_size, self._units, self._grad_size)
+        new = PhaseEstimate(name, sum(breakdown.values()), breakdown, host, shape)
+        old = self.peaks.get(name)
+        if old is None or new.device_peak_bytes > old.device_peak_bytes:
+            self.peaks[name] = new
+        if old is not None and old.host_peak_bytes > self.peaks[name].host_peak_bytes:
+            self.peaks[name].host_peak_bytes = old.host_peak_bytes
+
+    @staticmethod
+    def describe(batch: Any) -> str:
+        if not isinstance(batch, dict):
+            return "?"
+        rows = _rows_of(batch)
+        tokens = max((v.shape[1] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() >= 2), default=0)
+        return f"{rows} x {tokens} tokens"
+
+    # -- the ledger's categories ------------------------------------------------------------------
     def _gradient_ready(self, param: torch.Tensor) -> None:
-        if self._flight is not None:  # before the retag: the view then sees the unit's progress
-            self._flight.add(param)
         self.ledger.retag(param.grad, "gradients")
 
-    def _checkpointing(self) -> None:
-        # FSDP2Strategy's own activation checkpointing, applied to the blocks it would shard.
-        strategy = self.strategy
-        if strategy is None or not getattr(strategy, "_checkpoint_every", 0):
-            return
-        from lightning_mem import activation_checkpointing, module_tree
+    def _stepped(self, opt: Any) -> None:
+        self.ledger.end_section("optimizer_state")
+        self._retag_optimizer(opt)
 
-        for _, model in module_tree.find_hf_models(self.module):
-            blocks = strategy.blocks_to_shard(model)
-            for index in activation_checkpointing.checkpointed_indices(len(blocks), strategy._checkpoint_every):
-                strategy.apply_activation_checkpointing(blocks[index])
+    def _forward(self, *_: Any) -> None:
+        self._stepping = False  # a forward gathers again
 
     def retag(self) -> None:
         """Parameters and buffers are weights, gradients gradients, optimizer tensors state (unless on the host)."""
+        if self.module is None:
+            return
         ledger = self.ledger
         for t in [*self.module.parameters(), *self.module.buffers(), *_quantization_state(self.module)]:
             if ledger.category_of(t) != HOST:
@@ -496,7 +582,7 @@ class EstimateRun:
         for opt in self.optimizers:
             self._retag_optimizer(opt)
 
-    def _retag_optimizer(self, opt: torch.optim.Optimizer) -> None:
+    def _retag_optimizer(self, opt: Any) -> None:
         for state in opt.state.values():
             for value in state.values():
                 if isinstance(value, torch.Tensor) and self.ledger.category_of(value) != HOST:
@@ -519,46 +605,311 @@ class EstimateRun:
         trainable = [p for p in self.module.parameters() if p.requires_grad]
         return trainable[0].element_size() if trainable else 4
 
-    # -- measuring --------------------------------------------------------------------------------
+
+class EstimateRun(PhaseRecorder, StepIO):
+    """One estimate: Lightning's own ``Trainer.fit`` of the config's module, on fake tensors.
+
+    The run is a :class:`PhaseRecorder` of that fit, and its :class:`~lightning_mem.step_io.StepIO`:
+
+    - the fit runs the module's own hooks and steps -- ``configure_model``,
+      ``configure_optimizers``, ``training_step``, Lightning's backward, clipping, optimizer step and
+      ``zero_grad`` (automatic optimization), or the recipe's own update loop (manual) -- with the
+      config's precision plugin and technique callbacks, so a recipe subclass is estimated as itself;
+    - its data are the datamodule's ``largest_batch``: first a warm-up step of short rows (the
+      optimizers make their state, and whatever a step leaves alive for the next one stays alive;
+      its sampled responses end at once), then the largest micro-batch the config allows (two of
+      them when gradients accumulate: the second forward runs next to the first one's gradients);
+    - it measures the second step and then stops the fit (:class:`MeasuredStep`);
+    - as the step's ``StepIO`` it skips repetitions that cannot raise a peak (generation's middle
+      decode steps, the third and later micro-batches of one shape, PPO's mini-batches and epochs
+      after the first) unless ``full_loops``.
+
+    A sharding strategy runs as one unsharded process whose per-rank view
+    (:func:`shard_per_rank`) the ledger applies at every moment.
+    """
+
+    def __init__(self, init: Any, cfg: Any, *, world_size: int, fake: bool, vocab: list[int], workdir: Path,
+                 full_loops: bool = False) -> None:
+        trainer_cfg = init.trainer
+        strategy = trainer_cfg.strategy if not isinstance(trainer_cfg.strategy, str) else None
+        super().__init__(MemoryLedger(set(vocab)), sharding=sharding_of(strategy), world_size=world_size)
+        self.module = init.model
+        self.data = init.data
+        self.cfg = cfg
+        self.strategy = strategy
+        self.callbacks = [cb for cb in (trainer_cfg.callbacks or []) if _is_technique(cb)]
+        self.precision = precision_plugin(trainer_cfg.precision)
+        self.fake = fake
+        self.full_loops = full_loops
+        self.workdir = workdir
+        self.mode = TrackingMode(self.ledger, fake=fake, fixed_sampling=True)
+        self.accumulate = int(trainer_cfg.accumulate_grad_batches or 1)
+        # Micro-batches of one optimizer step that run: the second runs next to the first one's
+        # gradients, a third would repeat the second.
+        self.accumulated = self.accumulate if full_loops else min(self.accumulate, 2)
+        self.trainer: Any = None
+        self._flight: _GradientFlight | None = None
+        self._root_bytes: dict[int, int] = {}  # id(model) -> its root unit's parameter bytes
+        self._in_forward: set[int] = set()
+        self._entering = False
+        self._scales: dict[str, float] = {}  # sharded bytes per measured byte (FSDP2 mixed precision)
+        self._shard_dtype = torch.float32
+        self._resident: dict[int, int] = {}  # units kept gathered after their forward -> bytes
+        self._fill, self._eos = 0, None
+
+    def measured(self, step: int) -> bool:
+        return step == 1
+
+    # -- the fit ----------------------------------------------------------------------------------
+    def trainer_arguments(self) -> dict[str, Any]:
+        """The estimate's Trainer: one CPU process with the config's precision, clipping and
+        accumulation, the technique callbacks and this run; no logger, checkpoints or validation.
+        Its root is the estimate's temporary folder: whatever a recipe writes under
+        ``trainer.default_root_dir`` (a LoRA run's saved random base) goes nowhere else."""
+        trainer_cfg = self.cfg.trainer
+        max_steps = trainer_cfg.max_steps if trainer_cfg.max_steps not in (None, -1) else 2**31 - 1
+        return dict(
+            accelerator="cpu", devices=1, plugins=[self.precision], callbacks=[*self.callbacks, self],
+            max_steps=max_steps, accumulate_grad_batches=self.accumulated,
+            gradient_clip_val=trainer_cfg.gradient_clip_val, gradient_clip_algorithm=trainer_cfg.gradient_clip_algorithm,
+            logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
+            default_root_dir=str(self.workdir),
+        )  # fmt: skip
+
+    def batches(self, fill: int) -> list[dict[str, Any]]:
+        """A warm-up step of short rows (8 tokens), then the measured step of the datamodule's
+        largest micro-batch."""
+        largest = getattr(self.data, "largest_batch", None)
+        if largest is None:
+            raise TypeError(
+                f"{type(self.data).__name__} has no largest_batch(fill_token): the estimate needs the datamodule"
+                " to say what its largest micro-batch looks like (see lightning_mem.data.SFTDataModule)"
+            )
+        batch = largest(fill)
+        warm_up = _head(batch, rows=_rows_of(batch), tokens=8)  # every row: no loop of the step runs empty
+        return [warm_up] * self.accumulated + [batch] * self.accumulated
+
+    def fit(self) -> None:
+        from lightning.pytorch import Trainer
+        from torch.utils.data import DataLoader
+
+        fill, self._eos = sampled_tokens(self.cfg.model.name_or_path)
+        self._fill = fill
+        # The warm-up step samples an end of sequence at once (its responses are one token).
+        self.mode.fill_token = fill if self._eos is None else self._eos
+        with _attribution(self.ledger, self.fake), _weights_source(self.fake), self.mode, self.accounting():
+            self.trainer = Trainer(**self.trainer_arguments())
+            loader = DataLoader(self.batches(fill), batch_size=None, collate_fn=_as_is)
+            try:
+                self.trainer.fit(self.module, train_dataloaders=loader)
+            except MeasuredStep:
+                pass
+            finally:
+                for cb in self.callbacks:  # e.g. activation offload's saved-tensor hooks are global
+                    cb.teardown(self.trainer, self.module, "fit")
+        if not self.peaks:
+            raise RuntimeError("the estimate's fit ended before its measured step (did max_steps stop it?)")
+
+    # -- Lightning hooks --------------------------------------------------------------------------
+    @override
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        self._checkpointing()
+        if self.sharding.master_weights:
+            trainer.strategy.optimizers = [_MasterWeights.wrap(o, self.ledger) for o in trainer.strategy.optimizers]
+        if self.sharding.param_dtype is not None:
+            self._compute_in(self.sharding.param_dtype, pl_module)
+        super().on_fit_start(trainer, pl_module)
+        if self.sharding.shard:  # a sharded run: the ledger's peaks are one rank's
+            from lightning_mem import module_tree
+
+            for _, model in module_tree.find_hf_models(pl_module):
+                model.register_forward_pre_hook(self._forward)
+            if self.sharding.unit_gradients:  # FSDP2 reduce-scatters gradients unit by unit
+                self._flight = _GradientFlight.of(pl_module, self.strategy)
+                self._follow_units(pl_module)
+            self.ledger.view = self._per_rank
+
+    def _compute_in(self, dtype: torch.dtype, module: nn.Module) -> None:
+        """FSDP2's mixed precision: units are gathered, and compute, in ``dtype`` while the shards and
+        the optimizer keep the parameters' dtype. The run computes in ``dtype`` (its activations,
+        gathered units and unreduced gradients are then the real ones); the per-rank view scales the
+        sharded categories back to the shards' dtype (:func:`shard_per_rank`'s ``scales``)."""
+        params = [p for p in module.parameters() if p.is_floating_point()]
+        before = sum(p.numel() * p.element_size() for p in params)
+        trained = [p for p in params if p.requires_grad]
+        shard_size = trained[0].element_size() if trained else 4
+        self._shard_dtype = trained[0].dtype if trained else torch.float32
+        for t in [*params, *module.buffers()]:
+            if t.is_floating_point() and t.dtype != dtype:
+                t.data = t.data.to(dtype)
+        after = sum(p.numel() * p.element_size() for p in params)
+        size = torch.empty((), dtype=dtype).element_size()
+        reduce_size = torch.empty((), dtype=self.sharding.reduce_dtype or dtype).element_size()
+        self._scales = {"weights": before / max(after, 1), "gradients": shard_size / size,
+                        "reduce_scatter": reduce_size / size}
+
+    def _optimizer_state_scale(self) -> float:
+        # The state of a parameter computed in param_dtype would be in the shard's dtype (AdamW's
+        # moments follow their parameter; 8-bit states do not).
+        dtype = self.sharding.param_dtype
+        measured = scaled = 0
+        for opt in self.optimizers:
+            for state in opt.state.values():
+                for value in state.values():
+                    if isinstance(value, torch.Tensor):
+                        nbytes = value.numel() * value.element_size()
+                        measured += nbytes
+                        scaled += nbytes * (self._shard_dtype.itemsize / value.element_size()
+                                            if value.dtype == dtype else 1)
+        return scaled / measured if measured else 1.0
+
+    @override
+    def _stepped(self, opt: Any) -> None:
+        super()._stepped(opt)
+        if self.sharding.param_dtype is not None:
+            self._scales["optimizer_state"] = self._optimizer_state_scale()
+
+    def _follow_units(self, module: nn.Module) -> None:
+        """FSDP2 gathers a model's root unit for its forward and its backward only; and when a forward
+        enters a unit, the previous unit's flat all-gather output is still alive beside the new one
+        while the new unit's parameters are copied out (:attr:`Sharding.forward_gathered_units`)."""
+        from lightning_mem import module_tree
+
+        for _, model in module_tree.find_hf_models(module):
+            key = id(model)
+            blocks = module_tree.find_blocks(model, module_tree.default_block_classes(model))
+            in_blocks = {id(p) for b in blocks for p in b.parameters()}
+            self._root_bytes[key] = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in in_blocks)
+            model.register_forward_pre_hook(lambda *_, k=key: self._in_forward.add(k))
+            model.register_forward_hook(lambda *_, k=key: self._in_forward.discard(k))
+            trained = any(p.requires_grad for p in model.parameters())
+            keeps = self.sharding.reshard_after_forward is not True and trained  # frozen models reshard
+            for block in self.strategy.blocks_to_shard(model):
+                block.register_forward_pre_hook(self._entering_unit)
+                if keeps and self.sharding.reshard_after_forward is False:  # gathered from now until its backward
+                    block.register_forward_pre_hook(lambda *_, b=block, k=key: self._keep(k, b))
+                elif keeps:  # an int: resharded to a smaller group after its forward
+                    block.register_forward_hook(lambda *_, b=block, k=key: self._keep(k, b))
+            if keeps:
+                model.register_forward_hook(lambda *_, k=key: self._keep(k, None))
+        if self._flight is not None:
+            self._flight.on_left = self._release
+
+    def _keep(self, model: int, block: nn.Module | None) -> None:
+        """A unit that ``reshard_after_forward`` keeps after its forward (None: the model's root)."""
+        if not torch.is_grad_enabled():
+            return
+        k = self.sharding.reshard_after_forward
+        nbytes = self._root_bytes[model] if block is None else sum(
+            p.numel() * p.element_size() for p in block.parameters())
+        self._resident[id(block) if block is not None else model] = nbytes if k is False else math.ceil(nbytes / k)
+
+    def _release(self, unit: int | None) -> None:
+        """Backward left ``unit`` (None: all of them, at its end): FSDP2 reshards it."""
+        if unit is None:
+            self._resident.clear()
+        else:
+            self._resident.pop(unit, None)
+
+    def _entering_unit(self, *_: Any) -> None:
+        self._entering = True
+        try:
+            self.ledger.observe()
+        finally:
+            self._entering = False
+
+    @override
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx == self.accumulated:  # the measured step samples full-length responses
+            self.mode.fill_token = self._fill
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+
+    @override
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if batch_idx == 2 * self.accumulated - 1:
+            raise MeasuredStep
+
+    @override
+    def step_description(self, accumulate: int) -> str:
+        return f"micro-batch {self._shape}, {self.accumulated} of {self.accumulate} accumulated"
+
+    @override
+    def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+        if self._flight is not None:  # FSDP2 reduces the root units and frees its buffers at the end
+            self._flight.reset()
+
+    # -- the shortcuts (a StepIO) -----------------------------------------------------------------
+    @override
+    def micro_batches(self, lengths: Any, max_tokens: int | None, *, agree_on_count: Any = None) -> list[list[int]]:
+        plan = super().micro_batches(lengths, max_tokens, agree_on_count=agree_on_count)
+        return plan if self.full_loops else _two_of_each_shape(plan, lengths)
+
+    @override
+    def repeats(self, items: Any) -> Any:
+        # Each iteration starts where an optimizer step left the model, and so does the first one
+        # of the measured step (the warm-up step ended with one): it stands for all of them.
+        return items if self.full_loops else list(items)[:1]
+
+    @override
+    def generation(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        if self.full_loops or not self._measuring:  # the warm-up's responses end at once anyway
+            return contextlib.nullcontext()
+        return _last_decode_step(self, model)
+
+    # -- the per-rank view ------------------------------------------------------------------------
+    def _per_rank(self, breakdown: dict[str, int], host: int) -> tuple[dict[str, int], int]:
+        flight = self._flight
+        units, count, resident = self._units, self._gathered_units(), 0
+        if flight is not None:  # the roots gathered now: models in a forward, or in a backward
+            block, _ = units
+            active = self._in_forward | set(flight.roots)
+            units = (block, sum(self._root_bytes.get(k, 0) for k in active))
+            kept_blocks = sum(v for k, v in self._resident.items() if k not in self._root_bytes)
+            kept_roots = sum(v for k, v in self._resident.items() if k in self._root_bytes and k not in active)
+            if kept_blocks and self.sharding.reshard_after_forward is False:
+                # Every unit it computes with is among those kept; a forward holds the latest flat
+                # all-gather output beside them, a backward nothing more.
+                count = 0 if flight.in_backward else 1
+            resident = kept_blocks + kept_roots
+        return shard_per_rank(breakdown, host, self.sharding, self.world_size, units, self._grad_size,
+                              scales=self._scales, resident=resident,
+                              gathered=not self._stepping,
+                              in_flight=(flight.unreduced, flight.buffered) if flight is not None else None,
+                              gathered_units=count)
+
+    def _gathered_units(self) -> int | None:
+        flight = self._flight
+        if flight is None:
+            return None
+        if flight.last_block:  # backward in a model's first block: nothing left to prefetch
+            return 1
+        if self._entering and not flight.in_backward and self.sharding.forward_gathered_units:
+            return self.sharding.forward_gathered_units
+        return None
+
+    @override
+    def _gradient_ready(self, param: torch.Tensor) -> None:
+        if self._flight is not None:  # before the retag: the view then sees the unit's progress
+            self._flight.add(param)
+        super()._gradient_ready(param)
+
+    def _checkpointing(self) -> None:
+        # FSDP2Strategy's own activation checkpointing, applied to the blocks it would shard.
+        strategy = self.strategy
+        if strategy is None or not getattr(strategy, "_checkpoint_every", 0):
+            return
+        from lightning_mem import activation_checkpointing, module_tree
+
+        for _, model in module_tree.find_hf_models(self.module):
+            blocks = strategy.blocks_to_shard(model)
+            for index in activation_checkpointing.checkpointed_indices(len(blocks), strategy._checkpoint_every):
+                strategy.apply_activation_checkpointing(blocks[index])
+
     def accounting(self) -> contextlib.AbstractContextManager:
         """What the run adds to the ledger's view for its whole length (a subclass's hooks)."""
         return contextlib.nullcontext()
-
-    @contextlib.contextmanager
-    def phase(self, name: str, shape: str) -> Iterator[None]:
-        self.retag()
-        self.ledger.reset_peak()
-        yield
-        ledger = self.ledger
-        if ledger.view is not None:  # the peak of one rank's view, taken at every moment
-            breakdown, host = dict(ledger.peak_breakdown), ledger.peak_host_bytes
-        else:  # the unsharded peak, divided over the ranks
-            breakdown, host = shard_per_rank(ledger.peak_breakdown, ledger.peak_host_bytes, self.sharding,
-                                             self.world_size, self._units, self._grad_size)
-        self.phases.append(PhaseEstimate(name, sum(breakdown.values()), breakdown, host, shape))
-
-    def step_optimizers(self) -> None:
-        self._stepping = True  # a sharded model is resharded: nothing gathered, nothing in flight
-        try:
-            for opt in self.optimizers:
-                for cb in self.callbacks:
-                    cb.on_before_optimizer_step(self.trainer, self.module, opt)
-                if self.clip:
-                    params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
-                    torch.nn.utils.clip_grad_norm_(params, float(self.clip))
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-        finally:
-            self._stepping = False
-
-    def backward(self, loss: torch.Tensor) -> None:
-        for cb in self.callbacks:
-            cb.on_before_backward(self.trainer, self.module, loss)
-        loss.backward()
-        if self._flight is not None:  # FSDP2 reduces the root units and frees its buffers at the end
-            self._flight.reset()
-        for cb in self.callbacks:
-            cb.on_after_backward(self.trainer, self.module)
 
 
 class _MasterWeights:
@@ -604,7 +955,10 @@ class _MasterWeights:
         return self.optimizer.register_step_post_hook(hook)
 
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self, closure: Callable | None = None) -> None:
+        if closure is not None:  # Lightning's automatic optimization: the forward and backward
+            with torch.enable_grad():
+                closure()
         # Everything the step allocates, its temporaries included, belongs to the rank's partition.
         with self.ledger.section("optimizer_state"):
             for param, master in self.pairs:
@@ -652,6 +1006,7 @@ class _GradientFlight:
     index: dict[int, tuple[int, int]] = field(default_factory=dict)  # id(block) -> (root, place in forward order)
     roots: dict[int, _RootFlight] = field(default_factory=dict)
     last_block: bool = False  # backward is in a model's first block: nothing left to prefetch
+    on_left: Callable[[int | None], None] | None = None  # told when backward leaves a unit (None: all)
 
     @classmethod
     def of(cls, module: nn.Module, strategy: Any) -> "_GradientFlight":
@@ -676,6 +1031,8 @@ class _GradientFlight:
             inputs[0].register_hook(lambda grad, unit=id(block): self._left(unit))
 
     def _left(self, unit: int) -> None:
+        if self.on_left is not None:
+            self.on_left(unit)
         key, index = self.index[unit]
         state = self.roots.setdefault(key, _RootFlight())
         if unit == state.current:  # its gradients are reduced now; the reduce-scatter input stays
@@ -708,7 +1065,13 @@ class _GradientFlight:
             state.current, state.current_bytes = unit, 0
         state.current_bytes += nbytes
 
+    @property
+    def in_backward(self) -> bool:
+        return bool(self.roots)
+
     def reset(self) -> None:
+        if self.on_left is not None:
+            self.on_left(None)
         self.roots.clear()
         self.last_block = False
 
@@ -751,7 +1114,19 @@ def _fake_params4bit() -> Iterator[None]:
     from torch._subclasses.fake_tensor import FakeTensor
 
     params4bit = bnb.nn.Params4bit
-    fake_class = type("Params4bit", (FakeTensor, params4bit), {"__module__": __name__})
+    attributes = ("blocksize", "compress_statistics", "quant_type", "quant_state", "quant_storage",
+                  "bnb_quantized", "module")
+
+    def detach(self: Any) -> Any:
+        # Still a Params4bit: moving a module (``Module.to``) rebuilds its parameters with
+        # ``Parameter(param_applied)``, which asks ``detach()`` for the same class.
+        out = FakeTensor.detach(self)
+        out.__class__ = type(self)
+        for name in attributes:
+            setattr(out, name, getattr(self, name, None))
+        return out
+
+    fake_class = type("Params4bit", (FakeTensor, params4bit), {"__module__": __name__, "detach": detach})
     original = params4bit.__new__
 
     def new(cls: type, data: torch.Tensor | None = None, requires_grad: bool = False, quant_state: Any = None,
@@ -795,17 +1170,6 @@ def _quantization_state(module: nn.Module) -> list[torch.Tensor]:
     return [t for m in module.modules() if is_quantized_linear(m) for t in quant_state_tensors(m.weight)]
 
 
-def _convert(precision: Any, module: nn.Module) -> None:
-    """``precision.convert_module`` in place, tensor by tensor: ``Module.to`` would swap the fake
-    parameters, which their weak references forbid."""
-    target = getattr(precision, "_desired_input_dtype", None)
-    if target is None:
-        return
-    for t in [*module.parameters(), *module.buffers()]:
-        if t.is_floating_point() and t.dtype != target:
-            t.data = t.data.to(target)
-
-
 def _is_technique(callback: Any) -> bool:
     """The callbacks that change memory (not the monitor or checkpointing)."""
     from lightning_mem.callbacks import MemoryMonitor
@@ -815,196 +1179,78 @@ def _is_technique(callback: Any) -> bool:
     return not isinstance(callback, (MemoryMonitor, ModelCheckpoint)) and type(callback).__name__ != "FitCheck"
 
 
-def _optimizer_list(out: Any) -> list[torch.optim.Optimizer]:
-    if isinstance(out, torch.optim.Optimizer):
-        return [out]
-    if isinstance(out, dict):
-        return [out["optimizer"]]
-    if isinstance(out, tuple):
-        out = out[0]
-    return [o["optimizer"] if isinstance(o, dict) else o for o in out]
-
-
 # ---------------------------------------------------------------------------------------------
-# The recipes' steps
+# The estimate's data and shortcuts
 # ---------------------------------------------------------------------------------------------
 
 
-def _tokens(shape: tuple[int, int], fill: int) -> dict[str, torch.Tensor]:
-    ids = torch.full(shape, fill, dtype=torch.long)
-    return {"input_ids": ids, "attention_mask": torch.ones(shape, dtype=torch.long), "labels": ids.clone()}
+def sampled_tokens(name_or_path: str) -> tuple[int, int | None]:
+    """``(fill, eos)`` for the model in the folder ``name_or_path``.
 
-
-def _fill_token(pad: int | None, eos: list[int]) -> int:
-    """The smallest token id that neither ends a sequence nor pads: the worst case, every sequence full."""
-    taken = set(eos) | ({pad} if pad is not None else set())
-    return next(i for i in range(len(taken) + 1) if i not in taken)
-
-
-def sft_batch_shape(data: Any) -> tuple[int, int]:
-    """The largest micro-batch the data section allows: a full token budget of full-length rows."""
-    length = data.max_length
-    if getattr(data, "max_tokens_per_batch", None):
-        return max(data.max_tokens_per_batch // length, 1), length
-    return data.batch_size, length
-
-
-def run_sft(run: EstimateRun, accumulate: int) -> None:
-    """The SFT/QLoRA training step (``module.loss``, backward, optimizer step), largest micro-batch."""
-    module = run.module
-    config = module.model.config
-    fill = _fill_token(getattr(config, "pad_token_id", None), _as_list(getattr(config, "eos_token_id", None)))
-    shape = sft_batch_shape(run.data)
-
-    def step(batch_shape: tuple[int, int], micro_batches: int) -> None:
-        for index in range(micro_batches):
-            batch = _tokens(batch_shape, fill)
-            for cb in run.callbacks:
-                cb.on_train_batch_start(run.trainer, module, batch, index)
-            with run.precision.train_step_context():
-                loss_sum, tokens = module.loss(batch)  # the summed cross-entropy and its label tokens
-                loss = loss_sum / tokens.clamp(min=1)
-            run.backward(loss / micro_batches)
-            del loss
-            for cb in run.callbacks:
-                cb.on_train_batch_end(run.trainer, module, None, batch, index)
-        run.step_optimizers()
-
-    step((1, 8), 1)  # warm-up: the optimizer makes its state
-    # With accumulation, the second micro-batch runs its forward next to the first one's gradients.
-    with run.phase("train", f"micro-batch {shape[0]} x {shape[1]} tokens, {min(accumulate, 2)} of {accumulate} accumulated"):
-        step(shape, min(accumulate, 2))
-
-
-def run_ppo(run: EstimateRun, rows: list[dict[str, Any]], *, full_loops: bool = False) -> None:
-    """A PPO iteration through the module's own rollout, score and update methods, at the largest
-    shapes: every prompt ``max_prompt_length`` long, every response ``max_new_tokens`` long.
-
-    Two loops repeat the same step many times, and a repetition cannot raise the peak (see
-    :func:`_last_decode_step` and :func:`_steady_micro_batches`): generation runs its prefill and
-    first decode step and then only its last decode step, and each phase runs at most two
-    micro-batches of each shape. ``full_loops=True`` runs every decode step and every micro-batch
-    (what the tests compare the fast estimate with).
+    ``fill``: the smallest token id that neither ends a sequence nor pads. The estimate's token ids
+    are this one, and so is every token its measured step samples, so every response runs to its
+    length limit (the worst case). ``eos``: a token that ends a sequence (None if none is named),
+    which the warm-up step samples, so that its responses end at once.
     """
-    from lightning_mem.rl.memory_plan import PhaseMemory
-    from lightning_mem.rl.microbatch import micro_batches
+    from lightning_mem.models import load_tokenizer
 
-    module = run.module
-    engine = module.rollout_engine
-    run.mode.fill_token = _fill_token(engine.pad_token_id, engine.eos_token_ids)
-    opts = run.optimizers
-    module.memory = PhaseMemory(
-        module.memory_plan, trainer=None, actor_optimizer=opts[0], critic_optimizer=opts[1] if len(opts) > 1 else None,
-        critic=module.critic, reference=module.reference, reward_model=module.reward_model, rollout_engine=engine,
-    )
-    module.memory.place("train")
-    ppo = module.ppo
-    run.clip = ppo.max_grad_norm
-    row = rows[0] if rows else {}
-    batching = micro_batches if full_loops else _steady_micro_batches(micro_batches)
-    recipe_globals = vars(inspect.getmodule(type(module)))
-
-    def iteration(prompts: int, prompt_len: int, new_tokens: int) -> None:
-        fill = run.mode.fill_token
-        engine.config = dataclasses.replace(engine.config, max_new_tokens=new_tokens)
-        batch = {
-            "input_ids": torch.full((prompts, prompt_len), fill, dtype=torch.long),
-            "attention_mask": torch.ones((prompts, prompt_len), dtype=torch.long),
-            "rows": [row] * prompts,
-        }
-        group = module.grpo.group_size if not module.use_critic else 1
-        seqs = f"{prompts * group} sequences x ({prompt_len} prompt + {new_tokens} new) tokens"
-        generation = contextlib.nullcontext() if full_loops else _last_decode_step(run, module.actor)
-        with run.phase("rollout", seqs), module.memory.phase("rollout"), generation:
-            run.retag()
-            exp = module.rollout(batch)
-        with run.phase("score", f"{seqs}, no-grad micro-batches of <= {ppo.logprob_budget} tokens"), \
-                module.memory.phase("score"), _replaced(recipe_globals, "micro_batches", batching):
-            run.retag()
-            _score(module, exp)
-            module.logprobs_and_values(exp)
-        module.advantages(exp)
-        _ppo_update(run, exp, batch, batching)
-
-    generation = engine.config
-    try:
-        _warm_up_optimizers(run)  # the optimizers make their state, as after any earlier step
-        iteration(run.data.batch_size, run.data.max_prompt_length, generation.max_new_tokens)
-    finally:
-        engine.config = generation
+    folder = Path(name_or_path)
+    eos: list[int] = []
+    taken: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        if (folder / name).is_file():
+            config = json.loads((folder / name).read_text())
+            eos += _as_list(config.get("eos_token_id"))
+            taken.update(_as_list(config.get("pad_token_id")))
+    tokenizer = load_tokenizer(str(folder), key="model.name_or_path")
+    if tokenizer.eos_token_id is not None:
+        eos.insert(0, tokenizer.eos_token_id)
+    taken.update(eos)
+    if tokenizer.pad_token_id is not None:
+        taken.add(tokenizer.pad_token_id)
+    fill = next(i for i in range(len(taken) + 1) if i not in taken)
+    return fill, (eos[0] if eos else None)
 
 
-def _ppo_update(run: EstimateRun, exp: Any, batch: dict[str, Any], batching: Callable) -> None:
-    """The train phase: the first mini-batch's micro-batches through the module's loss, backward
-    and one optimizer step (later mini-batches have the same shapes)."""
-    module, ppo = run.module, run.module.ppo
-    mini_size = math.ceil(len(exp) / ppo.num_mini_batches)
-    with run.phase("train", f"mini-batch of {mini_size} sequences, micro-batches of <= "
-                            f"{ppo.max_tokens_per_microbatch} tokens"), module.memory.phase("train"):
-        run.retag()
-        for cb in run.callbacks:
-            cb.on_train_batch_start(run.trainer, module, batch, 0)
-        mini = exp.select(torch.arange(mini_size))
-        scale = 1.0 / max(float(mini.response_mask.sum()), 1.0)
-        for idx in batching(mini.sequence_lengths, ppo.max_tokens_per_microbatch,
-                            agree_on_count=module.agree_on_count):
-            with run.precision.train_step_context():
-                loss, _ = module.loss(mini.select(idx))
-            run.backward(loss * scale)
-            del loss
-        run.step_optimizers()
-        for cb in run.callbacks:
-            cb.on_train_batch_end(run.trainer, module, None, batch, 0)
+def _rows_of(batch: dict[str, Any]) -> int:
+    return next((v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() >= 1), 0)
 
 
-def _warm_up_optimizers(run: EstimateRun) -> None:
-    """One optimizer step on zero gradients: every optimizer makes its real state tensors (AdamW's
-    moments, bitsandbytes' 8-bit blocks), as they exist at any step after the first; the gradients
-    are freed again by the step's ``zero_grad``."""
-    for opt in run.optimizers:
-        for group in opt.param_groups:
-            for p in group["params"]:
-                if p.requires_grad and p.grad is None:
-                    p.grad = torch.zeros_like(p)
-    run.step_optimizers()
+def _head(batch: dict[str, Any], *, rows: int, tokens: int) -> dict[str, Any]:
+    """The first ``rows`` rows of ``batch`` and their last ``tokens`` columns (a left-padded prompt
+    keeps its end): a warm-up step's small micro-batch of the same layout."""
+
+    def cut(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.dim() >= 1:
+            value = value[:rows] if value.dim() == 1 else value[:rows, -tokens:]
+            return value.clone()
+        return value[:rows] if isinstance(value, list) else value
+
+    return {key: cut(value) for key, value in batch.items()}
 
 
-@contextlib.contextmanager
-def _replaced(namespace: dict[str, Any], name: str, value: Any) -> Iterator[None]:
-    """``namespace[name] = value`` inside (a recipe module's global), if it has that name."""
-    if name not in namespace:
-        yield
-        return
-    original = namespace[name]
-    namespace[name] = value
-    try:
-        yield
-    finally:
-        namespace[name] = original
+def _as_is(batch: Any) -> Any:
+    return batch
 
 
-def _steady_micro_batches(micro_batches: Callable) -> Callable:
-    """``micro_batches`` keeping at most two micro-batches of each shape.
+def _two_of_each_shape(plan: list[list[int]], lengths: Any) -> list[list[int]]:
+    """The micro-batches of ``plan``, at most two of each shape.
 
-    A micro-batch's tensors are fixed by its rows' sequence lengths (every prompt of the
-    estimator's batch has the same length, so its response lengths follow). Micro-batches of one
-    shape leave the same live state behind them: the first a phase's outputs (and, in training,
-    the gradients, allocated by its backward), the second exactly what it found. The third and
-    later therefore start from the second's state and repeat its peak: skipping them changes no
-    figure (``tests/estimate/test_estimate_accuracy.py`` checks it against every micro-batch run).
+    A micro-batch's tensors are fixed by its rows' sequence lengths (every prompt of the estimate's
+    batch has the same length, so its response lengths follow). Micro-batches of one shape leave
+    the same live state behind them: the first a phase's outputs (and, in training, the gradients,
+    allocated by its backward), the second exactly what it found. The third and later therefore
+    start from the second's state and repeat its peak: skipping them changes no figure
+    (``tests/estimate/test_estimate_accuracy.py`` checks it against every micro-batch run).
     """
-
-    def steady(lengths: Any, max_tokens: Any, **kwargs: Any) -> list[list[int]]:
-        seen: dict[tuple[int, ...], int] = {}
-        kept = []
-        for idx in micro_batches(lengths, max_tokens, **kwargs):
-            key = tuple(sorted(int(lengths[i]) for i in idx))
-            seen[key] = seen.get(key, 0) + 1
-            if seen[key] <= 2:
-                kept.append(idx)
-        return kept
-
-    return steady
+    seen: dict[tuple[int, ...], int] = {}
+    kept = []
+    for idx in plan:
+        key = tuple(sorted(int(lengths[i]) for i in idx))
+        seen[key] = seen.get(key, 0) + 1
+        if seen[key] <= 2:
+            kept.append(idx)
+    return kept
 
 
 @contextlib.contextmanager
@@ -1066,16 +1312,6 @@ def _grown_cache(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> Any
     return cache
 
 
-def _score(module: Any, exp: Any) -> None:
-    # A rule scores strings (no tensors to speak of); a reward model runs for real on fake tensors.
-    try:
-        module.score(exp)
-    except (KeyError, TypeError, ValueError):
-        if module.reward_model is not None:
-            raise
-        exp.scores = torch.zeros(len(exp))
-
-
 def _as_list(value: Any) -> list[int]:
     if value is None:
         return []
@@ -1093,13 +1329,6 @@ def _world_size(trainer_cfg: Any) -> int:
     return max(devices, 1) * int(trainer_cfg.num_nodes or 1)
 
 
-def _first_rows(path: str | None, count: int = 1) -> list[dict[str, Any]]:
-    if not path or not Path(path).is_file():
-        return []
-    with open(path) as handle:
-        return [json.loads(line) for line, _ in zip(handle, range(count)) if line.strip()]
-
-
 def estimate(
     config: str | Path,
     overrides: list[str] | tuple[str, ...] = (),
@@ -1112,11 +1341,11 @@ def estimate(
 ) -> Estimate:
     """Estimate every phase of ``config`` (plus recipe CLI ``overrides``) per rank.
 
-    ``fake=False`` runs the same steps on real tensors (for tests on small models).
-    ``full_loops=True`` runs PPO's every decode step and micro-batch instead of the ones that
-    decide the peak (:func:`run_ppo`): the same figures, many times slower. ``run_class`` makes
-    the run: :class:`EstimateRun`, or a subclass such as :mod:`.sharded`'s, which really shards
-    the model.
+    ``fake=False`` runs the same fit on real tensors (for tests on small models).
+    ``full_loops=True`` runs every decode step, micro-batch, mini-batch, epoch and accumulated
+    micro-batch instead of the ones that decide the peak (:class:`EstimateRun`): the same figures,
+    many times slower. ``run_class`` makes the run: :class:`EstimateRun`, or a subclass such as
+    :mod:`.sharded`'s, which really shards the model.
     """
     module_name = recipe_for(config, recipe)
     cli, cfg, module_class = parse_config(module_name, ["--config", str(config), *overrides])
@@ -1126,18 +1355,8 @@ def estimate(
             cfg.data.tokenizer = cfg.model.name_or_path
         init = instantiate(cli, cfg)
         size = world_size or _world_size(cfg.trainer)
-        run = run_class(init, cfg, world_size=size, fake=fake, vocab=vocab, workdir=Path(tmp))
-        with _attribution(run.ledger, fake), _weights_source(fake), run.mode, run.accounting():
-            try:
-                run.build()
-                if hasattr(run.module, "rollout_engine"):
-                    run_ppo(run, _first_rows(getattr(run.data, "train_path", None) or cfg.data.get("train_file")),
-                            full_loops=full_loops)
-                else:
-                    run_sft(run, int(cfg.trainer.accumulate_grad_batches or 1))
-            finally:
-                for cb in run.callbacks:  # e.g. activation offload's saved-tensor hooks are global
-                    cb.teardown(run.trainer, run.module, "fit")
+        run = run_class(init, cfg, world_size=size, fake=fake, vocab=vocab, workdir=Path(tmp), full_loops=full_loops)
+        run.fit()
     notes = []
     if run.sharding.shard:
         notes.append(f"{run.sharding.name}: per rank, {', '.join(run.sharding.shard)} are 1/{size} of the measured "

@@ -1,16 +1,12 @@
-"""The estimator's step really sharded: one CPU process per rank, each counting its own bytes.
+"""Ranks of a really sharded run on CPU, and what FSDP2 does that the ledger must be told.
 
-:func:`~lightning_mem.estimate.estimate` runs a sharding strategy as one unsharded process and
-derives each rank's bytes (:func:`~lightning_mem.estimate.session.shard_per_rank`). This module
-checks that derivation against the real thing: :func:`measure_sharded` starts ``world_size``
-processes (gloo, on CPU tensors), and each rank takes the estimator's own steps -- the recipe's
-``configure_model``, the optimizers, the warm-up step, the largest micro-batch -- with the model
-sharded by the config's :class:`~lightning_mem.strategies.FSDP2Strategy` exactly as its
-``setup`` shards it for a run (``setup_environment``, ``parallelize``, ``model_to_device``), under
-the same :class:`~lightning_mem.estimate.tracker.MemoryLedger` and
-:class:`~lightning_mem.estimate.tracker.TrackingMode`. Each rank reports its own per-phase peak.
+:func:`run_ranks` starts ``world_size`` processes (gloo, CPU tensors) that form one process group,
+runs a function in each and gathers each rank's phases: :func:`~lightning_mem.estimate.measure_fit`
+runs a config's own fit this way, to hold the estimate's per-rank figures (derived from one
+unsharded process, :func:`~lightning_mem.estimate.session.shard_per_rank`) to what each rank holds.
 
-What the ledger learns besides the operators' outputs, per rank:
+:class:`FSDP2Categories` is what a :class:`~lightning_mem.estimate.session.PhaseRecorder` of an
+FSDP2-sharded fit tells the ledger besides the operators' outputs, per rank:
 
 * a ``DTensor`` counts as its local shard (parameters, gradients, optimizer state);
 * FSDP2 gathers a unit into storages it allocates once and then resizes (to the full size
@@ -41,38 +37,24 @@ import torch
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 from torch import nn
 
-from lightning_mem.estimate.session import HOST, EstimateRun, PhaseEstimate, Sharding, estimate, in_section, patched
+from lightning_mem.estimate.session import HOST, PhaseEstimate, in_section, patched
 
 #: How long the ranks may take before they are stopped (a hang guard: the tiny model takes seconds).
 DEFAULT_TIMEOUT_S = 1800.0
 
 
-def measure_sharded(
-    config: str | Path,
-    overrides: list[str] | tuple[str, ...] = (),
-    *,
-    world_size: int = 2,
-    recipe: str | None = None,
-    timeout: float = DEFAULT_TIMEOUT_S,
-) -> list[list[PhaseEstimate]]:
-    """Each rank's phases of ``config`` (plus ``overrides``), really sharded over ``world_size``
-    CPU processes on real tensors: ``result[rank]`` is that rank's list of phases.
-
-    For small models (the tiny test model): every rank builds the whole model before sharding it.
-    The ranks are started with ``multiprocessing``'s spawn method, so a script calling this must
-    guard its top level with ``if __name__ == "__main__":``. A rank that fails makes this raise
-    with that rank's traceback; ranks still running after ``timeout`` seconds are stopped.
-    """
+def run_ranks(target: Callable[..., list[PhaseEstimate]], args: tuple, *, world_size: int,
+              timeout: float = DEFAULT_TIMEOUT_S, name: str = "ranks") -> list[list[PhaseEstimate]]:
+    """``target(*args)`` in ``world_size`` spawned CPU processes that form one gloo process group;
+    each rank's returned phases, by rank. A failed rank raises here with its traceback."""
     import torch.multiprocessing as mp
 
-    if world_size < 2:
-        raise ValueError(f"`world_size`: a sharded measurement needs at least 2 ranks, got {world_size}")
     ctx = mp.get_context("spawn")
     port = find_free_network_port()
-    with tempfile.TemporaryDirectory(prefix="lightning_mem_sharded_") as tmp:
+    with tempfile.TemporaryDirectory(prefix="lightning_mem_ranks_") as tmp:
         procs = [
-            ctx.Process(target=_rank_main, args=(rank, world_size, port, str(config), list(overrides), recipe, tmp),
-                        name=f"lightning_mem-sharded-rank{rank}")
+            ctx.Process(target=_rank_main, args=(rank, world_size, port, target, args, tmp),
+                        name=f"lightning_mem-rank{rank}")
             for rank in range(world_size)
         ]
         for proc in procs:
@@ -87,13 +69,12 @@ def measure_sharded(
                 proc.terminate()
                 proc.join(10)
         if hung:
-            names = [p.name for p in hung]
-            raise TimeoutError(f"measure_sharded({config}): ranks {names} still ran after {timeout:.0f} s")
+            raise TimeoutError(f"{name}: ranks {[p.name for p in hung]} still ran after {timeout:.0f} s")
         failed = [(rank, proc.exitcode) for rank, proc in enumerate(procs) if proc.exitcode != 0]
         if failed:
             errors = [(Path(tmp) / f"rank{rank}.err") for rank, _ in failed]
             text = "\n".join(e.read_text() for e in errors if e.is_file())
-            raise RuntimeError(f"measure_sharded({config}): ranks failed (rank, exit code) {failed}\n{text}")
+            raise RuntimeError(f"{name}: ranks failed (rank, exit code) {failed}\n{text}")
         results = []
         for rank in range(world_size):
             phases = json.loads((Path(tmp) / f"rank{rank}.json").read_text())
@@ -101,16 +82,15 @@ def measure_sharded(
     return results
 
 
-def _rank_main(rank: int, world_size: int, port: int, config: str, overrides: list[str], recipe: str | None,
+def _rank_main(rank: int, world_size: int, port: int, target: Callable[..., list[PhaseEstimate]], args: tuple,
                out: str) -> None:
     # The environment of an externally launched rank: Lightning then joins it instead of launching.
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size), RANK=str(rank),
                       LOCAL_RANK=str(rank), NODE_RANK="0")
     torch.set_num_threads(1)  # the tiny model: more threads per rank only contend for the cores
     try:
-        result = estimate(config, overrides, recipe=recipe, world_size=world_size, fake=False,
-                          run_class=ShardedRun)
-        (Path(out) / f"rank{rank}.json").write_text(json.dumps([p.to_dict() for p in result.phases]))
+        phases = target(*args, world_size=world_size)
+        (Path(out) / f"rank{rank}.json").write_text(json.dumps([p.to_dict() for p in phases]))
     except BaseException:
         (Path(out) / f"rank{rank}.err").write_text(f"rank {rank}:\n{traceback.format_exc()}")
         raise
@@ -121,43 +101,25 @@ def _rank_main(rank: int, world_size: int, port: int, config: str, overrides: li
             dist.destroy_process_group()
 
 
-class ShardedRun(EstimateRun):
-    """The estimator's run with the model really sharded by the config's FSDP2Strategy, on this rank."""
+class FSDP2Categories:
+    """What a :class:`~lightning_mem.estimate.session.PhaseRecorder` of a really FSDP2-sharded fit
+    tells the ledger: shards and gathered units, and, with ``cpu_offload``, the host.
 
-    def __init__(self, init: Any, cfg: Any, *, world_size: int, fake: bool, vocab: list[int], workdir: Path) -> None:
-        from lightning.pytorch import Trainer
+    Mixed in before the recorder class; ``offload`` says whether the strategy offloads to the host.
+    """
 
-        if fake:
-            raise ValueError("a sharded measurement runs on real tensors (fake=False)")
-        super().__init__(init, cfg, world_size=world_size, fake=fake, vocab=vocab, workdir=workdir)
-        strategy = self.strategy
-        if strategy is None or not callable(getattr(strategy, "parallelize", None)):
-            raise ValueError(
-                f"`trainer.strategy`: a sharded measurement needs lightning_mem.strategies.FSDP2Strategy, "
-                f"found {type(strategy).__name__ if strategy is not None else cfg.trainer.strategy!r}"
-            )
-        self.offload = bool(strategy.cpu_offload)
-        # Measured per rank: nothing is left to derive.
-        self.sharding = Sharding(f"{self.sharding.name}, measured on {world_size} ranks")
-        # The trainer this rank's strategy belongs to, as in a real run (`devices` CPU processes,
-        # launched outside Lightning: the environment names this rank).
-        self.trainer = Trainer(accelerator="cpu", devices=world_size, strategy=strategy, logger=False,
-                               enable_checkpointing=False, default_root_dir=str(workdir), enable_progress_bar=False,
-                               enable_model_summary=False, callbacks=self.callbacks)
-        strategy.connect(self.module)
-        strategy.setup_environment()  # the process group and the device mesh
-        self._hooked: set[int] = set()
+    offload: bool = False
+    ledger: Any
+    module: Any
+    optimizers: list[Any]
 
-    # -- building: what FSDP2Strategy.setup does between configure_model and the optimizers --------
-    def _checkpointing(self) -> None:
-        self.strategy.parallelize(self.module)  # activation checkpointing, fully_shard per block, root
-        self.strategy.model_to_device()
-
-    # -- categories ----------------------------------------------------------------------------
     def _shard_category(self, category: str) -> str:
         return HOST if self.offload else category
 
     def retag(self) -> None:
+        if self.module is None:
+            return
+        hooked = self.__dict__.setdefault("_hooked", set())
         ledger = self.ledger
         for p in self.module.parameters():  # DTensor shards: the ledger counts their local tensors
             ledger.retag(p, self._shard_category("weights"))
@@ -169,20 +131,20 @@ class ShardedRun(EstimateRun):
             for t in fsdp_param.all_gather_outputs:  # the gathered parameter's storage (empty when resharded)
                 ledger.retag(t, "weights")
             unsharded = getattr(fsdp_param, "_unsharded_param", None)
-            if unsharded is not None and unsharded.requires_grad and id(unsharded) not in self._hooked:
-                self._hooked.add(id(unsharded))
+            if unsharded is not None and unsharded.requires_grad and id(unsharded) not in hooked:
+                hooked.add(id(unsharded))
                 unsharded.register_post_accumulate_grad_hook(lambda q: self.ledger.retag(q.grad, "gradients"))
         for opt in self.optimizers:
             self._retag_optimizer(opt)
 
-    def _retag_optimizer(self, opt: torch.optim.Optimizer) -> None:
+    def _retag_optimizer(self, opt: Any) -> None:
         for state in opt.state.values():
             for value in state.values():
                 if isinstance(value, torch.Tensor):
                     self.ledger.retag(value, self._shard_category("optimizer_state"))
 
     def _gradient_ready(self, param: torch.Tensor) -> None:
-        # The hook the run put on each (sharded) parameter: FSDP2 calls it with the reduced shard.
+        # The hook the recorder put on each (sharded) parameter: FSDP2 calls it with the reduced shard.
         self.ledger.retag(param.grad, self._shard_category("gradients"))
 
     def _retag_sharded_grads(self, group: Any) -> None:
@@ -191,19 +153,28 @@ class ShardedRun(EstimateRun):
             if grad is not None:
                 self.ledger.retag(grad, self._shard_category("gradients"))
 
-    # -- the step ------------------------------------------------------------------------------
-    def step_optimizers(self) -> None:
-        # With CPU offload the optimizer step (and the gradient clipping before it) runs on the
-        # host shards: what it allocates is host memory.
-        with self.ledger.section(HOST) if self.offload else contextlib.nullcontext():
-            super().step_optimizers()
+    # With CPU offload the optimizer step (and, in automatic optimization, the gradient clipping
+    # before it) runs on the host shards: what it allocates is host memory.
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        super().on_before_optimizer_step(trainer, pl_module, optimizer)  # type: ignore[misc]
+        if self.offload:
+            self.ledger.begin_section(HOST)
+
+    def _stepped(self, opt: Any) -> None:
+        super()._stepped(opt)  # type: ignore[misc]
+        if self.offload:
+            self.ledger.end_section(HOST)
 
     def accounting(self) -> contextlib.AbstractContextManager:
         return _fsdp_accounting(self)
 
 
+def is_fsdp2(strategy: Any) -> bool:
+    return strategy is not None and callable(getattr(strategy, "parallelize", None)) and hasattr(strategy, "cpu_offload")
+
+
 @contextlib.contextmanager
-def _fsdp_accounting(run: ShardedRun) -> Iterator[None]:
+def _fsdp_accounting(run: FSDP2Categories) -> Iterator[None]:
     """Tell the ledger what FSDP2 does out of the operators' sight, and what its buffers are.
 
     NOTE: these are torch's private FSDP2 modules (torch 2.13): the storage resizes that gather and

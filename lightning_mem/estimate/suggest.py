@@ -1,18 +1,62 @@
-"""When a config does not fit: overrides from the project's own techniques, each re-estimated.
+"""When a config does not fit: overrides from the project's own techniques, each re-estimated, with
+what it costs and the command that runs it.
 
 Candidates are tried cheapest first (cost = what they slow down or change, not bytes): smaller
 micro-batches (same updates, more steps of accumulation), activation checkpointing (one extra
 forward), 8-bit optimizer state, optimizer state on the host between phases, activation offload
 (transfers), FSDP2 CPU offload (the optimizer steps on the CPU). Each candidate is a list of the
 recipe CLI's own overrides; it is kept when the re-estimated peak fits.
+
+A suggestion's cost is read off the estimates themselves where it can be: the bytes activation
+offload moves are what the re-estimate holds on the host beyond the plain run (there and back,
+every micro-batch), the optimizer state a PPO memory plan parks on the host is the plain run's
+``optimizer_state`` (there and back, every step); FSDP2 CPU offload's traffic is about the
+plain run's per-rank weights twice (forward, backward) and its gradients once, per micro-batch.
+Recomputation is counted in forwards: checkpointing every block runs each block's forward once
+more per micro-batch (about a third more compute: a backward costs about two forwards).
 """
 
 from __future__ import annotations
 
+import re
+import shlex
 from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from lightning_mem.estimate.report import usable_bytes
+from lightning_mem.estimate.report import GiB, usable_bytes
+
+
+@dataclass
+class Candidate:
+    """One technique as recipe CLI overrides; ``kind`` says how it costs (see :func:`cost_of`)."""
+
+    what: str
+    overrides: list[str]
+    kind: str  # split | recompute | optimizer_8bit | state_on_host | activation_offload | cpu_offload
+
+
+@dataclass
+class Cost:
+    """What a suggestion costs per rank: extra forwards of every block per micro-batch, the bytes
+    between host and device per optimizer step (PPO: per PPO step), and what else changes."""
+
+    extra_forwards: float = 0.0
+    transfer_bytes_per_step: int = 0
+    changes: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        parts = []
+        if self.extra_forwards:
+            parts.append(f"+{self.extra_forwards:g} forward of every block per micro-batch (about "
+                         f"{self.extra_forwards / 3:.0%} more compute)")
+        else:
+            parts.append("no extra compute")
+        if self.transfer_bytes_per_step:
+            parts.append(f"{self.transfer_bytes_per_step / GiB:.2f} GiB host<->device per step")
+        else:
+            parts.append("no host<->device transfers")
+        return "; ".join(parts + self.changes)
 
 
 def _has_callback(cfg: Any, name: str) -> bool:
@@ -28,9 +72,9 @@ def _strategy_path(cfg: Any) -> str:
     return strategy.get("class_path", "") if hasattr(strategy, "get") else str(strategy)
 
 
-def candidates(cfg: Any, recipe: str) -> list[tuple[str, list[str]]]:
-    """(what it does, overrides), cheapest first, for the parsed config ``cfg``."""
-    out: list[tuple[str, list[str]]] = []
+def candidates(cfg: Any, recipe: str) -> list[Candidate]:
+    """The techniques this config does not use yet, cheapest first, for the parsed config ``cfg``."""
+    out: list[Candidate] = []
     model, data = cfg.model, cfg.get("data")
     fsdp2 = _strategy_path(cfg).endswith("FSDP2Strategy")
     if recipe.endswith("ppo"):
@@ -38,38 +82,91 @@ def candidates(cfg: Any, recipe: str) -> list[tuple[str, list[str]]]:
         budget = ppo.get("max_tokens_per_microbatch")
         if budget:
             for factor in (2, 4):
-                out.append((f"train micro-batches of {budget // factor} tokens (same updates)",
-                            [f"--model.ppo.max_tokens_per_microbatch={budget // factor}"]))
+                out.append(Candidate(f"train micro-batches of {budget // factor} tokens (same updates)",
+                                     [f"--model.ppo.max_tokens_per_microbatch={budget // factor}"], "split"))
         logprob = ppo.get("logprob_max_tokens_per_microbatch")
         if logprob:
-            out.append((f"no-grad micro-batches of {logprob // 4} tokens",
-                        [f"--model.ppo.logprob_max_tokens_per_microbatch={logprob // 4}"]))
-        out.append(("actor and critic optimizer state on the host during rollout and score",
-                    ["--model.memory_plan.rollout.actor_optimizer=host", "--model.memory_plan.score.actor_optimizer=host",
-                     "--model.memory_plan.rollout.critic_optimizer=host", "--model.memory_plan.score.critic_optimizer=host"]))
+            out.append(Candidate(f"no-grad micro-batches of {logprob // 4} tokens",
+                                 [f"--model.ppo.logprob_max_tokens_per_microbatch={logprob // 4}"], "split"))
+        out.append(Candidate(
+            "actor and critic optimizer state on the host during rollout and score",
+            ["--model.memory_plan.rollout.actor_optimizer=host", "--model.memory_plan.score.actor_optimizer=host",
+             "--model.memory_plan.rollout.critic_optimizer=host", "--model.memory_plan.score.critic_optimizer=host"],
+            "state_on_host"))
     elif data is not None and data.get("max_tokens_per_batch"):
         budget, length = data.max_tokens_per_batch, data.max_length
         accumulate = int(cfg.trainer.get("accumulate_grad_batches") or 1)
         if budget // 2 >= length:
-            out.append((f"micro-batches of {budget // 2} tokens, accumulation x2 (same updates)",
-                        [f"--data.max_tokens_per_batch={budget // 2}", f"--trainer.accumulate_grad_batches={accumulate * 2}"]))
+            out.append(Candidate(f"micro-batches of {budget // 2} tokens, accumulation x2 (same updates)",
+                                 [f"--data.max_tokens_per_batch={budget // 2}",
+                                  f"--trainer.accumulate_grad_batches={accumulate * 2}"], "split"))
     if fsdp2:
-        out.append(("FSDP2 activation checkpointing of every block", ["--trainer.strategy.init_args.activation_checkpointing=1"]))
+        out.append(Candidate("FSDP2 activation checkpointing of every block",
+                             ["--trainer.strategy.init_args.activation_checkpointing=1"], "recompute"))
     elif not _has_callback(cfg, "ActivationCheckpointing") and not recipe.endswith("qlora"):
-        out.append(("activation checkpointing of every block",
-                    ["--trainer.callbacks+=lightning_mem.callbacks.ActivationCheckpointing"]))
+        out.append(Candidate("activation checkpointing of every block",
+                             ["--trainer.callbacks+=lightning_mem.callbacks.ActivationCheckpointing"], "recompute"))
     optimizer = model.get("optimizer")
     opt_path = optimizer.get("class_path", "") if hasattr(optimizer, "get") else ""
     if "8bit" not in opt_path.lower():
         lr = optimizer.get("init_args", {}).get("lr") if hasattr(optimizer, "get") else None
         args = ["--model.optimizer=bitsandbytes.optim.PagedAdamW8bit"] + ([f"--model.optimizer.init_args.lr={lr}"] if lr else [])
-        out.append(("8-bit paged AdamW (optimizer state ~2 bytes per parameter)", args))
+        out.append(Candidate("8-bit paged AdamW (optimizer state ~2 bytes per parameter)", args, "optimizer_8bit"))
     if not _has_callback(cfg, "ActivationOffload"):
-        out.append(("activation offload to host memory", ["--trainer.callbacks+=lightning_mem.callbacks.ActivationOffload"]))
+        out.append(Candidate("activation offload to host memory",
+                             ["--trainer.callbacks+=lightning_mem.callbacks.ActivationOffload"], "activation_offload"))
     if fsdp2:
-        out.append(("FSDP2 CPU offload of parameters, gradients and optimizer state",
-                    ["--trainer.strategy.init_args.cpu_offload=true"]))
+        out.append(Candidate("FSDP2 CPU offload of parameters, gradients and optimizer state",
+                             ["--trainer.strategy.init_args.cpu_offload=true"], "cpu_offload"))
     return out
+
+
+def _train(estimate: Any) -> Any:
+    phases = {p.phase: p for p in estimate.phases}
+    return phases.get("train") or max(estimate.phases, key=lambda p: p.device_peak_bytes)
+
+
+def _accumulation(cfg: Any, overrides: list[str]) -> int:
+    """Micro-batches per optimizer step with ``overrides`` applied (the last one given wins)."""
+    value = int(cfg.trainer.get("accumulate_grad_batches") or 1)
+    for arg in overrides:
+        match = re.fullmatch(r"--trainer\.accumulate_grad_batches=(\d+)", arg)
+        if match:
+            value = int(match.group(1))
+    return value
+
+
+def cost_of(kinds: list[str], base: Any, after: Any, micro_batches: int) -> Cost:
+    """The cost of applying the candidates of ``kinds`` together, from the plain run's estimate
+    ``base`` and the estimate ``after`` applying them (per rank; ``micro_batches`` per step)."""
+    cost = Cost()
+    plain, changed = _train(base), _train(after)
+    for kind in dict.fromkeys(kinds):  # each kind once, in order
+        if kind == "split":
+            cost.changes.append("smaller micro-batches, more of them (same tokens and updates per step)")
+        elif kind == "recompute":
+            cost.extra_forwards += 1.0
+        elif kind == "optimizer_8bit":
+            cost.changes.append("8-bit block-wise quantized optimizer state (updates differ slightly from 32-bit AdamW)")
+        elif kind == "state_on_host":
+            # Parked before the rollout and brought back for the update, every PPO step.
+            cost.transfer_bytes_per_step += 2 * plain.device_breakdown_bytes.get("optimizer_state", 0)
+        elif kind == "activation_offload":
+            # What the offloaded run holds on the host beyond the plain one is one micro-batch's
+            # stash: to the host in forward, back in backward.
+            stash = max(0, changed.host_peak_bytes - plain.host_peak_bytes)
+            cost.transfer_bytes_per_step += 2 * stash * micro_batches
+        elif kind == "cpu_offload":
+            weights = plain.device_breakdown_bytes.get("weights", 0)
+            gradients = plain.device_breakdown_bytes.get("gradients", 0)
+            cost.transfer_bytes_per_step += (2 * weights + gradients) * micro_batches
+            cost.changes.append("the optimizer step runs on the CPU")
+    return cost
+
+
+def command(recipe: str, config: str, overrides: list[str]) -> str:
+    """The ready-to-run line: ``python -m <recipe> fit --config <config> <overrides>``."""
+    return shlex.join(["python", "-m", recipe, "fit", "--config", str(config), *overrides])
 
 
 def suggest(
@@ -79,33 +176,45 @@ def suggest(
     device_bytes: int,
     run_estimate: Callable[[list[str]], Any],
     *,
+    base: Any = None,
+    config: str | None = None,
     limit: int = 3,
 ) -> list[dict[str, Any]]:
-    """Try each candidate alone, then cumulatively; return up to ``limit`` that fit, cheapest first."""
+    """Try each candidate alone, then cumulatively; return up to ``limit`` that fit, cheapest first
+    (or, if none fits, every attempt). Each has ``what``, ``overrides`` (the candidate's own),
+    ``device_peak_bytes``, ``fits`` and, given the plain run's estimate ``base``, ``cost``
+    (:class:`Cost` as a dict, with ``text``); given ``config``, ``command`` (the full line,
+    ``overrides`` included)."""
     usable = usable_bytes(device_bytes)
     found: list[dict[str, Any]] = []
     tried: list[dict[str, Any]] = []
-    cumulative: list[str] = []  # the candidates that did not fit alone, combined
-    for what, extra in candidates(cfg, recipe):
-        attempts = [(what, extra)]
+    cumulative: list[Candidate] = []  # the candidates that did not fit alone, combined
+    for candidate in candidates(cfg, recipe):
+        attempts = [(candidate.what, [candidate])]
         if cumulative:
-            attempts.append((f"{what}, with the earlier candidates that did not fit alone", cumulative + extra))
+            attempts.append((f"{candidate.what}, with the earlier candidates that did not fit alone", cumulative + [candidate]))
         fitted = False
-        for label, args in attempts:
+        for label, parts in attempts:
+            args = [arg for part in parts for arg in part.overrides]
             try:
                 result = run_estimate(overrides + args)
             except Exception as err:  # noqa: BLE001 - a candidate that cannot apply is skipped, and said
                 tried.append({"what": label, "overrides": args, "error": str(err).splitlines()[0]})
                 continue
             peak = result.device_peak_bytes
-            entry = {"what": label, "overrides": args, "device_peak_bytes": peak, "fits": peak <= usable}
+            entry: dict[str, Any] = {"what": label, "overrides": args, "device_peak_bytes": peak, "fits": peak <= usable}
+            if base is not None:
+                cost = cost_of([p.kind for p in parts], base, result, _accumulation(cfg, overrides + args))
+                entry["cost"] = {**asdict(cost), "text": cost.describe()}
+            if config is not None:
+                entry["command"] = command(recipe, config, overrides + args)
             tried.append(entry)
             if entry["fits"]:
                 found.append(entry)
                 fitted = True
                 break
         if not fitted:
-            cumulative += extra
+            cumulative.append(candidate)
         if len(found) >= limit:
             break
     return found or tried

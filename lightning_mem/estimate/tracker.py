@@ -13,7 +13,7 @@ the peak of what one rank holds).
 :class:`TrackingMode` is the ``TorchDispatchMode`` that feeds the ledger with every tensor an
 operator returns. With ``fake=True`` it also makes the step run without memory: floating tensors
 (weights, activations, logits, caches) are ``FakeTensor``\\ s -- shapes and dtypes only -- while
-small integer and boolean tensors (token ids, masks, lengths) stay real, so the Python control flow
+small integer and boolean tensors (token ids, masks, lengths) and scalars made from nothing stay real, so the Python control flow
 of ``generate``, micro-batching and masking runs as it does for real. An integer result of a fake
 computation (``argmax``/``multinomial`` of fake logits) is made real with a fixed value: the
 ``fill_token`` for sampled tokens (the estimator picks one that is not an end-of-sequence token,
@@ -69,6 +69,16 @@ class MemoryLedger:
             yield
         finally:
             self._context.pop()
+
+    def begin_section(self, category: str) -> None:
+        """:meth:`section` opened and closed by two hooks (an optimizer step's pre- and post-hook)."""
+        self._context.append(category)
+
+    def end_section(self, category: str) -> None:
+        for index in range(len(self._context) - 1, -1, -1):  # the latest one of that category
+            if self._context[index] == category:
+                del self._context[index]
+                return
 
     def _category_for(self, tensor: torch.Tensor) -> str:
         if self._context:
@@ -163,6 +173,11 @@ class MemoryLedger:
             self.peak_bytes = total
             self.peak_breakdown = breakdown
 
+    def observe(self) -> None:
+        """Take the view's peak now, with nothing allocated (the view changed: a unit was gathered)."""
+        if self.view is not None:
+            self._observe_view()
+
     def reset_peak(self) -> None:
         if self.view is not None:
             self.peak_bytes, self.peak_host_bytes = -1, 0
@@ -182,11 +197,15 @@ def _is_fake(x: Any) -> bool:
 class TrackingMode(TorchDispatchMode):
     """Feed every operator output to ``ledger``; with ``fake=True`` run floating math on fake tensors."""
 
-    def __init__(self, ledger: MemoryLedger, *, fake: bool = False, fill_token: int = 0) -> None:
+    def __init__(self, ledger: MemoryLedger, *, fake: bool = False, fill_token: int = 0,
+                 fixed_sampling: bool | None = None) -> None:
         super().__init__()
         self.ledger = ledger
         self.fake = fake
         self.fill_token = fill_token
+        #: Sampling operators return ``fill_token`` everywhere, on real tensors too (the estimate's
+        #: real-tensor runs then sample what its fake ones do). Default: with ``fake``.
+        self.fixed_sampling = fake if fixed_sampling is None else fixed_sampling
         self.fake_mode = None
         if fake:
             from torch._subclasses.fake_tensor import FakeTensorMode
@@ -196,6 +215,8 @@ class TrackingMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         out = self._run(func, args, kwargs) if self.fake else func(*args, **kwargs)
+        if self.fixed_sampling and not self.fake and func.overloadpacket.__name__ in _SAMPLING_OPS:
+            out = tree_map(lambda t: self._realize(t, self.fill_token), out)
         flat, _ = tree_flatten(out)
         for t in flat:
             if isinstance(t, torch.Tensor):
@@ -211,6 +232,13 @@ class TrackingMode(TorchDispatchMode):
         if name == "_local_scalar_dense" and has_fake:
             t = args[0]
             return False if t.dtype == torch.bool else (0.0 if t.is_floating_point() or t.is_complex() else 0)
+        if name == "set_" and _is_fake(args[0]) and any(
+            isinstance(x, torch.UntypedStorage) and x.device.type != "meta" for x in leaves
+        ):
+            # A fake tensor cannot view real bytes. Only copying a real storage does this here
+            # (torchmetrics deep-copies a logged metric's default): the copy is left unfilled, and
+            # the estimate reads no logged value.
+            return args[0]
         if tensors and not has_fake:
             return func(*args, **kwargs)  # all inputs real: compute for real
         if any(isinstance(x, torch.UntypedStorage) for x in leaves):
@@ -243,7 +271,9 @@ class TrackingMode(TorchDispatchMode):
         )
 
     def _realize_factory(self, func, args, kwargs, t):  # noqa: ANN001
-        if not self._small_int(t):
+        # Scalars made from nothing are made for real too (a logged metric's accumulator).
+        scalar = isinstance(t, torch.Tensor) and t.dim() == 0 and t.device.type == "cpu"
+        if not (self._small_int(t) or scalar):
             return t
         real = func(*args, **kwargs)
         return real if isinstance(real, torch.Tensor) else t

@@ -264,12 +264,13 @@ class PhaseMemory:
     # -- phases -------------------------------------------------------------------------------
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        self.place(name)
-        self.current = name
         engine = self.rollout_engine
         start = time.perf_counter()
         try:
+            # The placement is part of the phase: what it moves onto the device is there for this phase.
             with _monitor_phase(self.trainer, name):
+                self.place(name)
+                self.current = name
                 if name == "rollout" and engine is not None:
                     self._wake_engine()
                 if engine is not None and hasattr(engine, "state"):

@@ -3,7 +3,7 @@
 vLLM is imported only when this engine starts: the rest of the project never needs it. It runs in
 this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so weight sync hands it the actor's tensors
 directly, through a generator, with no serialisation and no file: ``reload_weights`` loads
-them in place while :func:`~lightning_mem.rl.engines.weight_buckets` converts at most
+them in place while :func:`~lightning_mem.rl.weight_sync.weight_buckets` converts at most
 ``sync_bucket_mb`` of them at a time.
 
 The engine starts with dummy weights (``load_format="dummy"``: it reads the model's config only)
@@ -30,7 +30,8 @@ from torch import Tensor, nn
 
 from lightning_mem.dtypes import resolve_dtype
 from lightning_mem.padding import pad_sequences
-from lightning_mem.rl.engines import RolloutEngineConfig, checkpoint_weights, weight_buckets
+from lightning_mem.rl.engine_config import RolloutEngineConfig
+from lightning_mem.rl.weight_sync import checkpoint_weights, weight_buckets
 from lightning_mem.rl.rollout import Experience, GenerationConfig, RolloutEngine, experience_from_generation
 
 log = logging.getLogger(__name__)

@@ -34,10 +34,12 @@ from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_mem.checkpointing import (
+    CHECKPOINT_METADATA,
     AtomicCheckpointIO,
+    check_complete,
     load_sharded_checkpoint,
+    publish_version,
     remove_versioned,
-    switch_link,
     version_dir,
 )
 from lightning_mem.context_parallel import SequenceLayout, attach_layout
@@ -58,12 +60,6 @@ if TYPE_CHECKING:
 #: minutes at 100 MB/s) while the others wait at a barrier.
 DEFAULT_TIMEOUT_S = 600.0
 
-#: Written last into a sharded checkpoint folder, holding its global step: a folder without it
-#: (or with another step than its metadata) is the remains of an interrupted save.
-COMPLETE_MARKER = "COMPLETE"
-# Beside the shards, the rest of the checkpoint (loops, callbacks, step): the file name Lightning's
-# ModelParallelStrategy.load_checkpoint reads (tests/strategies/test_fsdp2.py holds the two equal).
-CHECKPOINT_METADATA = "meta.pt"
 
 def _zero_embedding_padding_rows(module: nn.Module) -> None:
     """Zero each sharded embedding's ``padding_idx`` row in whichever rank holds it.
@@ -135,7 +131,8 @@ class FSDP2Strategy(ModelParallelStrategy):
     Checkpoints: a sharded checkpoint ``<name>.ckpt`` is a symlink to the folder of its latest
     complete save, ``<name>.ckpt.step<N>.<id>``; each save writes a new folder and then swaps the
     link atomically, keeping the previous folder (resume from it by passing its path). A folder
-    whose save did not finish lacks its completion marker and is refused on load.
+    whose save did not finish lacks its completion marker and is refused on load. The format is
+    :mod:`lightning_mem.checkpointing`'s (the export reads it too).
     """
 
     strategy_name = "fsdp2"
@@ -672,8 +669,7 @@ class FSDP2Strategy(ModelParallelStrategy):
             torch.save(checkpoint, folder / CHECKPOINT_METADATA)
         self.barrier("fsdp2_checkpoint_written")  # every rank's shard is on disk
         if self.global_rank == 0:
-            (folder / COMPLETE_MARKER).write_text(f"{step}\n")
-            switch_link(link, folder)
+            publish_version(link, folder, step)
         self.barrier("fsdp2_checkpoint_switched")
 
     @override
@@ -681,29 +677,11 @@ class FSDP2Strategy(ModelParallelStrategy):
         path = Path(self.broadcast(str(checkpoint_path)))
         if not path.is_dir():
             return super().load_checkpoint(path, weights_only=weights_only)
-        self.check_complete(path)
+        check_complete(path)
         # Not Lightning's sharded loader: it asks for every tensor the module has, and a recipe's
         # checkpoint holds only what trains (checkpointing.keep_trainable).
         load_sharded_checkpoint(self.model, self.optimizers, path, strict=self.lightning_module.strict_loading)
         return torch.load(path / CHECKPOINT_METADATA, map_location="cpu", weights_only=weights_only)
-
-    @staticmethod
-    def check_complete(path: Path) -> None:
-        """Raise unless the sharded checkpoint folder ``path`` was completely written (its marker
-        is there and names the step its metadata has)."""
-        marker = path / COMPLETE_MARKER
-        if not marker.is_file():
-            raise RuntimeError(
-                f"The sharded checkpoint {path} is incomplete (no {COMPLETE_MARKER} marker): its save was"
-                " interrupted. Resume from the previous one (the other `*.ckpt.step*` folder beside it) instead."
-            )
-        marked = int(marker.read_text().strip() or -1)
-        meta = torch.load(path / CHECKPOINT_METADATA, map_location="cpu", weights_only=False)
-        if int(meta.get("global_step", -1)) != marked:
-            raise RuntimeError(
-                f"The sharded checkpoint {path} is torn: its shards were completed at step {marked} but its"
-                f" metadata says step {meta.get('global_step')}. Resume from another checkpoint."
-            )
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:

@@ -159,6 +159,9 @@ def test_cuda_samples_device_memory_and_phase_peaks(tmp_path) -> None:
     for row in rows:
         assert int(row["device_reserved_bytes"]) >= int(row["device_allocated_bytes"]) > 0
         assert int(row["device_peak_allocated_bytes"]) >= int(row["device_allocated_bytes"])
+        # The allocator holds at least what it handed out, at its peak too.
+        assert int(row["device_peak_reserved_bytes"]) >= max(int(row["device_peak_allocated_bytes"]),
+                                                             int(row["device_reserved_bytes"]))
     spikes = [int(r["device_peak_allocated_bytes"]) for r in rows if r["phase"] == "spike"]
     steps = [int(r["device_peak_allocated_bytes"]) for r in rows if r["event"] == "step"]
     assert all(p >= 256 * 2**20 for p in spikes)

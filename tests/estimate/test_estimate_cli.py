@@ -12,6 +12,7 @@ import pytest
 from lightning_mem.callbacks.fit_check import FitCheck, config_from_argv
 from lightning_mem.estimate import parse_size, tier_of, usable_bytes
 from lightning_mem.estimate.__main__ import main
+from tests.helpers import REPO
 
 
 def test_parse_size():
@@ -92,3 +93,59 @@ def test_suggest_re_estimates_until_it_fits(capsys):
     assert fitting, out["suggestions"]
     assert all(s["device_peak_bytes"] <= out["usable_device_bytes"] for s in fitting)
     assert any("ActivationCheckpointing" in " ".join(s["overrides"]) for s in fitting)
+    for s in fitting:  # each a ready-to-run line with its estimated cost
+        assert s["command"] == " ".join(["python -m recipes.sft fit --config configs/sft/tiny_cpu.yaml", *s["overrides"]])
+        assert s["cost"]["text"]
+    checkpointing = next(s for s in fitting if "ActivationCheckpointing" in " ".join(s["overrides"]))
+    assert checkpointing["cost"]["extra_forwards"] == 1.0 and checkpointing["cost"]["transfer_bytes_per_step"] == 0
+
+
+def _estimate(train_breakdown, host=0):
+    from lightning_mem.estimate import Estimate, PhaseEstimate
+
+    phase = PhaseEstimate("train", sum(train_breakdown.values()), train_breakdown, host)
+    return Estimate("c.yaml", "recipes.sft", 1, "single device", [phase])
+
+
+def test_suggestion_costs_are_read_off_the_estimates():
+    from lightning_mem.estimate.suggest import cost_of
+
+    base = _estimate({"weights": 100, "gradients": 40, "optimizer_state": 800, "activations": 500}, host=10)
+    offloaded = _estimate({"weights": 100, "gradients": 40, "optimizer_state": 800, "activations": 50}, host=460)
+    # Activation offload: the re-estimate's extra host bytes, there and back, every micro-batch.
+    assert cost_of(["activation_offload"], base, offloaded, micro_batches=4).transfer_bytes_per_step == 2 * 450 * 4
+    # A PPO memory plan parks the optimizer state around the rollout: off and back, every step.
+    assert cost_of(["state_on_host"], base, base, micro_batches=1).transfer_bytes_per_step == 2 * 800
+    # FSDP2 CPU offload: weights in for forward and backward, gradients out, every micro-batch.
+    cpu = cost_of(["cpu_offload"], base, base, micro_batches=2)
+    assert cpu.transfer_bytes_per_step == (2 * 100 + 40) * 2 and "the optimizer step runs on the CPU" in cpu.changes
+    both = cost_of(["split", "recompute", "recompute"], base, base, micro_batches=2)
+    assert both.extra_forwards == 1.0 and both.transfer_bytes_per_step == 0  # each kind counted once
+    assert both.describe().startswith("+1 forward of every block per micro-batch (about 33% more compute); "
+                                      "no host<->device transfers; smaller micro-batches")
+
+
+def test_suggestions_print_as_commands_with_peak_and_cost():
+    from lightning_mem.estimate.report import suggestions_text
+
+    text = suggestions_text([
+        {"what": "activation checkpointing of every block", "overrides": ["--x=1"], "device_peak_bytes": 3 << 30,
+         "fits": True, "cost": {"text": "+1 forward"}, "command": "python -m recipes.sft fit --config c.yaml --x=1"},
+        {"what": "8-bit", "overrides": ["--y=2"], "error": "bitsandbytes is missing"},
+    ])
+    assert text.splitlines()[1:] == [
+        "suggestions (re-estimated, cheapest first; costs per rank and optimizer step):",
+        "  fits at 3.00 GiB: activation checkpointing of every block",
+        "    cost: +1 forward",
+        "    python -m recipes.sft fit --config c.yaml --x=1",
+        "  cannot apply: 8-bit: bitsandbytes is missing",
+    ]
+
+
+def test_suggest_without_a_device_size_says_how_to_give_one(capsys, tmp_path):
+    config = tmp_path / "sft" / "mine.yaml"
+    config.parent.mkdir()
+    config.write_text((REPO / "configs/sft/tiny_cpu.yaml").read_text())
+    with pytest.raises(SystemExit):
+        main(["--config", str(config), "--suggest"])
+    assert "--suggest needs a device size to fit into: pass --device-memory" in capsys.readouterr().err

@@ -128,14 +128,16 @@ def test_an_exception_in_the_train_phase_leaves_everything_on_the_device(tmp_pat
 
 def test_update_is_the_same_whatever_the_token_budget(tmp_path, monkeypatch):
     counts = []
-    real = ppo.micro_batches
+    from lightning_mem.rl import microbatch
+
+    real = microbatch.micro_batches
 
     def counting(lengths, max_tokens, **kwargs):
         batches = real(lengths, max_tokens, **kwargs)
         counts.append((max_tokens, len(batches)))
         return batches
 
-    monkeypatch.setattr(ppo, "micro_batches", counting)
+    monkeypatch.setattr(microbatch, "micro_batches", counting)  # what StepIO.micro_batches calls
     sgd = lambda params: torch.optim.SGD(params, lr=1.0)  # noqa: E731  (plain SGD: params move by exactly -grad)
     params = {}
     for budget in (None, 40):

@@ -513,7 +513,7 @@ def _sharded_save(strategy, path, step, value):
 
 
 def test_sharded_save_switches_atomically_and_keeps_the_previous_version(tmp_path):
-    from lightning_mem.checkpointing import checkpoint_versions
+    from lightning_mem.checkpointing import check_complete, checkpoint_versions
 
     strategy = FSDP2Strategy()
     link = tmp_path / "last.ckpt"
@@ -523,13 +523,15 @@ def test_sharded_save_switches_atomically_and_keeps_the_previous_version(tmp_pat
     assert [v.name.split(".")[2] for v in versions] == ["step2", "step3"]  # current + previous
     assert link.is_symlink() and link.resolve() == versions[1].resolve()
     assert torch.load(link / "meta.pt")["global_step"] == 3
-    strategy.check_complete(link)
+    check_complete(link)
     strategy.remove_checkpoint(link)
     assert not link.exists() and not link.is_symlink() and checkpoint_versions(link) == []
 
 
 def test_interrupted_sharded_save_leaves_the_last_checkpoint_untouched(tmp_path, monkeypatch):
     import torch.distributed.checkpoint as dcp
+
+    from lightning_mem.checkpointing import check_complete
 
     strategy = FSDP2Strategy()
     link = tmp_path / "last.ckpt"
@@ -544,7 +546,7 @@ def test_interrupted_sharded_save_leaves_the_last_checkpoint_untouched(tmp_path,
     with pytest.raises(KeyboardInterrupt):
         _sharded_save(strategy, link, 6, 6)
     assert os.readlink(link) == before  # still the complete step-5 save
-    strategy.check_complete(link)
+    check_complete(link)
     torn = [v for v in (tmp_path).iterdir() if v.name.startswith("last.ckpt.step6")]
     assert len(torn) == 1
     with pytest.raises(RuntimeError, match="incomplete"):
@@ -577,12 +579,3 @@ def test_a_subclass_overriding_an_old_underscore_step_name_is_told_the_new_name(
         class Old(FSDP2Strategy):
             def _shard_module(self, module, *, reshard_after_forward=None):
                 pass
-
-
-def test_checkpoint_metadata_is_the_file_lightning_loads():
-    # The sharded checkpoint's metadata file must be the one ModelParallelStrategy.load_checkpoint reads.
-    from lightning.fabric.utilities.load import _METADATA_FILENAME
-
-    from lightning_mem.strategies.fsdp2 import CHECKPOINT_METADATA
-
-    assert CHECKPOINT_METADATA == _METADATA_FILENAME

@@ -1,0 +1,64 @@
+"""What a recipe's step takes from the run it is in: the micro-batch plan and generation.
+
+A recipe's ``training_step`` is the algorithm. Two of the things it does repeat one shape many
+times, and *who runs the step* decides whether every repetition must run:
+
+- **the micro-batch plan** -- ``io.micro_batches(lengths, max_tokens, agree_on_count=...)``: which
+  samples go through the model together, micro-batch after micro-batch;
+- **repeated loops** -- ``for mini in io.repeats(mini_batches):``: PPO's epochs and mini-batches;
+- **generation** -- ``with io.generation(model):`` around sampling with ``model.generate``, decode
+  step after decode step.
+
+Lightning's ``Trainer.fit`` runs the plain :class:`StepIO`: every micro-batch and every decode step.
+The memory estimate (:mod:`lightning_mem.estimate`) runs the *same* ``Trainer.fit`` on fake tensors
+with a callback that is also a :class:`StepIO`, and skips the repetitions that cannot raise a peak
+(the third and later micro-batches of one shape, the mini-batches and epochs after the first; the
+decode steps between the first and the last).
+:func:`step_io` finds it among the trainer's callbacks, so a recipe -- or a user's subclass of one --
+is estimated by running its own code, never a copy of it. The phases a step reports (``rollout``,
+``score``, ``train``) reach the estimate the way they reach the ``MemoryMonitor``:
+:func:`lightning_mem.callbacks.memory_phase`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from torch import nn
+
+T = TypeVar("T")
+
+
+class StepIO:
+    """The plain run: every micro-batch of the plan and every decode step runs."""
+
+    def micro_batches(
+        self, lengths: Sequence[int], max_tokens: int | None, *, agree_on_count: Callable[[int], int] | None = None
+    ) -> list[list[int]]:
+        """:func:`lightning_mem.rl.microbatch.micro_batches`: the samples' indices, micro-batch by micro-batch."""
+        from lightning_mem.rl.microbatch import micro_batches
+
+        return micro_batches(lengths, max_tokens, agree_on_count=agree_on_count)
+
+    def repeats(self, items: Sequence[T]) -> Sequence[T]:
+        """A loop whose iterations repeat the same work, each from the state an optimizer step
+        left (PPO's epochs and mini-batches): every iteration."""
+        return items
+
+    def generation(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """Around a rollout that samples with ``model.generate``."""
+        return contextlib.nullcontext()
+
+
+_PLAIN = StepIO()
+
+
+def step_io(trainer: Any) -> StepIO:
+    """The :class:`StepIO` of the run ``trainer`` is in: a callback that is one (the memory
+    estimate's), else the plain one."""
+    for callback in getattr(trainer, "callbacks", None) or []:
+        if isinstance(callback, StepIO):
+            return callback
+    return _PLAIN

@@ -1,0 +1,180 @@
+"""The GPU machine's one command (benchmarks/gpu/), on its CPU side: which configs it runs, the cap
+arithmetic, the overrides that make a tier config a short offline run, the generated data, the
+per-phase recording on a tiny run, the rows it writes, and the wheel download command."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+import yaml
+
+from benchmarks.gpu import tiers, wheels
+from lightning_mem.assets import HUB_ASSETS
+from lightning_mem.models import load_tokenizer
+from tests.helpers import HANG_GUARD_S, REPO, TINY_MODEL
+
+GiB = 1 << 30
+
+
+def test_the_runs_are_every_one_gpu_tier_config():
+    found = tiers.single_gpu_configs()
+    named = sorted(p for p in (REPO / "configs").glob("*/*.yaml") if "_1x" in p.name)
+    assert found == named and len(found) >= 3
+    assert {p.parent.name for p in found} == {"sft", "qlora", "ppo"}
+    assert tiers.single_gpu_configs(only=["sft/qwen2.5-1.5b_1x24gb"]) == [REPO / "configs/sft/qwen2.5-1.5b_1x24gb.yaml"]
+    assert tiers.single_gpu_configs(only=["8x80gb"]) == []  # a multi-GPU tier is never run capped to one card
+
+
+def test_the_cap_gives_the_run_the_tiers_card():
+    assert tiers.cap_fraction(24 * GiB, 80 * GiB) == (0.3, "capped to 24 of 80.0 GiB")
+    fraction, words = tiers.cap_fraction(80 * GiB, 140 * GiB)  # an 80 GB tier on an H200
+    assert fraction == pytest.approx(4 / 7) and words == "capped to 80 of 140.0 GiB"
+    # An H100 reports a little less than 80 GiB: the run gets the whole card, and the row says so.
+    assert tiers.cap_fraction(80 * GiB, 79 * GiB + 200 * 2**20) == (
+        1.0, "uncapped: the card's 79.2 GiB are no more than the tier's 80 GiB")
+    with pytest.raises(ValueError, match="positive"):
+        tiers.cap_fraction(24 * GiB, 0)
+
+
+def test_the_estimate_beside_is_the_config_headers():
+    assert set(tiers.header_estimate(REPO / "configs/sft/qwen2.5-1.5b_1x24gb.yaml")) == {"train"}
+    ppo = tiers.header_estimate(REPO / "configs/ppo/qwen2.5-0.5b-instruct_1x24gb.yaml")
+    assert set(ppo) == {"rollout", "score", "train"} and all(v > 0 for v in ppo.values())
+    assert tiers.header_estimate(REPO / "configs/sft/tiny_cpu.yaml") == {}
+    assert tiers.needs_missing_package({"trainer": {"strategy": "auto"}}) is None
+
+
+def test_generated_data_fills_the_configs_largest_micro_batch():
+    from lightning_mem.data.chat import encode_prompt, row_to_messages, row_to_prompt_messages
+    from lightning_mem.data.sft import tokenize_example
+
+    tokenizer = load_tokenizer(str(TINY_MODEL))
+    for row in tiers.sft_rows(3, 300, tokenizer):
+        example, truncated = tokenize_example(row_to_messages(row), tokenizer, 300)
+        assert truncated and len(example["input_ids"]) == 300
+    system = "Answer with the number only."
+    lengths = [len(encode_prompt(row_to_prompt_messages({**row, "system": system}), tokenizer))
+               for row in tiers.prompt_rows(6, 200, tokenizer, system_prompt=system)]
+    assert all(195 <= n <= 200 for n in lengths), lengths  # as long as the tokenizer allows, never longer
+
+
+@pytest.mark.parametrize("config", ["sft/qwen2.5-1.5b_1x24gb.yaml", "qlora/llama-3.1-8b_1x24gb.yaml",
+                                    "ppo/qwen2.5-0.5b-instruct_1x24gb.yaml"])
+def test_overrides_make_a_tier_config_a_short_offline_run(config, tmp_path):
+    from lightning.pytorch import LightningDataModule, LightningModule
+
+    from benchmarks.gpu.probe import TierProbe
+    from lightning_mem.callbacks import FitCheck, MemoryMonitor
+    from lightning_mem.cli import RecipeCLI
+
+    path = REPO / "configs" / config
+    raw = yaml.safe_load(path.read_text())
+    args = tiers.overrides_for(path, tmp_path, steps=2)
+    recipe = __import__(tiers.RECIPES[path.parent.name], fromlist=["main"])
+    module = next(v for v in vars(recipe).values() if isinstance(v, type) and issubclass(v, LightningModule)
+                  and v.__module__ == recipe.__name__)
+    data = next(v for v in vars(recipe).values() if isinstance(v, type) and issubclass(v, LightningDataModule))
+    # Parsed by the recipe's own CLI (on CPU here: the accelerator is the only key the test adds).
+    cli = RecipeCLI(module, data, args=["--config", str(path), *args, "--trainer.accelerator=cpu"], run=False,
+                    save_config_callback=None)
+    folder = Path(cli.model.hparams.name_or_path)
+    assert folder.is_relative_to(tmp_path)  # built at random from the shipped architecture, no download
+    assert json.loads((folder / "config.json").read_text()) == json.loads(
+        (HUB_ASSETS / raw["model"]["name_or_path"] / "config.json").read_text())
+    assert (folder / "tokenizer.json").is_file()
+    kinds = [type(c) for c in cli.trainer.callbacks]
+    assert TierProbe in kinds and MemoryMonitor in kinds and FitCheck not in kinds
+    accumulate = 1 if path.parent.name == "ppo" else raw["trainer"]["accumulate_grad_batches"]
+    assert cli.trainer.limit_train_batches == 2 * accumulate and cli.trainer.max_epochs == 1
+    assert cli.trainer.max_steps == raw["trainer"].get("max_steps", -1)  # the LR schedule stays the config's
+    assert cli.trainer.checkpoint_callback.save_last is False and cli.model.hparams.export_dir is None
+    assert cli.trainer.limit_val_batches == 0
+
+
+@pytest.fixture(scope="module")
+def tiny_grpo_run(tmp_path_factory) -> dict:
+    """The tiny GRPO config (from the tiny model rather than an SFT export), with an estimate
+    header, one step in this process."""
+    work = tmp_path_factory.mktemp("gpu_tiers")
+    text = (REPO / "configs/ppo/tiny_cpu_grpo.yaml").read_text()
+    text = "\n".join(f"  name_or_path: {TINY_MODEL}" if line.startswith("  name_or_path:") else line
+                     for line in text.splitlines())
+    config = work / "ppo" / "tiny_grpo.yaml"
+    config.parent.mkdir()
+    config.write_text("# estimated peak per rank (GiB): rollout=0.01 score=0.02 train=0.03\n" + text + "\n")
+    return tiers.run_one(config, work, steps=1)
+
+
+def test_each_estimated_phase_is_recorded_in_a_real_run(tiny_grpo_run):
+    result = tiny_grpo_run
+    assert result["outcome"] == "fits", result.get("error")
+    assert {"rollout", "score", "train"} <= set(result["phases"])  # the estimate's phases, as the run names them
+    assert all(result["phases"][name]["samples"] == 1 for name in ("rollout", "score", "train", "step"))
+    assert result["phases"]["train"]["allocated"] is None  # no device counter on CPU: nothing invented
+    speed = result["speed"]
+    assert speed["batches"] == 1 and speed["median_s"] > 0
+    assert speed["tokens_kind"] == "generated" and speed["tokens_per_s"] > 0 and speed["rollout_tokens_per_s"] > 0
+    rows = tiers.table_rows(result)
+    assert [row.split(" | ")[3] for row in rows] == ["rollout", "score", "train"]
+    assert all(" | n/a | n/a | n/a | " in row for row in rows)  # measured bytes and ratio: none on CPU
+
+
+def test_rows_put_each_phases_peaks_beside_its_estimate():
+    result = {
+        "config": "configs/sft/x_1x24gb.yaml", "tier": "1x24GB", "cap": "capped to 24 of 79.2 GiB", "outcome": "fits",
+        "estimate_gib": {"train": 10.0},
+        "phases": {"step": {"samples": 4, "allocated": int(10.5 * GiB), "reserved": 12 * GiB}},
+        "speed": {"batches": 4, "median_s": 1.234, "tokens_per_s": 3319.4, "tokens_kind": "input"},
+    }
+    assert tiers.table_rows(result) == [
+        "| `configs/sft/x_1x24gb.yaml` | 1x24GB, capped to 24 of 79.2 GiB | fits | train | 10.00 | 10.50 | 12.00 | 1.05 "
+        "| 1.23 | 3,319 input |"]
+    failed = {"config": "c.yaml", "tier": "1x24GB", "outcome": "out of memory", "error": "CUDA out of memory. Tried",
+              "estimate_gib": {"rollout": 5.0, "train": 6.0},
+              "phases": {"rollout": {"samples": 1, "allocated": 23 * GiB, "reserved": 24 * GiB},
+                         "engine_wake": {"samples": 1, "allocated": GiB, "reserved": GiB}}}
+    rows = tiers.table_rows(failed)
+    assert [r.split(" | ")[3] for r in rows] == ["rollout", "train", "engine_wake"]
+    assert "out of memory (CUDA out of memory. Tried)" in rows[0] and " | 5.00 | 23.00 | 24.00 | 4.60 | " in rows[0]
+    assert " | 6.00 | n/a | n/a | n/a | " in rows[1]  # the run died before its train phase
+    skipped = tiers.table_rows({"config": "z.yaml", "outcome": "skipped: needs deepspeed", "estimate_gib": {"train": 14.3}})
+    assert skipped == ["| `z.yaml` | none, no cap | skipped: needs deepspeed | train | 14.30 | n/a | n/a | n/a | n/a | n/a |"]
+
+
+def test_run_sh_measures_a_config_and_writes_the_rows(tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": sys.executable, "WHEELS": str(tmp_path / "no-wheels"),
+           "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([str(REPO / "benchmarks/gpu/run.sh"), "--skip-tests", "--config", "configs/sft/tiny_cpu.yaml",
+                           "--steps", "1", "--workdir", str(tmp_path / "work")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "[1/1] sft/tiny_cpu.yaml: fits" in done.stdout
+    (result,) = json.loads((tmp_path / "out/gpu_tiers.json").read_text())
+    assert result["outcome"] == "fits" and result["speed"]["batches"] == 1 and result["speed"]["tokens_kind"] == "input"
+    table = (tmp_path / "out/gpu_tiers.md").read_text()
+    assert tiers.TABLE_HEAD in table and "| `configs/sft/tiny_cpu.yaml` | none, no cap | fits | step |" in table
+    assert (tmp_path / "out/runs/sft--tiny_cpu/memory.csv").is_file()
+    assert not list((tmp_path / "work/runs").glob("**/*.ckpt")) and not list((tmp_path / "work/runs").glob("**/export"))
+
+
+def test_run_sh_names_a_config_outside_the_recipes(tmp_path):
+    stray = tmp_path / "x.yaml"
+    stray.write_text("{}\n")
+    assert tiers.main(["--config", str(stray), "--out", str(tmp_path)]) == 2
+
+
+def test_the_wheels_are_the_missing_packages_at_this_environments_versions(tmp_path):
+    cmd = wheels.pip_command(tmp_path)
+    assert cmd[1:4] == ["-m", "pip", "download"]
+    for flag in ("--only-binary=:all:", "--no-deps"):
+        assert flag in cmd
+    assert cmd[cmd.index("--python-version") + 1] == "3.12" and cmd[cmd.index("--abi") + 1] == "cp312"
+    assert cmd[cmd.index("--dest") + 1] == str(tmp_path)
+    for name in ("bitsandbytes", "jsonargparse", "datasets", "typeshed-client", "docstring-parser"):
+        assert f"{name}=={metadata.version(name)}" in cmd

@@ -1,0 +1,68 @@
+"""benchmarks/published_figures.py: every setup is a config the recipes parse, on a shipped
+architecture, with its source cited; the table lands between the doc's markers."""
+
+from __future__ import annotations
+
+import importlib
+import re
+
+import pytest
+import yaml
+
+from benchmarks import published_figures as pf
+from lightning_mem.assets import HUB_ASSETS
+from tests.helpers import REPO
+
+
+def test_there_are_at_least_five_figures_each_cited():
+    assert len(pf.SETUPS) >= 5 and len({s.name for s in pf.SETUPS}) == len(pf.SETUPS)
+    for setup in pf.SETUPS:
+        assert re.search(r"https://\S+", setup.source) and setup.published_bytes > 0 and setup.unmatched, setup.name
+    assert {s.name.split("-")[0] for s in pf.SETUPS} >= {"litgpt", "torchtune", "torchao", "qlora"}
+
+
+@pytest.mark.parametrize("setup", pf.SETUPS, ids=lambda s: s.name)
+def test_each_setup_is_a_config_the_recipe_parses(setup, capsys):
+    config = REPO / setup.config
+    recipe = importlib.import_module(f"recipes.{config.parent.name}")
+    with pytest.raises(SystemExit) as exit_info:
+        recipe.main(["fit", "--config", str(config), *setup.overrides, "--print_config"])
+    captured = capsys.readouterr()
+    assert exit_info.value.code in (0, None), captured.err
+    parsed = yaml.safe_load(captured.out)
+    hub_id = parsed["model"]["name_or_path"]
+    assert (HUB_ASSETS / hub_id / "config.json").is_file(), hub_id  # estimated offline, from a shipped architecture
+    for override in setup.overrides:  # what the setup says is what the parser kept
+        key, _, value = override.removeprefix("--").partition("=")
+        node = parsed
+        for part in key.split("."):
+            node = node[part]
+        if isinstance(node, dict) and "class_path" in node:  # `--model.optimizer=torch.optim.AdamW`
+            node = node["class_path"]
+        elif isinstance(node, list) and node and isinstance(node[0], dict):  # callbacks
+            node = [{"class_path": c["class_path"]} for c in node]
+        assert node == yaml.safe_load(value), (key, node, value)
+
+
+def _row(name, ratio, **extra):
+    setup = next(s for s in pf.SETUPS if s.name == name)
+    return {"name": name, "estimated_bytes": int(ratio * setup.published_bytes), "ratio": ratio,
+            "bound": setup.bound, **extra}
+
+
+def test_the_table_is_written_between_the_markers(tmp_path):
+    setups = {s.name: s for s in pf.SETUPS}
+    rows = [_row("litgpt-llama2-7b-lora", 0.96),
+            _row("qlora-paper-llama-65b", 0.94, fits_bound=False, paged_bytes=6 << 30,
+                 comparable_bytes=int(0.94 * 48 * 2**30) - (6 << 30), comparable_ratio=0.815),
+            {"name": "torchao-llama2-7b-adamw", "published": "x", "error": "ValueError: no"}]
+    table = pf.markdown(rows, setups, date="2026-01-01", versions="v")
+    lines = [line for line in table.splitlines() if line.startswith("| `")]
+    assert lines[0].startswith("| `litgpt-llama2-7b-lora` | 21.30 GB | 20.45 GB | 0.96 | not paged |")
+    assert "| 45.12 GiB | 0.94 (does not fit with the margin) | 39.12 GiB (0.81) without 6.00 GiB of paged state |" in lines[1]
+    assert "| error: ValueError: no | n/a | n/a |" in lines[2]
+    doc = tmp_path / "doc.md"
+    doc.write_text(f"before\n{pf.BEGIN}\nold table\n{pf.END}\nafter\n")
+    pf.write_into(doc, table)
+    assert doc.read_text() == f"before\n{pf.BEGIN}\n{table}{pf.END}\nafter\n"
+    assert pf.BEGIN in pf.DOC.read_text() and pf.END in pf.DOC.read_text()  # the doc keeps its markers
