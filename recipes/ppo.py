@@ -49,6 +49,7 @@ from lightning_mem.lora import LoraSettings, apply_lora, check_lora_targets, met
 from lightning_mem.models import check_model_source, load_causal_lm, load_tokenizer
 from lightning_mem.dtypes import cast_trainable, resolve_dtype, trainer_dtypes
 from lightning_mem.optim import param_groups, warn_if_paged_on_cpu
+from lightning_mem.ranks import check_model_splits, data_parallel, per_rank_budget, sum_over_replicas
 from lightning_mem.schedules import build_lr_scheduler, check_schedule
 from lightning_mem.settings import settings_at
 from lightning_mem.step_io import step_io
@@ -314,6 +315,16 @@ class PPOModule(LightningModule):
             )
         self.load_dtypes()  # a dtype the precision contradicts fails before any model loads
         check_schedule(self.lr_scheduler_factory, self.trainer, key="model.lr_scheduler", **self._schedule_steps())
+        # Models the strategy cannot split its way (heads vs tensor/context-parallel sizes) fail now.
+        hp = self.hparams
+        sources = [hp.name_or_path]
+        if self.use_critic and self.critic_config.layout == "separate":
+            sources.append(self.critic_config.name_or_path or hp.name_or_path)
+        if hp.reward_model is not None:
+            sources.append(hp.reward_model.name_or_path)
+        with settings_at("trainer.strategy.init_args"):
+            for source in dict.fromkeys(sources):
+                check_model_splits(self.trainer, source, trust_remote_code=hp.trust_remote_code)
         # The data are loaded (the datamodule's setup runs first), the models are not: a row the
         # reward rule cannot score fails now rather than minutes into the first rollout.
         train_set = getattr(self.trainer.datamodule, "train_set", None)
@@ -545,7 +556,8 @@ class PPOModule(LightningModule):
         exp.ref_logprobs = zeros() if reference is not None else None
         exp.old_values = zeros() if values is not None else None
         plan = step_io(self.trainer).micro_batches
-        for idx in plan(exp.sequence_lengths, self.ppo.logprob_budget, agree_on_count=self.agree_on_count):
+        budget = per_rank_budget(self.ppo.logprob_budget, self.trainer)  # a context-parallel rank runs 1/cp of each sequence
+        for idx in plan(exp.sequence_lengths, budget, agree_on_count=self.agree_on_count):
             mb = exp.select(idx)
             cols = mb.response_ids.shape[1]
             hidden = None
@@ -638,13 +650,15 @@ class PPOModule(LightningModule):
             order = torch.randperm(len(exp), device=self.device)
             for mini_idx in io.repeats(torch.tensor_split(order, self.ppo.num_mini_batches)):
                 mini = exp.select(mini_idx)
-                # The loss is averaged over the whole mini-batch on all ranks (its tokens or its
-                # sequences, per `loss_agg_mode`), whatever the split into micro-batches and ranks.
+                # The loss is averaged over the whole mini-batch on all replicas (its tokens or its
+                # sequences, per `loss_agg_mode`), whatever the split into micro-batches and ranks;
+                # the gradient average over the data-parallel replicas is undone by their count.
                 tokens, sequences = self._sum_over_ranks(counts(self._loss_mask(mini)))
                 total = denominator(self.ppo.loss_agg_mode, tokens, sequences, horizon=self.generation.max_new_tokens)
-                scale = (self.trainer.world_size / total).float()
+                scale = (data_parallel(self.trainer)[0] / total).float()
                 for idx in io.micro_batches(
-                    mini.sequence_lengths, self.ppo.max_tokens_per_microbatch, agree_on_count=self.agree_on_count
+                    mini.sequence_lengths, per_rank_budget(self.ppo.max_tokens_per_microbatch, self.trainer),
+                    agree_on_count=self.agree_on_count,
                 ):
                     loss, terms = self.loss(mini.select(idx))
                     self.manual_backward(loss * scale)
@@ -761,7 +775,8 @@ class PPOModule(LightningModule):
 
     # -- ranks --------------------------------------------------------------------------------
     def _sum_over_ranks(self, value: Tensor) -> Tensor:
-        return self.trainer.strategy.reduce(value, reduce_op="sum") if self.trainer.world_size > 1 else value
+        # Over the data-parallel replicas: a tensor- or context-parallel group's ranks share samples.
+        return sum_over_replicas(self.trainer, value)
 
     def agree_on_count(self, count: int) -> int:
         if self.trainer.world_size == 1:

@@ -48,7 +48,7 @@ from lightning_mem.quantization import (
     load_quantized_causal_lm,
     quantized_weight_bytes,
 )
-from lightning_mem.settings import settings_at
+from lightning_mem.settings import SettingNotSupported, settings_at
 from recipes.sft import SFTModule
 
 
@@ -130,6 +130,14 @@ class QLoRAModule(SFTModule):
             check_placement(device_map, max_memory, offload_folder)
 
     def setup(self, stage: str) -> None:
+        if getattr(self.trainer.strategy, "tensor_parallel_size", 1) > 1:
+            # bitsandbytes packs a 4-bit weight into one flat buffer with per-block scales: it cannot
+            # be split by rows or columns over ranks.
+            raise SettingNotSupported(
+                "trainer.strategy.init_args.tensor_parallel_size",
+                f"={self.trainer.strategy.tensor_parallel_size}: a 4-bit base cannot be split across ranks;"
+                " use `tensor_parallel_size: 1` (FSDP shards it whole), or the SFT recipe's LoRA on a 16-bit base",
+            )
         super().setup(stage)
         # Before the base is loaded: a device_map spreads it over devices (and host, and disk),
         # which Lightning's usual strategies would undo by moving the whole module to one device.

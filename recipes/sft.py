@@ -46,6 +46,7 @@ from lightning_mem.lora import (
 from lightning_mem.models import check_model_source, load_causal_lm, load_tokenizer
 from lightning_mem.dtypes import cast_trainable, dtype_name, resolve_dtype, trainer_dtypes
 from lightning_mem.optim import param_groups, warn_if_paged_on_cpu
+from lightning_mem.ranks import check_model_splits, data_parallel
 from lightning_mem.schedules import build_lr_scheduler, check_schedule
 from lightning_mem.settings import settings_at
 
@@ -136,6 +137,9 @@ class SFTModule(FreesGradientsAfterStep, LightningModule):
         self.model_dtype()
         if getattr(self.trainer.datamodule, "packing", False):
             check_packing_attention(self.hparams.attn_implementation, key="model.attn_implementation", packing_key="data.packing")
+        # A model the strategy cannot split its way (heads vs tensor/context-parallel sizes) fails now.
+        with settings_at("trainer.strategy.init_args"):
+            check_model_splits(self.trainer, self.hparams.name_or_path, trust_remote_code=self.hparams.trust_remote_code)
 
     def configure_callbacks(self) -> list[Any]:
         return [TrainingDtypes()]  # one line at the start: the dtypes this run really has
@@ -202,15 +206,18 @@ class SFTModule(FreesGradientsAfterStep, LightningModule):
         """What turns this micro-batch's summed loss into its share of the step's token mean.
 
         Lightning divides each micro-batch's loss by ``accumulate_grad_batches`` and the data-
-        parallel all-reduce averages over ranks; multiplying by both and dividing by the label
-        tokens of the whole step (all micro-batches, all ranks; the sampler counts them ahead)
+        parallel all-reduce averages over the replicas; multiplying by both and dividing by the label
+        tokens of the whole step (all micro-batches, all replicas; the sampler counts them ahead)
         makes the accumulated gradient the gradient of that token mean, whatever the split.
         Without a step count (a datamodule of your own) it falls back to the micro-batch's mean.
         """
         step_tokens = batch.get("step_label_tokens")
         if step_tokens is None:
             return 1.0 / tokens.clamp(min=1)
-        return self.trainer.accumulate_grad_batches * self.trainer.world_size / max(int(step_tokens), 1)
+        # Replicas, not the world size: the ranks of a tensor- or context-parallel group share a batch
+        # (lightning_mem.ranks), and their gradients come out whole (context_parallel's gathers).
+        replicas, _ = data_parallel(self.trainer)
+        return self.trainer.accumulate_grad_batches * replicas / max(int(step_tokens), 1)
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         loss_sum, tokens = self.loss(batch)

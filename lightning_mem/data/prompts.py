@@ -39,6 +39,7 @@ from lightning_mem.data.cache import (
 from lightning_mem.data.chat import encode_rendered, render_prompt, row_to_prompt_messages
 from lightning_mem.data.rows import DataFormatError, data_source, warn_once
 from lightning_mem.padding import pad_sequences
+from lightning_mem.ranks import data_parallel
 from lightning_mem.settings import SettingError, check_arguments, join_key, settings_at
 
 log = logging.getLogger(__name__)
@@ -300,7 +301,7 @@ class PromptDataModule(LightningDataModule):
             warn_once(summary + f"; raise `{join_key(self.config_key, 'max_prompt_length')}` to keep them")
         else:
             log.info(summary)
-        world = self.trainer.world_size if self.trainer else 1
+        world, _ = data_parallel(self.trainer)  # a tensor- or context-parallel group shares its prompts
         kept = meta["rows"] - len(self.dropped)
         if kept < self.batch_size * world:
             raise DataFormatError(
@@ -325,11 +326,12 @@ class PromptDataModule(LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         assert self.train_set is not None, "call setup() first"
         trainer = self.trainer
+        replicas, replica = data_parallel(trainer)  # a tensor- or context-parallel group shares its prompts
         sampler = FullBatchSampler(
             self.train_set.lengths,
             batch_size=self.batch_size,
-            num_replicas=trainer.world_size if trainer else 1,
-            rank=trainer.global_rank if trainer else 0,
+            num_replicas=replicas,
+            rank=replica,
             shuffle=True,
             seed=self.seed,
         )

@@ -39,6 +39,7 @@ from lightning_mem.data import packing as packed
 from lightning_mem.data.chat import encode_rendered, render_with_spans, row_to_conversation
 from lightning_mem.data.rows import DataFormatError, data_source, warn_once
 from lightning_mem.padding import pad_sequences
+from lightning_mem.ranks import data_parallel, per_rank_budget
 from lightning_mem.settings import SettingError, check_arguments, join_key, settings_at
 
 log = logging.getLogger(__name__)
@@ -394,12 +395,15 @@ class SFTDataModule(LightningDataModule):
 
     def _sampler(self, dataset: TokenizedDataset, shuffle: bool, *, train: bool = False) -> TokenBudgetSampler:
         trainer = self.trainer
+        replicas, replica = data_parallel(trainer)
         return (packed.PackedBatchSampler if self.packing else TokenBudgetSampler)(
             dataset.lengths,
-            max_tokens=self.max_tokens_per_batch,
+            # A rank of a context-parallel group holds 1/cp of each sequence: the budget is per rank.
+            max_tokens=per_rank_budget(self.max_tokens_per_batch, trainer),
             batch_size=self.batch_size,
-            num_replicas=trainer.world_size if trainer else 1,
-            rank=trainer.global_rank if trainer else 0,
+            # The replicas read different batches; a tensor- or context-parallel group shares one.
+            num_replicas=replicas,
+            rank=replica,
             shuffle=shuffle,
             seed=self.seed,
             # Training batches carry their optimizer step's label tokens (all micro-batches, all

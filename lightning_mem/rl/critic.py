@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
+from lightning_mem.context_parallel import layout_of, sequence_forward
 from lightning_mem.rl.rollout import Experience, gather_response
 
 
@@ -62,8 +63,11 @@ class ValueModel(nn.Module):
         dtype = next((p.dtype for p in backbone.parameters() if p.is_floating_point()), None)
         self.value_head = ValueHead(backbone.config.hidden_size, dtype=dtype)
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None, **model_kwargs: Any) -> Tensor:
+        """Values ``[B, T]``; ``model_kwargs`` (position ids, a context-parallel layout) go to the backbone."""
+        hidden = self.backbone(
+            input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **model_kwargs
+        ).last_hidden_state
         return self.value_head(hidden)
 
 
@@ -94,8 +98,10 @@ def load_value_model(
 
 
 def critic_values(critic: ValueModel, batch: Experience) -> Tensor:
-    """``[n, R]`` values of the states before each response token (same positions as the logits)."""
-    values = critic(batch.input_ids, batch.attention_mask)
+    """``[n, R]`` values of the states before each response token (same positions as the logits).
+    A critic a strategy split along the sequence runs its slice and the values are gathered
+    (:func:`lightning_mem.context_parallel.sequence_forward`)."""
+    values = sequence_forward(critic, batch.input_ids, batch.attention_mask, layout_of(critic))
     return gather_response(values, batch.prompt_lengths, batch.response_ids.shape[1])
 
 

@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import torch
+
 from lightning_mem.settings import AtLeastOne, AtLeastTwo, LeftOpenUnitInterval, SettingError, check_fields
 
 EngineName = Literal["hf", "vllm"]
@@ -58,6 +60,9 @@ class RolloutEngineConfig:
         cpu_kv_cache_space_gb: KV cache size on CPU (vLLM's ``VLLM_CPU_KVCACHE_SPACE``); ignored on CUDA.
         seed: the engine's own sampling seed; None draws one from torch's generator, so a seeded
             run samples the same responses.
+        tensor_parallel_size: GPUs vLLM splits its copy of the weights over (vLLM's own tensor
+            parallelism, its worker processes; independent of the trainer's). CUDA only, with that
+            many visible GPUs; weights then reach the workers one bucket at a time.
     """
 
     name: EngineName = "hf"
@@ -70,6 +75,7 @@ class RolloutEngineConfig:
     dtype: str | None = None
     cpu_kv_cache_space_gb: AtLeastOne = 1
     seed: int | None = None
+    tensor_parallel_size: AtLeastOne = 1
 
     def __post_init__(self) -> None:
         check_fields(self)  # the ranges are the annotations (the CLI checks them while parsing)
@@ -83,6 +89,8 @@ class RolloutEngineConfig:
         The one place this is checked: the recipe calls it before any model loads, and an engine
         built directly calls it too. Errors name ``rollout_engine.<field>`` and
         ``generation.<field>`` (a recipe names their parent, ``settings_at("model")``)."""
+        if self.tensor_parallel_size > 1:
+            self._check_tensor_parallel()
         if self.name == "vllm" and _ENGINE_RUNS.get() and importlib.util.find_spec("vllm") is None:
             raise SettingError(
                 "rollout_engine.name",
@@ -96,4 +104,21 @@ class RolloutEngineConfig:
                 f"`generation.kv_cache: static` is the Hugging Face engine's; `rollout_engine.name: {self.name}`"
                 " pages its own KV cache (size it with its knobs)",
                 siblings=("rollout_engine.name",),
+            )
+
+    def _check_tensor_parallel(self) -> None:
+        tp = self.tensor_parallel_size
+        if self.name != "vllm":
+            raise SettingError(
+                "rollout_engine.tensor_parallel_size",
+                f"`rollout_engine.tensor_parallel_size`={tp} is vLLM's; the `hf` engine generates with the actor as the"
+                " trainer's strategy split it (set the strategy's `tensor_parallel_size` instead)",
+                siblings=("rollout_engine.name",),
+            )
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus < tp:
+            raise SettingError(
+                "rollout_engine.tensor_parallel_size",
+                f"={tp} splits vLLM's weights over {tp} GPUs; this machine has {gpus} visible"
+                + (" (vLLM's CPU build runs one worker)" if gpus == 0 else ""),
             )
