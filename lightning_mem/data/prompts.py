@@ -313,11 +313,12 @@ class PromptDataModule(LightningDataModule):
     def _with_system_prompt(self, row: dict[str, Any]) -> dict[str, Any]:
         return with_system_prompt(row, self.system_prompt)
 
-    def largest_batch(self, fill_token: int) -> dict[str, Any]:
+    def largest_batch(self, fill_token: int, context_parallel_size: int = 1) -> dict[str, Any]:
         """The largest batch of prompts these settings allow, made of ``fill_token``: ``batch_size``
         prompts of ``max_prompt_length`` tokens, each with the data's first row (what a reward rule
         reads, e.g. its ``answer``). The memory estimate (:mod:`lightning_mem.estimate`) runs the recipe
-        on it; only that row is read."""
+        on it; only that row is read. Every rank of a context-parallel group reads the same whole
+        prompts: ``context_parallel_size`` changes nothing here (the recipe's budgets count it)."""
         with settings_at(self.config_key):
             row = self._with_system_prompt(self.source.first_row("train"))
         ids = torch.full((self.batch_size, self.max_prompt_length), fill_token, dtype=torch.long)

@@ -421,14 +421,16 @@ class SFTDataModule(LightningDataModule):
             num_workers=self.num_workers,
         )
 
-    def largest_batch(self, fill_token: int) -> dict[str, torch.Tensor]:
+    def largest_batch(self, fill_token: int, context_parallel_size: int = 1) -> dict[str, torch.Tensor]:
         """The largest training micro-batch these settings allow, made of ``fill_token``: as many
         rows as the token budget (or ``batch_size``) takes, each ``max_length`` tokens, every token a
-        label. The memory estimate (:mod:`lightning_mem.estimate`) runs the recipe on it; no data
-        are read."""
+        label; with ``context_parallel_size`` ranks sharing each row, the budget is per rank
+        (:func:`lightning_mem.ranks.per_rank_budget`). The memory estimate
+        (:mod:`lightning_mem.estimate`) runs the recipe on it; no data are read."""
         if self.packing:
             return packed.largest_packed_batch(fill_token, self.max_tokens_per_batch, self.max_length)
-        rows = self.max_tokens_per_batch // self.max_length if self.max_tokens_per_batch else self.batch_size
+        budget = self.max_tokens_per_batch and self.max_tokens_per_batch * context_parallel_size
+        rows = budget // self.max_length if budget else self.batch_size
         ids = torch.full((max(rows, 1), self.max_length), fill_token, dtype=torch.long)
         return {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids),
                 "step_label_tokens": torch.tensor(ids.numel(), dtype=torch.long)}
