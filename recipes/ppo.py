@@ -383,7 +383,7 @@ class PPOModule(LightningModule):
                 max_length=rm.max_length, key="model.reward_model.name_or_path",
             )
         self.eos_token_ids = _eos_ids(self.actor, self.tokenizer)
-        self.rollout_engine = step_io(self.trainer).rollout_engine(
+        self.rollout_engine = step_io(self._trainer).rollout_engine(  # a module built outside a fit has none
             self.rollout_engine_config, self.generation, model_path=hp.name_or_path,
             eos_token_ids=self.eos_token_ids, pad_token_id=self.tokenizer.pad_token_id,
             # An engine with weights of its own samples in what the actor computes in, not in its
