@@ -63,7 +63,9 @@ class GradientProbe(ppo.PPOModule):
 
     def __init__(self, *args, world_size: int = 1, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.stand_in = SimpleNamespace(world_size=world_size, callbacks=[SplitInto(1)])
+        # No distributed_sampler_kwargs: every rank is a data-parallel replica (lightning_mem.ranks).
+        self.stand_in = SimpleNamespace(world_size=world_size, global_rank=0, strategy=SimpleNamespace(),
+                                        callbacks=[SplitInto(1)])
         self.grads: dict[str, torch.Tensor] = {}
 
     @property
