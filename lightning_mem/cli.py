@@ -308,6 +308,8 @@ class RecipeCLI(LightningCLI):
         blocks whose estimated device peak fits: the run is estimated (on fake tensors, before any
         model loads) with its callback list as configured, that callback set to n blocks."""
         callbacks = config.trainer.get("callbacks") or []
+        if not isinstance(callbacks, (list, tuple)):  # one callback given on its own is not a list
+            callbacks = [callbacks]
         entries = [c for c in callbacks if isinstance(c, dict) or hasattr(c, "class_path")]
         for index, entry in enumerate(entries):
             if not str(_get(entry, "class_path")).endswith("ActivationCheckpointing"):

@@ -67,7 +67,7 @@ def test_system_prompt_is_added_to_rows_that_have_none(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     dm = PromptDataModule(str(path), tokenizer=str(TINY_MODEL), batch_size=1, system_prompt="Number only.")
     dm.setup("fit")
-    texts = [dm.tokenizer.decode(ids) for ids in dm.train_set.prompt_ids]
+    texts = [dm.tokenizer.decode(dm.train_set[i]["prompt_ids"]) for i in range(len(dm.train_set))]
     assert texts[0].startswith("<|system|>\nNumber only.\n<|user|>\nWhat is 1 + 1?")
     assert texts[1].startswith("<|system|>\nOwn.\n")
     # The row carries it too, so a reward model rebuilding the conversation sees the same one.
