@@ -21,6 +21,8 @@ ALLOWED = (
     r"PagedAdamW8bit is a paged optimizer, but paging needs CUDA",
     # configs/ppo/tiny_cpu_fsdp2.yaml exercises activation offload on CPU, where it saves nothing.
     r"ActivationOffload on CPU: host and device memory are the same",
+    # The FSDP2 configs offload to the host under glibc malloc: one actionable line names jemalloc.
+    r"LD_PRELOAD",
 )
 
 #: What counts as a warning line: Python's and Lightning's "file.py:LINE: message" format, a
