@@ -66,13 +66,8 @@ def clipped_surrogate(
     log_ratio = _masked(logprobs - old_logprobs, mask)  # selected before exp: padding cannot overflow
     advantages = _masked(advantages, mask)
     ratio = safe_ratio(log_ratio)
-    unclipped = -advantages * ratio
-    clipped_loss = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    loss = torch.maximum(unclipped, clipped_loss)
+    loss, clipped, low, high = _clipped_surrogate_terms(ratio, advantages, mask, clip_low, clip_high)
     real = mask.bool()
-    with torch.no_grad():
-        clipped = (clipped_loss > unclipped) & real
-        low, high = clipped & (ratio < 1.0 - clip_low), clipped & (ratio > 1.0 + clip_high)
     dual = torch.zeros_like(real)
     if clip_c is not None:
         bound = -advantages * clip_c
@@ -80,6 +75,19 @@ def clipped_surrogate(
             dual = (advantages < 0) & (loss > bound) & real
         loss = torch.where(advantages < 0, torch.minimum(loss, bound), loss)
     return PolicyTerms(_masked(loss, mask), clipped, low, high, dual, log_ratio.detach())
+
+
+def _clipped_surrogate_terms(ratio: Tensor, advantages: Tensor, mask: Tensor, clip_low: float,
+                             clip_high: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """PPO's pessimistic clipped loss ``max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))`` and which
+    real tokens the clip decided (all, below the range, above it): shared by token and sequence ratios."""
+    unclipped = -advantages * ratio
+    clipped_loss = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(unclipped, clipped_loss)
+    with torch.no_grad():
+        clipped = (clipped_loss > unclipped) & mask.bool()
+        low, high = clipped & (ratio < 1.0 - clip_low), clipped & (ratio > 1.0 + clip_high)
+    return loss, clipped, low, high
 
 
 def sequence_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
@@ -109,14 +117,8 @@ def gspo_loss(
     token_logprobs = _masked(logprobs, mask)
     log_ratio = token_logprobs - token_logprobs.detach() + seq.detach().unsqueeze(1)
     ratio = safe_ratio(log_ratio)
-    advantages = _masked(advantages, mask)
-    unclipped = -advantages * ratio
-    clipped_loss = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    loss = torch.maximum(unclipped, clipped_loss)
+    loss, clipped, low, high = _clipped_surrogate_terms(ratio, _masked(advantages, mask), mask, clip_low, clip_high)
     real = mask.bool()
-    with torch.no_grad():
-        clipped = (clipped_loss > unclipped) & real
-        low, high = clipped & (ratio < 1.0 - clip_low), clipped & (ratio > 1.0 + clip_high)
     token_log_ratio = _masked(logprobs - old_logprobs, mask).detach()
     return PolicyTerms(_masked(loss, mask), clipped, low, high, torch.zeros_like(real), token_log_ratio)
 
