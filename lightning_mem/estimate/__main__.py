@@ -4,13 +4,30 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 import warnings
+from collections.abc import Iterator
 
 from lightning_mem.estimate import report
 from lightning_mem.estimate.session import estimate, recipe_for
 from lightning_mem.estimate.suggest import suggest
+
+
+@contextlib.contextmanager
+def _quiet_lightning() -> Iterator[None]:
+    """Lightning's info lines (GPU available...) are the estimate's stand-in trainer's, not the
+    user's: silenced while it runs, restored after (main may be called in a process that logs on)."""
+    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,9 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--suggest needs a device size to fit into: pass --device-memory (e.g. 24GiB), or a config"
                      " with a tier (# tier: 1x24GB)")
     recipe = recipe_for(args.config, args.recipe)
-    for name in ("lightning.pytorch", "lightning.fabric"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    with warnings.catch_warnings():
+    with _quiet_lightning(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         result = estimate(args.config, overrides, recipe=recipe, world_size=args.world_size, device_memory=device_bytes)
         suggestions = None

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,7 @@ from lightning_mem.estimate.session import (
     recipe_for,
     sampled_tokens,
 )
-from lightning_mem.estimate.sharded import DEFAULT_TIMEOUT_S, FSDP2Categories, is_fsdp2, run_ranks
+from lightning_mem.estimate.sharded import DEFAULT_TIMEOUT_S, SHARED_DIR_ENV, FSDP2Categories, is_fsdp2, run_ranks
 from lightning_mem.estimate.tracker import MemoryLedger, TrackingMode
 
 
@@ -117,7 +118,8 @@ def measure_fit(
 def _fit_rank(config: str, overrides: list[str], recipe: str | None, steps: int, *,
               world_size: int) -> list[PhaseEstimate]:
     _, cli_class, module_class, data_class = _recipe_parts(recipe_for(config, recipe))
-    with tempfile.TemporaryDirectory(prefix="lightning_mem_fit_") as tmp:
+    shared = os.environ.get(SHARED_DIR_ENV) if world_size > 1 else None  # one run folder for all ranks
+    with contextlib.nullcontext(shared) if shared else tempfile.TemporaryDirectory(prefix="lightning_mem_fit_") as tmp:
         args = ["--config", config, *overrides, f"--trainer.default_root_dir={tmp}",
                 "--trainer.enable_progress_bar=false"]
         cli = cli_class(module_class, data_class, args=args, run=False)

@@ -110,16 +110,20 @@ def _recipe_parts(module_name: str) -> tuple[Any, type, type, type]:
     from lightning.pytorch import LightningDataModule, LightningModule
     from lightning.pytorch.cli import LightningCLI
 
-    from lightning_mem.cli import RecipeCLI
-
     mod = importlib.import_module(module_name)
     classes = [v for v in vars(mod).values() if inspect.isclass(v)]
     modules = [c for c in classes if issubclass(c, LightningModule) and c.__module__ == module_name]
     datas = [c for c in classes if issubclass(c, LightningDataModule)]
+    # The CLI the recipe runs under: its own class, else the one it imports (every recipe imports
+    # RecipeCLI; it is not imported here, as lightning_mem.cli itself calls the estimator).
     clis = [c for c in classes if issubclass(c, LightningCLI) and c.__module__ == module_name]
-    if len(modules) != 1 or not datas:
-        raise ValueError(f"{module_name}: expected one LightningModule and a datamodule, found {modules} {datas}")
-    return mod, (clis[0] if clis else RecipeCLI), modules[0], datas[0]
+    if not clis:
+        imported = [c for c in classes if issubclass(c, LightningCLI)]
+        clis = [c for c in imported if not any(o is not c and issubclass(o, c) for o in imported)]
+    if len(modules) != 1 or not datas or len(clis) != 1:
+        raise ValueError(f"{module_name}: expected one LightningModule, a datamodule and one LightningCLI "
+                         f"class (define or import one), found {modules} {datas} {clis}")
+    return mod, clis[0], modules[0], datas[0]
 
 
 def parse_config(recipe_module: str, args: list[str]) -> tuple[Any, Any, type]:

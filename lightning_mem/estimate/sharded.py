@@ -82,11 +82,17 @@ def run_ranks(target: Callable[..., list[PhaseEstimate]], args: tuple, *, world_
     return results
 
 
+#: A folder every spawned rank shares, removed by :func:`run_ranks` once all have exited. A rank
+#: must not keep run files in a folder of its own: ranks write into rank 0's run folder
+#: (``run_dir``), which would vanish when rank 0 finished first.
+SHARED_DIR_ENV = "LIGHTNING_MEM_RANKS_DIR"
+
+
 def _rank_main(rank: int, world_size: int, port: int, target: Callable[..., list[PhaseEstimate]], args: tuple,
                out: str) -> None:
     # The environment of an externally launched rank: Lightning then joins it instead of launching.
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size), RANK=str(rank),
-                      LOCAL_RANK=str(rank), NODE_RANK="0")
+                      LOCAL_RANK=str(rank), NODE_RANK="0", **{SHARED_DIR_ENV: out})
     torch.set_num_threads(1)  # the tiny model: more threads per rank only contend for the cores
     try:
         phases = target(*args, world_size=world_size)

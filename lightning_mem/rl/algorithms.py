@@ -24,6 +24,8 @@ from typing import Literal, get_args
 import torch
 from torch import Tensor
 
+from lightning_mem.rl.masking import masked as _masked
+
 #: The per-token KL estimators (a YAML setting takes the Literal, code iterates the tuple).
 KLEstimator = Literal["k1", "k2", "k3", "abs"]
 KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
@@ -39,16 +41,6 @@ def _identity(t: Tensor) -> Tensor:
 # ---------------------------------------------------------------------------------------------
 # Masked statistics
 # ---------------------------------------------------------------------------------------------
-
-
-def _masked(values: Tensor, mask: Tensor) -> Tensor:
-    """``values`` where ``mask`` is set, exactly 0 elsewhere.
-
-    Selection, not multiplication: ``inf * 0`` and ``nan * 0`` are NaN, so a non-finite value at a
-    padded position (a logit overflow, an uninitialised buffer, a value head on a pad token) would
-    otherwise poison every sum it enters, and its gradient too.
-    """
-    return torch.where(mask.bool(), values, torch.zeros((), dtype=values.dtype, device=values.device))
 
 
 def masked_sum(values: Tensor, mask: Tensor) -> Tensor:
@@ -206,7 +198,7 @@ def clipped_policy_loss(
     """PPO's clipped surrogate summed over tokens: per token max(-A * r, -A * clip(r, 1-eps, 1+eps)),
     r = pi / pi_old. The per-token form, with decoupled and dual clipping, GSPO and CISPO, is
     :mod:`lightning_mem.rl.policy_losses` (what the recipe uses)."""
-    from lightning_mem.rl.policy_losses import clipped_surrogate  # it builds on this module's masking
+    from lightning_mem.rl.policy_losses import clipped_surrogate  # it builds on these statistics' masking
 
     terms = clipped_surrogate(logprobs, old_logprobs, advantages, mask, clip_low=clip_ratio, clip_high=clip_ratio)
     with torch.no_grad():

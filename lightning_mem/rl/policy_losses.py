@@ -18,7 +18,7 @@ from typing import Literal, get_args
 import torch
 from torch import Tensor
 
-from lightning_mem.rl.algorithms import _masked
+from lightning_mem.rl.masking import masked as _masked
 
 PolicyLoss = Literal["vanilla", "gspo", "cispo"]
 POLICY_LOSSES: tuple[str, ...] = get_args(PolicyLoss)

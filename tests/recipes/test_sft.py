@@ -36,7 +36,7 @@ def runs(tmp_path_factory):
 
 
 def test_loss_falls(runs):
-    full, _ = runs
+    full, _, _ = runs
     losses = [v for _, v in sorted(read_metric(full, "train_loss").items())]
     assert len(losses) == 60
     q = len(losses) // 4
@@ -44,7 +44,7 @@ def test_loss_falls(runs):
 
 
 def test_resume_equals_uninterrupted(runs):
-    full, part = runs
+    full, part, _ = runs
     expected, resumed = read_metric(full, "train_loss"), read_metric(part, "train_loss")
     assert sorted(resumed) == sorted(expected)  # the resumed run logged steps 30..59, the first run 0..29
     for step in range(30, 60):
@@ -162,7 +162,7 @@ def test_data_files_used_by_the_tiny_config_ship():
 
 
 def test_memory_monitor_writes_timeline(runs):
-    full, _ = runs
+    full, _, _ = runs
     assert list(full.glob("logs/*/memory.csv")) and list(full.glob("logs/*/memory.png"))
 
 
