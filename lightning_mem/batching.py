@@ -189,15 +189,7 @@ class TokenBudgetSampler(DistributedSampler):
         if self.shuffle:
             g = torch.Generator().manual_seed(self.seed)
             order = torch.randperm(len(order), generator=g).tolist()
-        if self.batch_size is not None:
-            batches = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
-        else:
-            batches = []
-            for start in range(0, len(order), self.sort_window):
-                window = np.asarray(order[start : start + self.sort_window], dtype=np.int64)
-                # Longest first; a stable sort keeps the shuffled order among equal lengths.
-                window = window[np.argsort(-self.lengths[window], kind="stable")].tolist()
-                batches += pack_by_token_budget(window, self.lengths, self.max_tokens)
+        batches = self._group(order)
         batches = split_batches_to_multiple(batches, self.num_replicas, self.lengths)
         planned = len(batches)
         batches = pad_batches_to_multiple(batches, self.num_replicas, self.lengths)
@@ -212,6 +204,19 @@ class TokenBudgetSampler(DistributedSampler):
                 " twice per epoch to give every rank the same step count",
                 stacklevel=2,
             )
+        return batches
+
+    def _group(self, order: list[int]) -> list[list[int]]:
+        """The epoch-independent batches of the (seeded) sample ``order``; a subclass may group
+        differently (:class:`lightning_mem.data.packing.PackedBatchSampler` packs rows)."""
+        if self.batch_size is not None:
+            return [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
+        batches = []
+        for start in range(0, len(order), self.sort_window):
+            window = np.asarray(order[start : start + self.sort_window], dtype=np.int64)
+            # Longest first; a stable sort keeps the shuffled order among equal lengths.
+            window = window[np.argsort(-self.lengths[window], kind="stable")].tolist()
+            batches += pack_by_token_budget(window, self.lengths, self.max_tokens)
         return batches
 
     def _epoch_order(self, epoch: int) -> list[list[int]]:

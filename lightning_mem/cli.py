@@ -10,6 +10,9 @@
 - relative input paths in a config file (data files, model folders) are found from the config
   file, not from wherever the command runs (:func:`resolve_input_path`);
 - ``--ckpt_path`` naming an empty or non-checkpoint file fails before any model is loaded;
+- at the command line (:func:`run_command`), a user's mistake -- a setting, a path, a data line --
+  prints one line and exits with status 2, as the parser's own errors do; a bug keeps its
+  traceback, and ``LIGHTNING_MEM_DEBUG=1`` shows the traceback of either;
 - ``fit --auto_fit true`` estimates the run first and applies the cheapest suggestion that fits the
   device (``--device_memory``, else the CUDA device's), before any model is loaded
   (:mod:`lightning_mem.auto_fit`).
@@ -18,11 +21,14 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 import sys
 import types
 import typing
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
@@ -34,11 +40,18 @@ from lightning.pytorch.loggers import Logger
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_mem.allocator import (
+    allocator_advice,
+    apply_expandable_segments,
+    expandable_segments_decision,
+    host_offloads,
+)
 from lightning_mem.callbacks.progress import StepProgressBar, StepRichProgressBar
 from lightning_mem.checkpointing import AtomicCheckpointIO, ResumeCheck, find_last_checkpoint
+from lightning_mem.data.rows import DataFormatError
 from lightning_mem.quiet import silence_unactionable_warnings
 from lightning_mem.run_dir import run_dir
-from lightning_mem.settings import SettingError, settings_at
+from lightning_mem.settings import SettingError, SettingPathError, settings_at
 
 # Before a recipe imports bitsandbytes (it logs at import): recipes import this module first.
 silence_unactionable_warnings()
@@ -93,7 +106,7 @@ def resolve_input_path(value: str, key: str, dirs: list[Path], *, may_be_hub_id:
         return value
     tried = ", ".join(str(d) for d in dirs)
     what = "model path" if may_be_hub_id else "data file"
-    raise FileNotFoundError(f"`{key}`: {what} {value!r} does not exist; a relative path is looked for under: {tried}")
+    raise SettingPathError(key, f": {what} {value!r} does not exist; a relative path is looked for under: {tried}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -170,17 +183,20 @@ def check_checkpoint_path(ckpt_path: str | None) -> None:
     if "://" in str(ckpt_path):
         return  # a remote URL: fsspec reads it
     if not path.exists():
-        raise FileNotFoundError(f"`ckpt_path`: {str(ckpt_path)!r} does not exist (relative to {Path.cwd()})")
+        raise SettingPathError("ckpt_path", f": {str(ckpt_path)!r} does not exist (relative to {Path.cwd()})")
     if path.is_dir():
         if not any(path.iterdir()):
-            raise ValueError(f"`ckpt_path`: {str(ckpt_path)!r} is an empty folder, not a checkpoint")
+            raise SettingError("ckpt_path", f": {str(ckpt_path)!r} is an empty folder, not a checkpoint")
         return
     if path.stat().st_size == 0:
-        raise ValueError(f"`ckpt_path`: {str(ckpt_path)!r} is empty (0 bytes); it is not a checkpoint (a run killed while writing it?)")
+        raise SettingError(
+            "ckpt_path", f": {str(ckpt_path)!r} is empty (0 bytes); it is not a checkpoint (a run killed while writing it?)"
+        )
     if not zipfile.is_zipfile(path):
-        raise ValueError(
-            f"`ckpt_path`: {str(ckpt_path)!r} is not a PyTorch checkpoint (torch.save writes a zip archive; this"
-            " file is not one: truncated, or another kind of file)"
+        raise SettingError(
+            "ckpt_path",
+            f": {str(ckpt_path)!r} is not a PyTorch checkpoint (torch.save writes a zip archive; this"
+            " file is not one: truncated, or another kind of file)",
         )
 
 
@@ -246,6 +262,9 @@ class RecipeCLI(LightningCLI):
         self._default_logger(config)
         check_numbers(config)
         check_setting_groups(self.model_class, config.get("model"), "model")
+        _set_device_allocator(config)
+        if self.subcommand == "fit":
+            self._checkpoint_within_budget(config)
         if self.datamodule_class is not None and _is_plain_section(config.get("data")):
             # Built once here, cheaply (a datamodule reads its data in setup): a rule relating its
             # arguments (train_file or dataset) fails now, named data.<argument>.
@@ -283,6 +302,46 @@ class RecipeCLI(LightningCLI):
         rank_zero_info(f"auto_fit: {line}")
         extra = [*chosen["overrides"]] if chosen is not None else []
         self.parse_arguments(self.parser, [*args, *extra, f"--auto_fit_applied={line}"])
+
+    def _checkpoint_within_budget(self, config: Any) -> None:
+        """An ``ActivationCheckpointing`` callback with a ``budget`` and no ``blocks`` gets the fewest
+        blocks whose estimated device peak fits: the run is estimated (on fake tensors, before any
+        model loads) with its callback list as configured, that callback set to n blocks."""
+        callbacks = config.trainer.get("callbacks") or []
+        entries = [c for c in callbacks if isinstance(c, dict) or hasattr(c, "class_path")]
+        for index, entry in enumerate(entries):
+            if not str(_get(entry, "class_path")).endswith("ActivationCheckpointing"):
+                continue
+            budget, blocks = _get(entry, "init_args.budget"), _get(entry, "init_args.blocks")
+            if budget is None or blocks is not None:
+                continue
+            key = f"trainer.callbacks[{index}].init_args.budget"
+            from lightning_mem import auto_fit
+            from lightning_mem.activation_checkpointing import fewest_blocks_within
+            from lightning_mem.estimate import estimate
+            from lightning_mem.estimate.report import parse_size
+
+            try:
+                budget_bytes = parse_size(str(budget))
+            except ValueError as err:
+                raise SettingError(key, f": {err}") from None
+            args = sys.argv[1:] if self._args is None else self._args
+            config_file, overrides = auto_fit.split_command_line(list(args))
+
+            def peak_of(n: int) -> int:
+                listed = [_callback_as_dict(c) for c in callbacks]
+                listed[index]["init_args"].update(budget=None, blocks=n)
+                return estimate(config_file, [*overrides, f"--trainer.callbacks={json.dumps(listed)}"]).device_peak_bytes
+
+            num_blocks = _num_blocks(_get(config, "model.name_or_path"))
+            try:
+                chosen, peaks = fewest_blocks_within(budget_bytes, peak_of, num_blocks)
+            except ValueError as err:
+                raise SettingError(key, f" ({budget}): {err}") from None
+            entry.init_args.blocks = chosen
+            rank_zero_info(
+                f"ActivationCheckpointing budget {budget}: {chosen} of {num_blocks} blocks checkpointed (estimated"
+                f" peak {peaks[chosen] / 2**30:.2f} GiB; none: {peaks[0] / 2**30:.2f} GiB)")
 
     def _resolve_input_paths(self, config: Any) -> None:
         files = [Path(p.absolute if hasattr(p, "absolute") else p) for p in (config.get("config") or [])]
@@ -323,6 +382,34 @@ class RecipeCLI(LightningCLI):
             keys = getattr(self.model, "optimizer_config_keys", ("model.optimizer",))
             self.trainer.callbacks.append(ResumeCheck(keys))
         _count_steps_in_progress_bar(self.trainer)
+        advice = allocator_advice(host_offloads(self.trainer, self.model))
+        if advice:
+            rank_zero_warn(advice)
+
+
+def _callback_as_dict(entry: Any) -> dict[str, Any]:
+    """A parsed callback entry as plain data, to pass back on an estimate's command line."""
+    data = entry.as_dict() if hasattr(entry, "as_dict") else dict(entry)
+    data.setdefault("init_args", {})
+    return data
+
+
+def _num_blocks(name_or_path: Any) -> int:
+    """The decoder blocks of the configured model, read from its config.json (no weights)."""
+    from transformers import AutoConfig
+
+    return int(AutoConfig.from_pretrained(str(name_or_path)).num_hidden_layers)
+
+
+def _set_device_allocator(config: Any) -> None:
+    """Turn on CUDA's expandable segments before anything touches CUDA, unless the user set
+    ``PYTORCH_CUDA_ALLOC_CONF`` or a vLLM engine sleeps between rollouts (its own allocator)."""
+    import torch
+
+    vllm_sleep = _get(config, "model.rollout_engine.name") == "vllm" and (
+        _get(config, "model.rollout_engine.sleep_level") or 0) > 0
+    decision = expandable_segments_decision(vllm_sleep=vllm_sleep, cuda=torch.cuda.is_available())
+    apply_expandable_segments(decision)
 
 
 def _recipe_module(model_class: type) -> str:
@@ -359,7 +446,7 @@ def check_numbers(config: Any) -> None:
     flat = config.as_dict() if hasattr(config, "as_dict") else dict(config)
     accumulate = flat.get("trainer", {}).get("accumulate_grad_batches")
     if accumulate is not None and (isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1):
-        raise ValueError(f"`trainer.accumulate_grad_batches` must be an int >= 1, got {accumulate!r}")
+        raise SettingError("trainer.accumulate_grad_batches", f" must be an int >= 1, got {accumulate!r}")
 
     def walk(node: Any, key: str) -> None:
         if isinstance(node, dict):
@@ -367,7 +454,7 @@ def check_numbers(config: Any) -> None:
                 walk(value, f"{key}.{name}" if key else str(name))
         elif key.endswith("init_args.lr") and isinstance(node, (int, float)) and not isinstance(node, bool):
             if node < 0 or not math.isfinite(node):
-                raise ValueError(f"`{key}` must be a finite learning rate >= 0, got {node!r}")
+                raise SettingError(key, f" must be a finite learning rate >= 0, got {node!r}")
 
     walk(flat, "")
 
@@ -418,3 +505,33 @@ def _get(config: Any, key: str) -> Any:
         return config[key]
     except (KeyError, TypeError, AttributeError):
         return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The command line: one line for a user's mistake, a traceback for a bug
+# ---------------------------------------------------------------------------------------------
+
+#: Errors a user causes and fixes in their config, command line or data, each of which names the
+#: key, file or line: at the command line they print as one line. Anything else is a bug in this
+#: code (or in a library under it) and keeps its traceback.
+USER_ERRORS: tuple[type[BaseException], ...] = (SettingError, DataFormatError)
+
+#: Set to 1 to see the traceback of a user error too (e.g. to report where a check fired).
+DEBUG_ENV = "LIGHTNING_MEM_DEBUG"
+
+
+def run_command(main: Callable[[], Any]) -> Any:
+    """Run a recipe's ``main()`` as the command line does (``python -m recipes.sft ...``).
+
+    A user error (:data:`USER_ERRORS`) prints ``error: <message>`` on stderr and exits with status
+    2, like the parser's own errors (a misspelled key, a value of the wrong type); with
+    ``LIGHTNING_MEM_DEBUG=1`` it raises as it is. Called from Python, ``main()`` itself raises:
+    only the command line turns errors into an exit status.
+    """
+    try:
+        return main()
+    except USER_ERRORS as err:
+        if os.environ.get(DEBUG_ENV, "").strip() not in ("", "0"):
+            raise
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None

@@ -15,6 +15,7 @@ from lightning_mem.checkpointing import (
     staged_directory,
     trainable_names,
 )
+from lightning_mem.settings import SettingError, SettingPathError
 
 
 @runtime_checkable
@@ -97,7 +98,7 @@ def load_checkpoint_weights(module: torch.nn.Module, ckpt_path: str | Path) -> d
     """
     path = Path(ckpt_path)
     if not path.exists():
-        raise FileNotFoundError(f"`--ckpt_path`: {str(ckpt_path)!r} does not exist")
+        raise SettingPathError("--ckpt_path", f": {str(ckpt_path)!r} does not exist")
     own = module.state_dict()
     if path.is_dir():
         import warnings
@@ -105,8 +106,9 @@ def load_checkpoint_weights(module: torch.nn.Module, ckpt_path: str | Path) -> d
         import torch.distributed.checkpoint as dcp
 
         if not (path / ".metadata").is_file():
-            raise ValueError(
-                f"`--ckpt_path`: {path} is a folder but not a sharded (torch distributed) checkpoint; for a DeepSpeed"
+            raise SettingError(
+                "--ckpt_path",
+                f": {path} is a folder but not a sharded (torch distributed) checkpoint; for a DeepSpeed"
                 " folder, convert it first with lightning.pytorch.utilities.deepspeed.convert_zero_checkpoint_to_fp32_state_dict"
             )
         check_complete(path)
@@ -122,7 +124,7 @@ def load_checkpoint_weights(module: torch.nn.Module, ckpt_path: str | Path) -> d
     else:
         meta = torch.load(path, map_location="cpu", weights_only=False)
         if not isinstance(meta, dict) or "state_dict" not in meta:
-            raise ValueError(f"`--ckpt_path`: {path} is not a Lightning checkpoint (no `state_dict`)")
+            raise SettingError("--ckpt_path", f": {path} is not a Lightning checkpoint (no `state_dict`)")
         state = meta.pop("state_dict")
         _check_keys(set(state), own, module, path)
     module.load_state_dict(state, strict=False)

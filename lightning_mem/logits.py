@@ -38,6 +38,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from lightning_mem.context_parallel import gather_scattered, layout_of, shard_sequences
+
 #: Config attributes of model families whose forward transforms the logits after the output
 #: layer (soft-capping, scaling): the chunked path would apply that transform to its results.
 _LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
@@ -82,9 +84,13 @@ def chunked_logprobs(
             lp, ent = _score_chunk(h, t, output_layer, temperature, with_entropy, entropy_grad)
         logprobs.append(lp)
         entropies.append(ent)
-    if not logprobs:  # nothing scored: empty results that still join the graph
-        empty = hidden.new_zeros(0, dtype=torch.float32) + 0.0 * hidden.sum()
-        return empty, (empty if with_entropy else None)
+    if not logprobs:
+        # Nothing scored here (a context-parallel rank whose slice holds no label): the output
+        # layer still runs, on no rows, so that its parameters get a (zero) gradient on this rank
+        # too: FSDP reduce-scatters a unit's gradients together, and a rank without them would
+        # send a shorter buffer than its peers.
+        logprobs, entropy = _score_chunk(hidden, targets, output_layer, temperature, with_entropy, entropy_grad)
+        return logprobs.clone(), (entropy.clone() if entropy is not None else None)  # fresh tensors, as below
     # cat even of one chunk: a fresh tensor, not a view (a strategy hooks the forward's outputs,
     # and FSDP2 warns that an in-place op on a returned view would bypass its backward hook).
     return torch.cat(logprobs), (torch.cat(entropies) if with_entropy else None)
@@ -208,7 +214,7 @@ def _owner_of(root: nn.Module, target: nn.Module) -> tuple[nn.Module, str]:
 def score_tokens(
     model: nn.Module,
     input_ids: Tensor,
-    attention_mask: Tensor,
+    attention_mask: Tensor | None,
     positions: Tensor,
     targets: Tensor,
     *,
@@ -217,8 +223,12 @@ def score_tokens(
     with_entropy: bool = False,
     entropy_grad: bool = True,
     with_hidden: bool = False,
+    position_ids: Tensor | None = None,
 ) -> TokenScores:
     """Run ``model`` on a right- or left-padded batch and score ``targets`` at ``positions``.
+
+    A packed row (:mod:`lightning_mem.data.packing`) comes with ``position_ids`` restarting per
+    example and ``attention_mask=None``: the model then isolates the examples.
 
     Args:
         model: a ``transformers`` causal LM, or a peft model wrapping one (adapters as they are
@@ -235,19 +245,41 @@ def score_tokens(
         with_hidden: also return the gathered final hidden states (a shared value head reads them).
     """
     check_supported(model)
+    options = dict(chunk_size=chunk_size or None, temperature=temperature, with_entropy=with_entropy,
+                   entropy_grad=entropy_grad, with_hidden=with_hidden)
+    layout = layout_of(model)
+    if layout is None:
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if position_ids is not None:
+            inputs["position_ids"] = position_ids
+        return _scored_forward(model, inputs, positions, targets, options)
+    if position_ids is not None:
+        # The slices' positions come from the attention mask; restarting (packed) ones would be lost.
+        raise ValueError("packed rows (`data.packing`) are not split by tensor or context parallelism yet: "
+                         "turn one of them off")
+    # Split by a strategy (lightning_mem.context_parallel): this rank runs its slice of each
+    # sequence, scores the positions in it, and the group's results are gathered in order.
+    shard = shard_sequences(input_ids, attention_mask, layout)
+    width = input_ids.shape[1]
+    inputs = {"input_ids": shard.input_ids, "position_ids": shard.position_ids}
+    if layout.context_parallel:
+        inputs["sequence_layout"] = layout  # read by the Ulysses attention function
+    else:  # one slice: the whole (padded) sequence, padding masked as given
+        inputs["attention_mask"] = torch.nn.functional.pad(attention_mask, (0, shard.width - width))
+    local = shard.local_positions(positions, width)
+    scores = _scored_forward(model, inputs, local, targets[shard.owners(positions, width) == layout.rank], options)
+    if not layout.context_parallel:
+        return scores
+    owners = shard.owners(positions, width)
+    return TokenScores(*(gather_scattered(value, owners, layout) for value in (scores.logprobs, scores.entropy, scores.hidden)))
+
+
+def _scored_forward(model: nn.Module, inputs: dict[str, Tensor], positions: Tensor, targets: Tensor,
+                    options: dict) -> TokenScores:
     lm = causal_lm_of(model)
-    head = ScoredOutputLayer(
-        lm.get_output_embeddings(),
-        positions,
-        targets,
-        chunk_size=chunk_size or None,
-        temperature=temperature,
-        with_entropy=with_entropy,
-        entropy_grad=entropy_grad,
-        with_hidden=with_hidden,
-    )
+    head = ScoredOutputLayer(lm.get_output_embeddings(), positions, targets, **options)
     with _output_layer_replaced(lm, head):
-        out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        out = model(**inputs, use_cache=False)
     scores = out.logits if hasattr(out, "logits") else out[0]
     if not isinstance(scores, tuple) or len(scores) != 3:
         raise ValueError(

@@ -28,9 +28,10 @@ from lightning_mem.checkpointing import staged_directory
 from lightning_mem.export import gather_state_dict
 from lightning_mem.dtypes import resolve_dtype
 from lightning_mem.models import building_config_only, check_model_source, has_weights, load_causal_lm, load_tokenizer
-from lightning_mem.settings import HalfOpenUnitInterval, SettingError, check_fields, settings_at
+from lightning_mem.settings import HalfOpenUnitInterval, SettingError, SettingPathError, check_fields, settings_at
 from lightning_mem.quantization import (
     QuantizationSettings,
+    freeze_quantized_base,
     is_quantized_linear,
     load_quantized_causal_lm,
     materialize_random_weights,
@@ -250,7 +251,7 @@ def _read_adapter(adapter_dir: str | Path) -> tuple[dict[str, Any], dict[str, An
     folder = Path(adapter_dir)
     config_file = folder / "adapter_config.json"
     if not config_file.is_file():
-        raise FileNotFoundError(f"`--adapter`: {str(adapter_dir)!r} has no adapter_config.json")
+        raise SettingPathError("--adapter", f": {str(adapter_dir)!r} has no adapter_config.json")
     sidecar = folder / BASE_SIDECAR
     return json.loads(config_file.read_text()), (json.loads(sidecar.read_text()) if sidecar.is_file() else None)
 
@@ -258,7 +259,7 @@ def _read_adapter(adapter_dir: str | Path) -> tuple[dict[str, Any], dict[str, An
 def _base_of(adapter_config: dict[str, Any], base: str | None) -> str:
     base = base or adapter_config.get("base_model_name_or_path")
     if not base:
-        raise ValueError("`--base`: the adapter does not name its base model; pass --base")
+        raise SettingError("--base", ": the adapter does not name its base model; pass --base")
     check_model_source(base, key="--base")
     return base
 
@@ -266,10 +267,10 @@ def _base_of(adapter_config: dict[str, Any], base: str | None) -> str:
 def load_adapter_model(adapter_dir: str | Path, *, base: str | None = None, **placement: Any) -> nn.Module:
     """Rebuild the trained model: the base quantized as in training, prepared the same way, plus the adapter.
 
-    Gives the trained model's outputs exactly (same quantized codes, same fp32 upcasts, same adapter
+    Gives the trained model's outputs exactly (same quantized codes, same dtypes, same adapter
     weights). ``placement``: ``device_map``/``max_memory``/``offload_folder`` for ``from_pretrained``.
     """
-    from peft import PeftModel, prepare_model_for_kbit_training
+    from peft import PeftModel
 
     adapter_config, sidecar = _read_adapter(adapter_dir)
     if sidecar is None:
@@ -289,7 +290,9 @@ def load_adapter_model(adapter_dir: str | Path, *, base: str | None = None, **pl
             trust_remote_code=trust,
             **placement,
         )
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        # The unquantized parameters in the dtype training held them in (fp32 for an adapter
+        # recorded before that dtype was: peft's upcast, which training then applied).
+        model = freeze_quantized_base(model, resolve_dtype(sidecar.get("dtype"), key="dtype") or torch.float32)
     return PeftModel.from_pretrained(model, str(adapter_dir)).eval()
 
 
@@ -319,7 +322,7 @@ def merge_adapter(
 
     torch_dtype = resolve_dtype(dtype, key="--dtype")
     if torch_dtype is None:
-        raise ValueError(f"`--dtype` must name a dtype, not {dtype!r}")
+        raise SettingError("--dtype", f" must name a dtype, not {dtype!r}")
     adapter_config, sidecar = _read_adapter(adapter_dir)
     base_path = _base_of(adapter_config, base)
     trust = bool(sidecar and sidecar.get("trust_remote_code"))
@@ -328,9 +331,9 @@ def merge_adapter(
         model = load_causal_lm(base_path, dtype=torch_dtype, from_config=False, trust_remote_code=trust)
     elif base_weights == "dequantized":
         if sidecar is None:
-            raise FileNotFoundError(
-                f"`--adapter`: {adapter_dir} has no {BASE_SIDECAR}, so how its base was quantized is unknown; "
-                "use --base_weights original"
+            raise SettingPathError(
+                "--adapter",
+                f": {adapter_dir} has no {BASE_SIDECAR}, so how its base was quantized is unknown; use --base_weights original",
             )
         settings = QuantizationSettings(**sidecar["quantization"])
         model = load_quantized_causal_lm(base_path, settings, trust_remote_code=trust)
@@ -340,7 +343,7 @@ def merge_adapter(
     elif base_weights == "original":
         model = load_causal_lm(base_path, dtype=torch_dtype, from_config=False, trust_remote_code=trust)
     else:
-        raise ValueError(f"`--base_weights` must be 'dequantized' or 'original', got {base_weights!r}")
+        raise SettingError("--base_weights", f" must be 'dequantized' or 'original', got {base_weights!r}")
     assert not any(is_quantized_linear(m) for m in model.modules())
     merged = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
     out = Path(out_dir)
@@ -365,7 +368,8 @@ def base_record(
 ) -> dict[str, Any]:
     """What :data:`BASE_SIDECAR` holds: enough to load the base exactly as training did.
 
-    ``settings`` None: a plain (bf16/fp32) base, loaded in ``dtype``.
+    ``dtype``: with ``settings`` None, the dtype a plain base loaded in; with ``settings``, the
+    dtype its unquantized parameters were held in (:func:`~lightning_mem.quantization.freeze_quantized_base`).
     """
     return {
         "quantization": None if settings is None else asdict(settings),

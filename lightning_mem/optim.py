@@ -55,11 +55,24 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     Shared tensors (bitsandbytes' quantization maps) count once; for FSDP2 ``DTensor`` state
     only the local shard counts. Python numbers (bitsandbytes' ``step``) are not tensors.
     """
-    seen: dict[int, int] = {}
+    return sum(optimizer_state_bytes_by_dtype(optimizer).values())
+
+
+def optimizer_state_bytes_by_dtype(optimizer: torch.optim.Optimizer, *, scalars: bool = True) -> dict[torch.dtype, int]:
+    """:func:`optimizer_state_bytes` per dtype: AdamW's moments in their parameter's dtype; an 8-bit
+    optimizer's uint8 codes beside fp32 scales (and fp32 moments for tensors too small to quantize).
+    ``scalars=False`` leaves out 0-dim tensors (AdamW's fp32 step counters)."""
+    seen: dict[int, tuple[torch.dtype, int]] = {}
     for container, key, _, _ in optimizer_state_slots(optimizer):
-        storage = local_tensor(container[key]).untyped_storage()
-        seen[storage.data_ptr() or id(storage)] = storage.nbytes()
-    return sum(seen.values())
+        tensor = local_tensor(container[key])
+        if not scalars and tensor.dim() == 0:
+            continue
+        storage = tensor.untyped_storage()
+        seen[storage.data_ptr() or id(storage)] = (tensor.dtype, storage.nbytes())
+    totals: dict[torch.dtype, int] = {}
+    for dtype, nbytes in seen.values():
+        totals[dtype] = totals.get(dtype, 0) + nbytes
+    return totals
 
 
 def warn_if_paged_on_cpu(optimizer: torch.optim.Optimizer) -> bool:

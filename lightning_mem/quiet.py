@@ -8,6 +8,7 @@ listed still prints.
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 
 #: (message regex, why it does not apply to the recipes)
@@ -42,6 +43,19 @@ UNACTIONABLE: tuple[tuple[str, str], ...] = (
 #: (logger, message prefix, why): log records of other libraries, dropped the same way.
 UNACTIONABLE_LOGS: tuple[tuple[str, str, str], ...] = (
     (
+        "lightning.pytorch.utilities.rank_zero",
+        "💡 Tip: For seamless cloud",
+        "Lightning's advertisement for its optional cloud logger (litlogger) and model registry (litmodels),"
+        " printed by every run that does not use them; the run's logs and checkpoints do not depend on them",
+    ),
+    (
+        "DeepSpeed",
+        "Setting accelerator to CPU",
+        "printed when `deepspeed` is imported on a machine without CUDA: transformers' save_pretrained"
+        " (through accelerate) imports it at every export, DeepSpeed strategy or not; Lightning's own"
+        " 'GPU available: False' line already says which device the run uses",
+    ),
+    (
         "bitsandbytes.backends.cpu.ops",
         "Failed to load CPU gemm_4bit_forward from kernels-community",
         "an optional CPU kernel that bitsandbytes would download from the hub at run time; the"
@@ -74,3 +88,11 @@ def silence_unactionable_warnings() -> None:
         warnings.filterwarnings("ignore", message=pattern)
     for name, prefix, _reason in UNACTIONABLE_LOGS:
         logging.getLogger(name).addFilter(_DropPrefix(prefix))
+    # transformers 5 draws a progress bar per shard on every load and save ("Loading weights",
+    # "Writing model shards"): a tiny model's bars flash by, a big one's shard count is not
+    # progress a user can act on; the recipes report their own steps. HF_HUB_DISABLE_PROGRESS_BARS=0
+    # (or transformers' enable_progress_bar()) brings them back.
+    if os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS") != "0":
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()

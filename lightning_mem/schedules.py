@@ -2,8 +2,10 @@
 
 A schedule's horizon is the run's: leave ``total_steps`` out of the YAML and
 :func:`build_lr_scheduler` fills it from the trainer (``max_steps``, or the epochs' estimated
-optimizer steps), so ``--trainer.max_steps 50`` decays the rate over 50 steps. :func:`check_schedule`
-runs before any model is loaded and refuses a warmup longer than the run.
+optimizer steps), so ``--trainer.max_steps 50`` decays the rate over 50 steps. A warmup longer than
+the run (a smoke test with ``--trainer.max_steps 6`` of a config that warms up over 20) is shortened
+to the run: :func:`check_schedule` says so once, before any model is loaded, and
+:func:`build_lr_scheduler` builds the shortened schedule.
 """
 
 from __future__ import annotations
@@ -81,10 +83,20 @@ def scheduler_horizon(trainer: Any, *, steps_per_batch: int = 1, optimizers: int
     return max(1, int(batches) * steps_per_batch)
 
 
-def check_schedule(factory: Any, trainer: Any, *, key: str = "lr_scheduler", **horizon_kwargs: Any) -> None:
-    """Before any model loads: a warmup longer than the run fails; a ``total_steps`` other than the run's warns.
+def _warmup_cap(args: dict[str, Any], horizon: int) -> int | None:
+    """The steps a too-long ``warmup_steps`` is shortened to (the schedule's length), or None if it fits."""
+    warmup, total = args.get("warmup_steps"), args.get("total_steps")
+    length = total if isinstance(total, int) else horizon
+    return length if isinstance(warmup, int) and warmup > length else None
 
-    ``key`` names the scheduler's setting in messages (the recipes pass ``model.lr_scheduler``).
+
+def check_schedule(factory: Any, trainer: Any, *, key: str = "lr_scheduler", **horizon_kwargs: Any) -> None:
+    """Before any model loads: warn where the schedule does not match the run.
+
+    A warmup longer than the run is shortened to the run (:func:`build_lr_scheduler` does it): a
+    short smoke test of a long config then runs instead of failing. A ``total_steps`` other than
+    the run's also warns. ``key`` names the scheduler's setting in messages (the recipes pass
+    ``model.lr_scheduler``).
     """
     if factory is None:
         return
@@ -94,10 +106,11 @@ def check_schedule(factory: Any, trainer: Any, *, key: str = "lr_scheduler", **h
         return
     horizon = scheduler_horizon(trainer, **horizon_kwargs)
     where = f"trainer.max_steps={trainer.max_steps}" if trainer.max_steps >= 0 else f"trainer.max_epochs={trainer.max_epochs}"
-    if warmup is not None and warmup > (total if isinstance(total, int) else horizon):
-        raise ValueError(
-            f"`{key}.init_args.warmup_steps`={warmup} is longer than the run: {horizon} scheduler steps ({where});"
-            f" lower warmup_steps or train longer"
+    cap = _warmup_cap(args, horizon)
+    if cap is not None:
+        rank_zero_warn(
+            f"`{key}.init_args.warmup_steps`={warmup} is longer than the run ({horizon} scheduler steps, {where}):"
+            f" warming up over {cap} steps instead. Lower warmup_steps to silence this."
         )
     if isinstance(total, int) and total != horizon:
         rank_zero_warn(
@@ -108,7 +121,16 @@ def check_schedule(factory: Any, trainer: Any, *, key: str = "lr_scheduler", **h
 
 
 def build_lr_scheduler(factory: Any, optimizer: torch.optim.Optimizer, trainer: Any, **horizon_kwargs: Any) -> Any:
-    """``factory(optimizer)``, with ``total_steps`` from :func:`scheduler_horizon` where the YAML left it out."""
-    if "total_steps" in _keywords(factory) and _keywords(factory)["total_steps"] is None:
-        return factory(optimizer, total_steps=scheduler_horizon(trainer, **horizon_kwargs))
-    return factory(optimizer)
+    """``factory(optimizer)``, with ``total_steps`` from :func:`scheduler_horizon` where the YAML left it
+    out, and a warmup longer than the schedule shortened to it (:func:`check_schedule` warned)."""
+    args = _keywords(factory)
+    if not ("total_steps" in args or "warmup_steps" in args):
+        return factory(optimizer)
+    horizon = scheduler_horizon(trainer, **horizon_kwargs)
+    overrides: dict[str, Any] = {}
+    if "total_steps" in args and args["total_steps"] is None:
+        overrides["total_steps"] = horizon
+    cap = _warmup_cap(args, horizon)
+    if cap is not None:
+        overrides["warmup_steps"] = cap
+    return factory(optimizer, **overrides)

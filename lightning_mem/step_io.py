@@ -7,7 +7,10 @@ times, and *who runs the step* decides whether every repetition must run:
   samples go through the model together, micro-batch after micro-batch;
 - **repeated loops** -- ``for mini in io.repeats(mini_batches):``: PPO's epochs and mini-batches;
 - **generation** -- ``with io.generation(model):`` around sampling with ``model.generate``, decode
-  step after decode step.
+  step after decode step;
+- **the rollout engine** -- ``io.rollout_engine(config, generation, ...)`` builds the engine that
+  samples the rollouts. The estimate cannot run vLLM on fake tensors: it builds a stand-in that
+  holds what vLLM holds on the device (:mod:`lightning_mem.estimate.engine`).
 
 Lightning's ``Trainer.fit`` runs the plain :class:`StepIO`: every micro-batch and every decode step.
 The memory estimate (:mod:`lightning_mem.estimate`) runs the *same* ``Trainer.fit`` on fake tensors
@@ -50,6 +53,13 @@ class StepIO:
     def generation(self, model: nn.Module) -> contextlib.AbstractContextManager:
         """Around a rollout that samples with ``model.generate``."""
         return contextlib.nullcontext()
+
+    def rollout_engine(self, config: Any, generation: Any, **kwargs: Any) -> Any:
+        """:func:`lightning_mem.rl.engines.build_rollout_engine`: the engine ``config``
+        (``model.rollout_engine``) names."""
+        from lightning_mem.rl.engines import build_rollout_engine
+
+        return build_rollout_engine(config, generation, **kwargs)
 
 
 _PLAIN = StepIO()

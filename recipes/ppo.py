@@ -7,10 +7,12 @@ One training step is one PPO iteration on a batch of prompts:
 1. rollout:    the actor samples responses (KV cache on);
 2. score:      a reward rule or reward model judges each response;
 3.             old logprobs (actor), reference logprobs, values (critic), all without gradients;
-4. advantages: per-token rewards with a KL penalty and GAE, whitened; or GRPO's group-relative
-               scores as they are (no critic, no whitening);
-5. update:     ``ppo_epochs`` over shuffled mini-batches of token-budget micro-batches: clipped
-               policy loss, clipped value loss, entropy bonus, gradient clipping;
+4. advantages: per-token rewards with a KL penalty and GAE, whitened; or a critic-free estimator
+               (GRPO's group-relative scores as they are, RLOO, REINFORCE++); the filters' loss
+               mask and the rollout correction's weights;
+5. update:     ``ppo_epochs`` over shuffled mini-batches of token-budget micro-batches: the policy
+               loss (clipped surrogate, GSPO or CISPO), clipped value loss, entropy bonus, each
+               aggregated per ``ppo.loss_agg_mode`` over the whole mini-batch; gradient clipping;
 6. metrics.
 
 Where each model and optimizer state lives in each phase is the YAML's ``model.memory_plan``
@@ -29,7 +31,7 @@ from __future__ import annotations
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
@@ -37,22 +39,23 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
+from lightning_mem.callbacks.training_dtypes import TrainingDtypes
 from lightning_mem.checkpointing import check_trainable_kept, keep_trainable
-from lightning_mem.cli import RecipeCLI
+from lightning_mem.cli import RecipeCLI, run_command
 from lightning_mem.data import PromptDataModule, row_to_prompt_messages
 from lightning_mem.export import export_hf, export_main
 from lightning_mem.logits import check_supported
 from lightning_mem.lora import LoraSettings, apply_lora, check_lora_targets, meta_model
 from lightning_mem.models import check_model_source, load_causal_lm, load_tokenizer
-from lightning_mem.dtypes import resolve_dtype
+from lightning_mem.dtypes import cast_trainable, resolve_dtype, trainer_dtypes
 from lightning_mem.optim import param_groups, warn_if_paged_on_cpu
+from lightning_mem.ranks import check_model_splits, data_parallel, per_rank_budget, sum_over_replicas
 from lightning_mem.schedules import build_lr_scheduler, check_schedule
 from lightning_mem.settings import settings_at
 from lightning_mem.step_io import step_io
 from lightning_mem.rl.algorithms import (
     AdaptiveKLController,
     FixedKLController,
-    clipped_policy_loss,
     clipped_value_loss,
     gae_advantages,
     grpo_advantages,
@@ -61,8 +64,21 @@ from lightning_mem.rl.algorithms import (
     rewards_with_kl_penalty,
     whiten,
 )
+from lightning_mem.rl.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    GROUPED,
+    WITH_CRITIC,
+    AdvantageEstimator,
+    reinforce_pp_advantages,
+    reinforce_pp_baseline_advantages,
+    rloo_advantages,
+)
 from lightning_mem.rl.config import CriticConfig, GRPOConfig, KLConfig, PPOConfig, RewardModelConfig
-from lightning_mem.rl.engines import RolloutEngineConfig, build_rollout_engine, logprob_mismatch
+from lightning_mem.rl.loss_aggregation import counts, denominator, token_weights, weighted_sum
+from lightning_mem.rl.policy_losses import policy_loss
+from lightning_mem.rl.rollout_correction import correction_weights, mismatch_kl
+from lightning_mem.rl.sample_filters import groups_filtered, overlong_penalty, truncated, varied_groups
+from lightning_mem.rl.engines import RolloutEngineConfig, logprob_mismatch
 from lightning_mem.rl.critic import SeparateCritic, SharedHead, ValueHead, ValueModel, load_value_model, value_function
 from lightning_mem.rl.memory_plan import PhaseMemory, PhaseMemoryPlan
 from lightning_mem.rl.reference import AdaptersOff, FrozenCopy, ReferenceMode, disable_dropout, reference_policy
@@ -80,7 +96,13 @@ class PPOModule(LightningModule):
 
     Args:
         name_or_path: the policy to start from (usually an SFT checkpoint); folder or hub id.
-        dtype, attn_implementation, trust_remote_code: as in the SFT recipe.
+        dtype, attn_implementation, trust_remote_code: as in the SFT recipe: ``dtype`` is the
+            actor's, and with ``lora`` its frozen base's. Every model follows one rule under
+            ``trainer.precision`` (:mod:`lightning_mem.dtypes`), whatever the checkpoints'
+            ``torch_dtype``: what trains (the actor or its adapters, the critic, the shared value
+            head) in the precision's trained dtype, float32 under ``32-true`` and ``*-mixed``; the
+            frozen reference copy, and the reward model unless ``reward_model.dtype`` says
+            otherwise, in the compute dtype (bfloat16 under ``bf16-mixed``).
         lora: train LoRA adapters instead of the whole actor
             (:class:`~lightning_mem.lora.LoraSettings`, peft's names: ``r``, ``lora_alpha``,
             ``lora_dropout``, ``target_modules``...; the same section as SFT's and QLoRA's). The
@@ -89,7 +111,11 @@ class PPOModule(LightningModule):
         optimizer, lr_scheduler: the actor's (and the shared value head's); the scheduler is
             stepped every optimizer step and also drives the critic's optimizer.
         critic_optimizer: the separate critic's optimizer.
-        advantage_estimator: ``gae`` (PPO with a critic) or ``grpo`` (group-relative, no critic).
+        advantage_estimator: ``gae`` (PPO with a critic); or critic-free: ``grpo`` (group-relative),
+            ``rloo`` (leave-one-out group baseline), ``reinforce_pp`` (REINFORCE++: batch-whitened
+            returns) or ``reinforce_pp_baseline`` (group mean subtracted, then batch-whitened)
+            (:mod:`lightning_mem.rl.advantages`). The grouped ones (``grpo``, ``rloo``,
+            ``reinforce_pp_baseline``) sample ``grpo.group_size`` answers per prompt.
         reward: a rule, ``class_path`` of a :class:`~lightning_mem.rl.reward.RewardFunction`.
         reward_model: a learned reward instead (:class:`~lightning_mem.rl.config.RewardModelConfig`).
         reference: ``auto`` (adapters off with LoRA, else a frozen copy), ``copy`` or
@@ -120,7 +146,7 @@ class PPOModule(LightningModule):
         optimizer: OptimizerCallable = _adamw,
         lr_scheduler: LRSchedulerCallable | None = None,
         critic_optimizer: OptimizerCallable = _adamw,
-        advantage_estimator: Literal["gae", "grpo"] = "gae",
+        advantage_estimator: AdvantageEstimator = "gae",
         reward: RewardFunction | None = None,
         reward_model: RewardModelConfig | None = None,
         reference: ReferenceMode = "auto",
@@ -145,6 +171,12 @@ class PPOModule(LightningModule):
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "critic_optimizer", "reward"], logger=False)
         with settings_at("model"):
             rollout_engine.validate(generation)
+        if ppo.rollout_correction.enabled and rollout_engine.name == "hf":
+            raise ValueError(
+                f"`model.ppo.rollout_correction.mode: {ppo.rollout_correction.mode}` weighs samples by the rollout"
+                " engine's own log-probs, and `model.rollout_engine.name: hf` samples with the actor itself (there is"
+                " no drift to correct): use `model.rollout_engine.name: vllm`, or `mode: none`"
+            )
         self.rollout_engine_config = rollout_engine
         self.automatic_optimization = False  # several optimizer steps per rollout
         self.strict_loading = False  # checkpoints hold only what trains (on_save_checkpoint)
@@ -154,8 +186,12 @@ class PPOModule(LightningModule):
         self.lora = lora
         self.generation, self.ppo, self.kl, self.grpo = generation, ppo, kl, grpo
         self.critic_config, self.memory_plan = critic, memory_plan
+        # Kept as given: under the CLI, hparams hold the parsed config's plain dicts, not this dataclass.
+        self.reward_model_config = reward_model
         self.logits_chunk_size = logits_chunk_size or None
-        self.use_critic = advantage_estimator == "gae"
+        self.advantage_estimator = advantage_estimator
+        self.use_critic = advantage_estimator in WITH_CRITIC
+        self.eos_token_ids: list[int] = []
         # What the KL penalty compares with, and where values come from: one object each, chosen
         # here from the config; the step only calls them (rl/reference.py, rl/critic.py).
         self.reference_policy: FrozenCopy | AdaptersOff | None = reference_policy(
@@ -202,8 +238,8 @@ class PPOModule(LightningModule):
                   trust_remote_code=False) -> None:
         check_model_source(name_or_path, key="model.name_or_path")
         resolve_dtype(dtype, key="model.dtype")
-        if advantage_estimator not in ("gae", "grpo"):
-            raise ValueError(f"`model.advantage_estimator` must be 'gae' or 'grpo', got {advantage_estimator!r}")
+        if advantage_estimator not in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"`model.advantage_estimator` must be one of {ADVANTAGE_ESTIMATORS}, got {advantage_estimator!r}")
         if (reward is None) == (reward_model is None):
             raise ValueError("set exactly one of `model.reward` (a rule's class_path) and `model.reward_model`")
         if reward is not None and not callable(reward):
@@ -217,7 +253,7 @@ class PPOModule(LightningModule):
             # On a meta-device twin: a target typo fails here, before the policy is read.
             with settings_at("model.lora"):
                 check_lora_targets(meta_model(name_or_path, trust_remote_code=trust_remote_code), lora)
-        if advantage_estimator == "gae" and critic.name_or_path is not None:
+        if advantage_estimator in WITH_CRITIC and critic.name_or_path is not None:
             check_model_source(critic.name_or_path, key="model.critic.name_or_path")
         resolve_dtype(critic.dtype, key="model.critic.dtype")
         if logits_chunk_size is not None and logits_chunk_size < 0:
@@ -226,14 +262,38 @@ class PPOModule(LightningModule):
         # naming the key); the plan's rule relates its phases.
         with settings_at("model.memory_plan"):
             memory_plan.validate()
-        if advantage_estimator == "grpo":
+        PPOModule._validate_objective(advantage_estimator, generation, ppo, critic)
+
+    @staticmethod
+    def _validate_objective(advantage_estimator, generation, ppo, critic) -> None:
+        """The combinations of estimator, loss and filters that cannot work, each named by its keys."""
+        estimator = f"`model.advantage_estimator: {advantage_estimator}`"
+        if advantage_estimator not in WITH_CRITIC:
+            if critic.name_or_path is not None:
+                raise ValueError(f"`model.critic.name_or_path` is set, but {estimator} learns no value function (only `gae` does)")
             if ppo.whiten_advantages:
                 raise ValueError(
-                    "`model.ppo.whiten_advantages: true` with GRPO: whitening is a GAE option; GRPO's group-relative"
-                    " scores are the advantages (use `model.grpo.scale_rewards` to choose scaled or Dr. GRPO's centred)"
+                    f"`model.ppo.whiten_advantages: true` with {estimator}: whitening is a GAE option; the critic-free"
+                    " estimators define their own normalisation (GRPO's group std, `model.grpo.scale_rewards`; REINFORCE++'s"
+                    " batch whitening)"
                 )
-            if not generation.do_sample:
-                raise ValueError("`model.generation.do_sample: false` with GRPO: a group of greedy answers is all alike")
+        if advantage_estimator in GROUPED and not generation.do_sample:
+            raise ValueError(f"`model.generation.do_sample: false` with {estimator}: a group of greedy answers is all alike")
+        if ppo.filter_groups and advantage_estimator not in GROUPED:
+            raise ValueError(
+                f"`model.ppo.filter_groups: true` with {estimator}: it drops groups of answers to one prompt that all"
+                f" scored alike, and only {GROUPED} sample groups"
+            )
+        if ppo.policy_loss == "gspo" and advantage_estimator in WITH_CRITIC:
+            raise ValueError(
+                f"`model.ppo.policy_loss: gspo` with {estimator}: GSPO weighs a whole response by one ratio and needs one"
+                " advantage per response; GAE's differ token by token (use a critic-free estimator, or `vanilla`)"
+            )
+        if ppo.overlong.buffer is not None and ppo.overlong.buffer > generation.max_new_tokens:
+            raise ValueError(
+                f"`model.ppo.overlong.buffer` ({ppo.overlong.buffer}) is longer than"
+                f" `model.generation.max_new_tokens` ({generation.max_new_tokens}): the penalty ramps up to that length"
+            )
 
     # -- models ------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
@@ -253,48 +313,89 @@ class PPOModule(LightningModule):
                 " shards every model and owns where its shards live. Keep them 'device' in the plan and use the"
                 " strategy's `cpu_offload` instead."
             )
+        self.load_dtypes()  # a dtype the precision contradicts fails before any model loads
         check_schedule(self.lr_scheduler_factory, self.trainer, key="model.lr_scheduler", **self._schedule_steps())
+        # Models the strategy cannot split its way (heads vs tensor/context-parallel sizes) fail now.
+        hp = self.hparams
+        sources = [hp.name_or_path]
+        if self.use_critic and self.critic_config.layout == "separate":
+            sources.append(self.critic_config.name_or_path or hp.name_or_path)
+        if hp.reward_model is not None:
+            sources.append(hp.reward_model.name_or_path)
+        with settings_at("trainer.strategy.init_args"):
+            for source in dict.fromkeys(sources):
+                check_model_splits(self.trainer, source, trust_remote_code=hp.trust_remote_code)
         # The data are loaded (the datamodule's setup runs first), the models are not: a row the
         # reward rule cannot score fails now rather than minutes into the first rollout.
         train_set = getattr(self.trainer.datamodule, "train_set", None)
         if self.reward_fn is not None and train_set is not None:
             self.reward_fn.check_rows(train_set.rows, source=str(getattr(self.trainer.datamodule, "train_path", "data")))
 
+    def configure_callbacks(self) -> list[Any]:
+        return [TrainingDtypes()]  # one line at the start: the dtypes this run really has
+
+    def load_dtypes(self) -> dict[str, torch.dtype | str]:
+        """The dtype each model loads in under ``trainer.precision``: ``actor`` (with ``lora``, its
+        frozen base), ``reference`` (a frozen copy: the compute dtype, or the LoRA base's),
+        ``critic`` (trained: ``critic.dtype`` must agree), ``reward_model`` (frozen), and
+        ``trained``, the dtype of whatever trains (adapters, the value head)."""
+        hp = self.hparams
+        dtypes = trainer_dtypes(self._trainer, key="trainer.precision")
+        load = lambda value, role, key: dtypes.load_dtype(value, role=role, key=key, precision_key="trainer.precision")  # noqa: E731
+        with settings_at("model"):
+            return {
+                "actor": load(hp.dtype, "frozen" if self.lora is not None else "trained", "dtype"),
+                "reference": load(hp.dtype if self.lora is not None else None, "frozen", "dtype"),
+                "critic": load(self.critic_config.dtype, "trained", "critic.dtype"),
+                "reward_model": load(None if self.reward_model_config is None else self.reward_model_config.dtype,
+                                     "frozen", "reward_model.dtype"),
+                "trained": dtypes.trained,
+                "compute": dtypes.compute,
+            }
+
     def configure_model(self) -> None:
         if self.actor is not None:
             return
         hp = self.hparams
-        load = dict(dtype=hp.dtype, attn_implementation=hp.attn_implementation, trust_remote_code=hp.trust_remote_code,
+        dtypes = self.load_dtypes()
+        load = dict(attn_implementation=hp.attn_implementation, trust_remote_code=hp.trust_remote_code,
                     key="model.name_or_path")
         self.tokenizer = load_tokenizer(hp.name_or_path, trust_remote_code=hp.trust_remote_code, key="model.name_or_path")
-        self.actor = load_causal_lm(hp.name_or_path, **load)
+        self.actor = load_causal_lm(hp.name_or_path, dtype=dtypes["actor"], **load)
         if self.lora is not None:
             self.actor = apply_lora(self.actor, self.lora)
+            cast_trainable(self.actor, dtypes["trained"])  # adapters train in the precision's dtype on any base
         # After the adapters exist: their lora_dropout too would give the ratio pi/pi_old two masks.
         disable_dropout(self.actor)
         if self.logits_chunk_size:  # a policy the chunked path cannot score fails here, naming our key
             check_supported(self.actor, key="model.logits_chunk_size")
         if self.reference_policy is not None:
-            self.reference = self.reference_policy.build(lambda: load_causal_lm(hp.name_or_path, **load))
+            self.reference = self.reference_policy.build(
+                lambda: load_causal_lm(hp.name_or_path, dtype=dtypes["reference"], **load))
         if self.value_function is not None:
-            setattr(self, self.value_function.attribute, self.value_function.build(self.actor, self._load_critic))
-        if hp.reward_model is not None:
-            rm = hp.reward_model
+            built = self.value_function.build(self.actor, lambda: self._load_critic(dtypes["critic"]),
+                                              dtype=dtypes["trained"])
+            setattr(self, self.value_function.attribute, built)
+        if self.reward_model_config is not None:
+            rm = self.reward_model_config
             self.reward_model = load_reward_model(
-                rm.name_or_path, dtype=rm.dtype or hp.dtype, trust_remote_code=hp.trust_remote_code, max_length=rm.max_length,
-                key="model.reward_model.name_or_path",
+                rm.name_or_path, dtype=dtypes["reward_model"], trust_remote_code=hp.trust_remote_code,
+                max_length=rm.max_length, key="model.reward_model.name_or_path",
             )
-        self.rollout_engine = build_rollout_engine(
+        self.eos_token_ids = _eos_ids(self.actor, self.tokenizer)
+        self.rollout_engine = step_io(self._trainer).rollout_engine(  # a module built outside a fit has none
             self.rollout_engine_config, self.generation, model_path=hp.name_or_path,
-            eos_token_ids=_eos_ids(self.actor, self.tokenizer), pad_token_id=self.tokenizer.pad_token_id,
-            dtype=next(self.actor.parameters()).dtype, trust_remote_code=hp.trust_remote_code,
+            eos_token_ids=self.eos_token_ids, pad_token_id=self.tokenizer.pad_token_id,
+            # An engine with weights of its own samples in what the actor computes in, not in its
+            # fp32 master weights.
+            dtype=dtypes["compute"], trust_remote_code=hp.trust_remote_code,
         )
 
-    def _load_critic(self) -> ValueModel:
+    def _load_critic(self, dtype: torch.dtype | str) -> ValueModel:
         hp = self.hparams
         critic = load_value_model(
             self.critic_config.name_or_path or hp.name_or_path,
-            dtype=self.critic_config.dtype or hp.dtype,
+            dtype=dtype,
             attn_implementation=hp.attn_implementation,
             trust_remote_code=hp.trust_remote_code,
             key="model.critic.name_or_path",
@@ -371,7 +472,9 @@ class PPOModule(LightningModule):
         with self.memory.phase("score"):
             self.score(exp)
             self.logprobs_and_values(exp)
-        if exp.engine_logprobs is not None:  # an engine with weights of its own: how far off-policy it sampled
+        # An engine with weights of its own: how far off-policy it sampled (on-policy, without the
+        # old-logprob pass, the update measures it against its own logprobs: see `loss`).
+        if exp.engine_logprobs is not None and exp.old_logprobs is not None:
             self.log("engine_logprob_abs_diff", float(logprob_mismatch(exp.engine_logprobs, exp.old_logprobs, exp.response_mask)),
                      on_step=True, on_epoch=False)
         # 4. Advantages: KL-penalised rewards and GAE, or GRPO's group-relative scores.
@@ -390,8 +493,8 @@ class PPOModule(LightningModule):
     def rollout(self, batch: dict[str, Any]) -> Experience:
         """A new Experience: the prompts (each ``group_size`` times under GRPO) and the sampled responses."""
         prompt_ids, prompt_mask, rows = batch["input_ids"], batch["attention_mask"], batch["rows"]
-        group = self.grpo.group_size if not self.use_critic else 1
-        if group > 1:  # GRPO: each prompt `group_size` times, side by side
+        group = self.grpo.group_size if self.advantage_estimator in GROUPED else 1
+        if group > 1:  # each prompt `group_size` times, side by side
             prompt_ids = prompt_ids.repeat_interleave(group, dim=0)
             prompt_mask = prompt_mask.repeat_interleave(group, dim=0)
             rows = [row for row in rows for _ in range(group)]
@@ -417,6 +520,12 @@ class PPOModule(LightningModule):
                 messages, exp.responses, max_tokens=self.ppo.logprob_budget, agree_on_count=self.agree_on_count
             )
         exp.scores = scores.to(self.device)
+        overlong = self.ppo.overlong
+        if overlong.buffer is not None:  # DAPO's soft penalty: the score the update learns from
+            penalty = overlong_penalty(exp.response_lengths, max_new_tokens=self.generation.max_new_tokens,
+                                       buffer=overlong.buffer, factor=overlong.penalty_factor).to(self.device)
+            exp.scores = exp.scores + penalty.to(exp.scores.dtype)
+            exp.sample_stats["overlong_penalty"] = penalty.to(torch.float64).sum()
 
     # 3. Logprobs and values ---------------------------------------------------------------------
     @property
@@ -425,7 +534,9 @@ class PPOModule(LightningModule):
         logprobs (detached) serve as the old ones and the separate old-logprob pass is skipped,
         unless something before the update needs them (a KL penalty in the reward, a shared
         value head that reads the actor's hidden states)."""
-        uses_old = self.reads_actor_hidden or (self.reference_policy is not None and self.kl.in_reward)
+        # The rollout correction weighs by pi_old / pi_engine before the update, so it needs pi_old first.
+        uses_old = (self.reads_actor_hidden or (self.reference_policy is not None and self.kl.in_reward)
+                    or self.ppo.rollout_correction.enabled)
         return self.ppo.ppo_epochs == 1 and self.ppo.num_mini_batches == 1 and not uses_old
 
     def _policy(self, model: nn.Module, mb: Experience, **kwargs: Any) -> Any:
@@ -439,11 +550,14 @@ class PPOModule(LightningModule):
         reference) and ``exp.old_values`` (None without a critic), micro-batch by micro-batch."""
         shape = exp.response_ids.shape
         reference, values = self.reference_policy, self.value_function
-        exp.old_logprobs = None if self.on_policy else torch.zeros(shape, device=self.device)
-        exp.ref_logprobs = torch.zeros(shape, device=self.device) if reference is not None else None
-        exp.old_values = torch.zeros(shape, device=self.device) if values is not None else None
+        # float32 under any precision: bf16-true makes bf16 torch's default dtype inside the step.
+        zeros = lambda: torch.zeros(shape, dtype=torch.float32, device=self.device)  # noqa: E731
+        exp.old_logprobs = None if self.on_policy else zeros()
+        exp.ref_logprobs = zeros() if reference is not None else None
+        exp.old_values = zeros() if values is not None else None
         plan = step_io(self.trainer).micro_batches
-        for idx in plan(exp.sequence_lengths, self.ppo.logprob_budget, agree_on_count=self.agree_on_count):
+        budget = per_rank_budget(self.ppo.logprob_budget, self.trainer)  # a context-parallel rank runs 1/cp of each sequence
+        for idx in plan(exp.sequence_lengths, budget, agree_on_count=self.agree_on_count):
             mb = exp.select(idx)
             cols = mb.response_ids.shape[1]
             hidden = None
@@ -465,20 +579,68 @@ class PPOModule(LightningModule):
             kl_estimate(exp.old_logprobs, exp.ref_logprobs, self.kl.estimator, mask=mask)
             if exp.ref_logprobs is not None and exp.old_logprobs is not None else torch.zeros_like(mask)
         )
-        if self.use_critic:
-            penalty = self.kl_controller.value if self.kl.in_reward else 0.0
+        estimator = self.advantage_estimator
+        penalty = self.kl_controller.value if self.kl.in_reward else 0.0
+        if estimator == "gae":
             rewards = rewards_with_kl_penalty(exp.scores, kl, mask, penalty)
             advantages, exp.returns = gae_advantages(
                 rewards, exp.old_values, mask, gamma=self.ppo.gamma, lam=self.ppo.lam
             )
             if self.ppo.whiten_advantages is not False:
                 advantages = whiten(advantages, mask, reduce=self._sum_over_ranks)
-        else:
+        elif estimator == "grpo":
             # The group-relative score is the advantage, as it is: no batch whitening on top (a
             # group that scored all alike keeps exactly 0; Dr. GRPO stays unscaled).
             advantages = grpo_advantages(exp.scores, exp.group_ids, mask, scale=self.grpo.scale_rewards)
+        elif estimator == "rloo":
+            advantages = rloo_advantages(exp.scores, exp.group_ids, mask)
+        elif estimator == "reinforce_pp":  # the KL penalty (in the reward) is part of REINFORCE++'s return
+            rewards = rewards_with_kl_penalty(exp.scores, kl, mask, penalty)
+            advantages = reinforce_pp_advantages(rewards, mask, gamma=self.ppo.gamma, reduce=self._sum_over_ranks)
+        else:
+            advantages = reinforce_pp_baseline_advantages(exp.scores, exp.group_ids, mask, reduce=self._sum_over_ranks)
         exp.advantages = advantages
         exp.kl = kl.sum(dim=1)
+        self.sample_mask(exp)
+        self.rollout_correction(exp)
+
+    def sample_mask(self, exp: Experience) -> None:
+        """Fills ``exp.loss_mask``: the response tokens that train, without the samples the filters
+        drop (DAPO's zero-variance groups and truncated responses), and their counts for the metrics."""
+        keep = torch.ones(exp.response_mask.shape[0], dtype=torch.bool, device=exp.response_mask.device)
+        if self.ppo.filter_groups:
+            varied = varied_groups(exp.scores, exp.group_ids)
+            keep &= varied
+            dropped, groups = groups_filtered(varied, exp.group_ids)
+            exp.sample_stats.update(groups_filtered=dropped, groups=groups)
+        if self.ppo.overlong.filter or self.ppo.overlong.buffer is not None:
+            cut = truncated(exp.response_ids, exp.response_mask, self.eos_token_ids, self.generation.max_new_tokens)
+            exp.sample_stats["truncated"] = cut.to(torch.float64).sum()
+            if self.ppo.overlong.filter:
+                keep &= ~cut
+        exp.loss_mask = exp.response_mask * keep.unsqueeze(1).to(exp.response_mask.dtype)
+
+    def rollout_correction(self, exp: Experience) -> None:
+        """Fills ``exp.correction_weights`` (TIS) or drops tokens from ``exp.loss_mask`` (MIS), from
+        the engine's and the trainer's log-probs of the sampled tokens; and the mismatch metrics."""
+        rc = self.ppo.rollout_correction
+        if exp.engine_logprobs is None or exp.old_logprobs is None:
+            return
+        mask = exp.response_mask
+        cols = min(exp.engine_logprobs.shape[1], mask.shape[1])
+        engine = torch.zeros_like(exp.old_logprobs)
+        engine[:, :cols] = exp.engine_logprobs[:, :cols]
+        exp.sample_stats["mismatch_kl"] = mismatch_kl(exp.old_logprobs, engine, mask).to(torch.float64).sum()
+        if not rc.enabled:
+            return
+        loss_mask = exp.loss_mask if exp.loss_mask is not None else mask
+        c = correction_weights(exp.old_logprobs, engine, loss_mask, mode=rc.mode, level=rc.level, upper=rc.upper,
+                               lower=rc.lower)
+        exp.sample_stats["correction_affected"] = c.affected.to(torch.float64).sum()
+        if rc.mode == "mis":  # dropped tokens leave the loss and its normaliser, as if never sampled
+            exp.loss_mask = loss_mask * (~c.affected).to(loss_mask.dtype)
+        else:
+            exp.correction_weights = c.weights
 
     # 5. Update ----------------------------------------------------------------------------------
     def update(self, exp: Experience) -> dict[str, Tensor]:
@@ -488,11 +650,15 @@ class PPOModule(LightningModule):
             order = torch.randperm(len(exp), device=self.device)
             for mini_idx in io.repeats(torch.tensor_split(order, self.ppo.num_mini_batches)):
                 mini = exp.select(mini_idx)
-                # The loss is a token mean over the whole mini-batch on all ranks, whatever the split.
-                tokens = self._sum_over_ranks(mini.response_mask.sum().float())
-                scale = self.trainer.world_size / tokens
+                # The loss is averaged over the whole mini-batch on all replicas (its tokens or its
+                # sequences, per `loss_agg_mode`), whatever the split into micro-batches and ranks;
+                # the gradient average over the data-parallel replicas is undone by their count.
+                tokens, sequences = self._sum_over_ranks(counts(self._loss_mask(mini)))
+                total = denominator(self.ppo.loss_agg_mode, tokens, sequences, horizon=self.generation.max_new_tokens)
+                scale = (data_parallel(self.trainer)[0] / total).float()
                 for idx in io.micro_batches(
-                    mini.sequence_lengths, self.ppo.max_tokens_per_microbatch, agree_on_count=self.agree_on_count
+                    mini.sequence_lengths, per_rank_budget(self.ppo.max_tokens_per_microbatch, self.trainer),
+                    agree_on_count=self.agree_on_count,
                 ):
                     loss, terms = self.loss(mini.select(idx))
                     self.manual_backward(loss * scale)
@@ -501,27 +667,47 @@ class PPOModule(LightningModule):
                 self._optimizer_step()
         return totals
 
+    @staticmethod
+    def _loss_mask(exp: Experience) -> Tensor:
+        return exp.response_mask if exp.loss_mask is None else exp.loss_mask
+
     def loss(self, mb: Experience) -> tuple[Tensor, dict[str, Tensor]]:
-        """The micro-batch's summed loss (not yet divided by the mini-batch's tokens), and its terms."""
+        """The micro-batch's share of the loss: each term's per-token values times their
+        aggregation weights, summed (the update divides by the mini-batch's tokens or sequences,
+        :mod:`lightning_mem.rl.loss_aggregation`); and the terms for the metrics."""
         mask = mb.response_mask.float()
+        loss_mask = self._loss_mask(mb).float()
+        weights = token_weights(loss_mask, self.ppo.loss_agg_mode)
         # With no entropy bonus, the entropy is a metric: no gradient through a vocabulary-wide softmax.
         bonus = self.ppo.entropy_coef > 0
         out = self._policy(self.actor, mb, with_entropy=True, entropy_grad=bonus, with_hidden=self.reads_actor_hidden)
         old_logprobs = out.logprobs.detach() if mb.old_logprobs is None else mb.old_logprobs
-        pg = clipped_policy_loss(out.logprobs, old_logprobs, mb.advantages, mask, clip_ratio=self.ppo.clip_ratio)
-        entropy = masked_sum(out.entropy, mask)
-        loss = pg.loss_sum - self.ppo.entropy_coef * entropy if bonus else pg.loss_sum
-        terms = {"tokens": mask.sum(), "policy_loss": pg.loss_sum.detach(), "clipped": pg.clipped_tokens,
-                 "approx_kl": pg.approx_kl_sum, "entropy": entropy.detach()}
+        pg = policy_loss(self.ppo.policy_loss, out.logprobs, old_logprobs, mb.advantages, loss_mask,
+                         clip_low=self.ppo.clip_low, clip_high=self.ppo.clip_high, clip_c=self.ppo.clip_ratio_c)
+        # The rollout correction reweighs the policy term only (the engine's drift is the actor's).
+        pg_weights = weights if mb.correction_weights is None else weights * mb.correction_weights
+        loss = weighted_sum(pg.loss, pg_weights)
+        if bonus:
+            loss = loss - self.ppo.entropy_coef * weighted_sum(out.entropy, weights)
+        with torch.no_grad():
+            count = lambda flags: masked_sum(flags.to(loss.dtype), loss_mask)  # noqa: E731
+            terms = {"tokens": loss_mask.sum(), "policy_loss": masked_sum(pg.loss.detach(), loss_mask),
+                     "clipped": count(pg.clipped), "clipped_low": count(pg.clipped_low),
+                     "clipped_high": count(pg.clipped_high), "dual_clipped": count(pg.dual_clipped),
+                     "approx_kl": masked_sum(torch.expm1(pg.log_ratio) - pg.log_ratio, loss_mask),
+                     "entropy": masked_sum(out.entropy.detach(), loss_mask)}
+            if mb.engine_logprobs is not None and mb.old_logprobs is None:  # pi_old is this pass's
+                terms["engine_abs_diff"] = masked_sum((mb.engine_logprobs - out.logprobs.detach()).abs(), mask)
+                terms["engine_tokens"] = mask.sum()
         if mb.ref_logprobs is not None and (not self.kl.in_reward or mb.old_logprobs is None):
-            kl = masked_sum(kl_estimate(out.logprobs, mb.ref_logprobs, self.kl.estimator, mask=mask), mask)
-            terms["kl_sum"] = kl.detach()
+            kl = kl_estimate(out.logprobs, mb.ref_logprobs, self.kl.estimator, mask=mask)
+            terms["kl_sum"] = masked_sum(kl, mask).detach()  # per sample, every response token (the metric)
             if not self.kl.in_reward:
-                loss = loss + self.kl_controller.value * kl
+                loss = loss + self.kl_controller.value * weighted_sum(kl, weights)
         if self.value_function is not None:
             values = self.value_function.values(mb, out.hidden)
-            vl = clipped_value_loss(values, mb.old_values, mb.returns, mask, clip_range=self.ppo.value_clip)
-            loss = loss + self.ppo.vf_coef * vl.loss_sum
+            vl = clipped_value_loss(values, mb.old_values, mb.returns, loss_mask, clip_range=self.ppo.value_clip)
+            loss = loss + self.ppo.vf_coef * weighted_sum(vl.loss, weights)
             terms.update(value_loss=vl.loss_sum.detach(), value_clipped=vl.clipped_tokens)
         return loss, terms
 
@@ -541,7 +727,7 @@ class PPOModule(LightningModule):
         """The step's metrics over all ranks, from one all-reduce of their sums (float64)."""
         scores = exp.scores.to(torch.float64)
         sums = {"score": scores.sum(), "score_sq": (scores * scores).sum(), "samples": len(scores),
-                "response_tokens": exp.response_mask.sum(), "kl_rollout": exp.kl.sum(), **totals}
+                "response_tokens": exp.response_mask.sum(), "kl_rollout": exp.kl.sum(), **exp.sample_stats, **totals}
         stacked = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device) for v in sums.values()])
         t = dict(zip(sums, self._sum_over_ranks(stacked)))
         samples = t["samples"]
@@ -550,7 +736,8 @@ class PPOModule(LightningModule):
         # On-policy the KL was measured in the (single) update pass, each token once.
         kl_sum = t["kl_sum"] if exp.old_logprobs is None and "kl_sum" in t else t["kl_rollout"]
         # Token means over every update of this step (each token counted once per epoch).
-        per_token = lambda name: t[name] / t["tokens"]  # noqa: E731
+        # (`tokens` are those that trained: every sample may have been filtered.)
+        per_token = lambda name: t[name] / t["tokens"].clamp(min=1)  # noqa: E731
         metrics = {
             "samples": samples,
             "reward_mean": reward_mean,
@@ -558,6 +745,8 @@ class PPOModule(LightningModule):
             "kl": kl_sum / samples,
             "policy_loss": per_token("policy_loss"),
             "clipfrac": per_token("clipped"),
+            "clipfrac_low": per_token("clipped_low"),
+            "clipfrac_high": per_token("clipped_high"),
             "approx_kl": per_token("approx_kl"),
             "response_length": t["response_tokens"] / samples,
             "gen_tokens_per_s": t["response_tokens"] / max(self.memory.seconds["rollout"], 1e-9),
@@ -567,11 +756,27 @@ class PPOModule(LightningModule):
         if "value_loss" in t:
             metrics["value_loss"] = per_token("value_loss")
             metrics["value_clipfrac"] = per_token("value_clipped")
+        if self.ppo.clip_ratio_c is not None:
+            metrics["clipfrac_dual"] = per_token("dual_clipped")
+        if "groups" in t:
+            metrics["groups_filtered_frac"] = t["groups_filtered"] / t["groups"]
+        if "truncated" in t:
+            metrics["truncated_frac"] = t["truncated"] / samples
+        if "overlong_penalty" in t:
+            metrics["overlong_penalty"] = t["overlong_penalty"] / samples
+        # The engine's drift over all response tokens, and the share the correction cut or dropped.
+        if "mismatch_kl" in t:
+            metrics["mismatch_kl"] = t["mismatch_kl"] / t["response_tokens"]
+        if "engine_abs_diff" in t:  # on-policy: measured in the update, every response token once
+            metrics["engine_logprob_abs_diff"] = t["engine_abs_diff"] / t["engine_tokens"].clamp(min=1)
+        if "correction_affected" in t:
+            metrics["correction_affected_frac"] = t["correction_affected"] / t["response_tokens"]
         return metrics
 
     # -- ranks --------------------------------------------------------------------------------
     def _sum_over_ranks(self, value: Tensor) -> Tensor:
-        return self.trainer.strategy.reduce(value, reduce_op="sum") if self.trainer.world_size > 1 else value
+        # Over the data-parallel replicas: a tensor- or context-parallel group's ranks share samples.
+        return sum_over_replicas(self.trainer, value)
 
     def agree_on_count(self, count: int) -> int:
         if self.trainer.world_size == 1:
@@ -641,4 +846,4 @@ def main(args: list[str] | None = None) -> RecipeCLI:
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

@@ -9,10 +9,12 @@ changes is the model: how the base is loaded and which parameters train. Step by
 
 1. load the base through ``from_pretrained`` with a bitsandbytes config: each linear layer is
    quantized to 4 bits as it is read (a config-only folder first gets seeded random weights);
-2. ``prepare_model_for_kbit_training``: freeze everything, upcast the few unquantized tensors
-   (norms, embeddings, head) to fp32 for stable training;
+2. freeze everything and hold the few unquantized tensors (norms, embeddings, head) in the frozen
+   role's dtype under ``trainer.precision`` (:mod:`lightning_mem.dtypes`): the compute dtype,
+   so bf16 under ``bf16-mixed`` and fp32 under ``32-true``;
 3. activation checkpointing per decoder block (non-reentrant);
-4. peft LoRA adapters on every linear layer (or the configured ones): the only trainable tensors;
+4. peft LoRA adapters on every linear layer (or the configured ones): the only trainable tensors,
+   in the precision's trained dtype (fp32 under ``32-true`` and ``*-mixed``);
 5. train with the SFT loss; the optimizer (default ``PagedAdamW8bit``) sees the adapters only;
 6. at the end, export the adapter in peft format with the tokenizer; ``merge`` folds it into a
    bf16 copy of the base and writes a plain Hugging Face model.
@@ -31,7 +33,8 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_mem.activation_checkpointing import checkpoint_blocks
-from lightning_mem.cli import RecipeCLI
+from lightning_mem.cli import RecipeCLI, run_command
+from lightning_mem.dtypes import cast_trainable, dtype_name, trainer_dtypes
 from lightning_mem.data import SFTDataModule
 from lightning_mem.export import export_main
 from lightning_mem.logits import check_supported
@@ -41,10 +44,11 @@ from lightning_mem.strategies.device_map import DeviceMapStrategy
 from lightning_mem.quantization import (
     QuantizationSettings,
     check_placement,
+    freeze_quantized_base,
     load_quantized_causal_lm,
     quantized_weight_bytes,
 )
-from lightning_mem.settings import settings_at
+from lightning_mem.settings import SettingNotSupported, settings_at
 from recipes.sft import SFTModule
 
 
@@ -62,7 +66,11 @@ class QLoRAModule(SFTModule):
         name_or_path: base model: local folder or hub id. A folder with only config.json (like
             ``assets/tiny-llama``) gets seeded random weights, saved under ``random_init_dir``,
             and is then loaded (and quantized) like any checkpoint.
-        quantization: how the base is stored (:class:`~lightning_mem.quantization.QuantizationSettings`).
+        quantization: how the base is stored (:class:`~lightning_mem.quantization.QuantizationSettings`);
+            its ``compute_dtype`` is what the 4-bit matmuls dequantize to, under any precision. The
+            base's unquantized parameters are frozen in the compute dtype of ``trainer.precision``
+            (bf16 under ``bf16-mixed``, fp32 under ``32-true``); the adapters train in its trained
+            dtype (fp32 under ``32-true`` and ``*-mixed``).
         lora: the adapters (:class:`~lightning_mem.lora.LoraSettings`).
         activation_checkpointing: recompute each decoder block's activations in backward.
         device_map / max_memory / offload_folder: base placement for ``from_pretrained`` when it
@@ -122,6 +130,14 @@ class QLoRAModule(SFTModule):
             check_placement(device_map, max_memory, offload_folder)
 
     def setup(self, stage: str) -> None:
+        if getattr(self.trainer.strategy, "tensor_parallel_size", 1) > 1:
+            # bitsandbytes packs a 4-bit weight into one flat buffer with per-block scales: it cannot
+            # be split by rows or columns over ranks.
+            raise SettingNotSupported(
+                "trainer.strategy.init_args.tensor_parallel_size",
+                f"={self.trainer.strategy.tensor_parallel_size}: a 4-bit base cannot be split across ranks;"
+                " use `tensor_parallel_size: 1` (FSDP shards it whole), or the SFT recipe's LoRA on a 16-bit base",
+            )
         super().setup(stage)
         # Before the base is loaded: a device_map spreads it over devices (and host, and disk),
         # which Lightning's usual strategies would undo by moving the whole module to one device.
@@ -149,11 +165,7 @@ class QLoRAModule(SFTModule):
                 trust_remote_code=hp.trust_remote_code,
             )
         base.config.use_cache = False  # training never reuses the KV cache
-        from peft import prepare_model_for_kbit_training
-
-        # Checkpointing is switched on below, not here: peft would call transformers' deprecated
-        # gradient_checkpointing_enable.
-        base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
+        base = freeze_quantized_base(base, self.model_dtype())
         if hp.activation_checkpointing:
             # The library's one checkpointing primitive, per decoder block, non-reentrant: it
             # recomputes correctly even though no input of a block needs a grad (the embeddings
@@ -163,6 +175,7 @@ class QLoRAModule(SFTModule):
         # are in, so without this the adapters' dropout would never be active.
         with settings_at("model"):
             self.model = apply_lora(base, self.lora).train()
+        cast_trainable(self.model, trainer_dtypes(self._trainer).trained)
         if self.logits_chunk_size:  # a model the chunked path cannot score fails here, naming our key
             check_supported(self.model, key="model.logits_chunk_size")
         held, dense = quantized_weight_bytes(self.model)
@@ -172,10 +185,16 @@ class QLoRAModule(SFTModule):
             f"({held / dense:.3f} x their bf16 size)" if dense else "QLoRA: no quantized linear layers"
         )
 
+    def model_dtype(self) -> torch.dtype:
+        """The dtype the base's unquantized parameters are frozen in: the frozen role's under
+        ``trainer.precision`` (this recipe has no ``dtype`` of its own)."""
+        return trainer_dtypes(self._trainer, key="trainer.precision").load_dtype(None, role="frozen")
+
     # -- checkpoints (adapters only) and the adapter export: SFTModule's, with this base record --
     def adapter_base_record(self) -> dict[str, Any]:
         return base_record(
             self.quantization,
+            dtype=dtype_name(self.model_dtype()),
             attn_implementation=self.hparams.attn_implementation,
             trust_remote_code=self.hparams.trust_remote_code,
         )
@@ -197,4 +216,4 @@ def main(args: list[str] | None = None) -> RecipeCLI | Path:
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

@@ -25,9 +25,11 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_mem.callbacks.training_dtypes import TrainingDtypes
 from lightning_mem.checkpointing import check_trainable_kept, keep_trainable
-from lightning_mem.cli import RecipeCLI
+from lightning_mem.cli import RecipeCLI, run_command
 from lightning_mem.data import SFTDataModule
+from lightning_mem.data.packing import check_packing_attention
 from lightning_mem.export import export_hf, export_main
 from lightning_mem.gradients import FreesGradientsAfterStep
 from lightning_mem.logits import check_supported, next_token_targets, score_tokens
@@ -42,8 +44,9 @@ from lightning_mem.lora import (
     saved_base,
 )
 from lightning_mem.models import check_model_source, load_causal_lm, load_tokenizer
-from lightning_mem.dtypes import resolve_dtype
+from lightning_mem.dtypes import cast_trainable, dtype_name, resolve_dtype, trainer_dtypes
 from lightning_mem.optim import param_groups, warn_if_paged_on_cpu
+from lightning_mem.ranks import check_model_splits, data_parallel
 from lightning_mem.schedules import build_lr_scheduler, check_schedule
 from lightning_mem.settings import settings_at
 
@@ -61,8 +64,14 @@ class SFTModule(FreesGradientsAfterStep, LightningModule):
     Args:
         name_or_path: local model folder or hub id. A folder with only config.json (like
             ``assets/tiny-llama``) starts from random weights.
-        dtype: parameter dtype to load in ("bfloat16", "float32", "auto"); None leaves it to the
-            trainer's precision.
+        dtype: parameter dtype to load in; None leaves it to ``trainer.precision``, whatever the
+            checkpoint's ``torch_dtype``: float32 trained parameters (and so gradients and AdamW
+            state) under ``32-true`` and ``*-mixed``, bfloat16 under ``bf16-true``, float16 under
+            ``16-true`` (:mod:`lightning_mem.dtypes`). For a full fine-tune a dtype the precision
+            contradicts is an error (pure bf16 training is ``trainer.precision: bf16-true``). With
+            ``lora`` it is the frozen base's dtype, any dtype ("auto": the checkpoint's) except
+            under ``*-true``; None loads the base in the compute dtype (bfloat16 under
+            ``bf16-mixed``) while the adapters train in the precision's dtype.
         attn_implementation: "sdpa", "eager" or "flash_attention_2".
         optimizer: any optimizer class from YAML (``torch.optim.AdamW``,
             ``bitsandbytes.optim.PagedAdamW8bit``...); it sees trainable parameters only, with no
@@ -122,8 +131,26 @@ class SFTModule(FreesGradientsAfterStep, LightningModule):
         self.model: torch.nn.Module | None = None
 
     def setup(self, stage: str) -> None:
-        # The data are loaded, the model is not: a schedule that cannot fit the run fails now.
+        # The data are loaded, the model is not: a schedule that cannot fit the run, or a dtype
+        # the precision contradicts, fails now.
         check_schedule(self.lr_scheduler_factory, self.trainer, key="model.lr_scheduler")
+        self.model_dtype()
+        if getattr(self.trainer.datamodule, "packing", False):
+            check_packing_attention(self.hparams.attn_implementation, key="model.attn_implementation", packing_key="data.packing")
+        # A model the strategy cannot split its way (heads vs tensor/context-parallel sizes) fails now.
+        with settings_at("trainer.strategy.init_args"):
+            check_model_splits(self.trainer, self.hparams.name_or_path, trust_remote_code=self.hparams.trust_remote_code)
+
+    def configure_callbacks(self) -> list[Any]:
+        return [TrainingDtypes()]  # one line at the start: the dtypes this run really has
+
+    def model_dtype(self) -> torch.dtype | str:
+        """The dtype ``model`` loads in under ``trainer.precision``: what trains follows the precision;
+        with ``lora`` the frozen base takes ``dtype``, or the compute dtype when it is unset."""
+        dtypes = trainer_dtypes(self._trainer, key="trainer.precision")
+        with settings_at("model"):
+            return dtypes.load_dtype(self.hparams.dtype, role="trained" if self.lora is None else "frozen",
+                                     precision_key="trainer.precision")
 
     # -- model -------------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -137,17 +164,21 @@ class SFTModule(FreesGradientsAfterStep, LightningModule):
             base = saved_base(self.trainer, base, hp.random_init_dir, seed=hp.init_seed)
         self.model = load_causal_lm(
             base,
-            dtype=hp.dtype,
+            dtype=self.model_dtype(),
             attn_implementation=hp.attn_implementation,
             trust_remote_code=hp.trust_remote_code,
             key="model.name_or_path",
         )
         self.model.config.use_cache = False  # training never reuses the KV cache
         if self.lora is not None:
-            # from_pretrained returns eval mode and Lightning keeps modules as they are: train()
-            # so that lora_dropout is active.
             with settings_at("model"):
-                self.model = apply_lora(self.model, self.lora).train()
+                self.model = apply_lora(self.model, self.lora)
+            # Adapters (and any modules_to_save copy) train in the precision's dtype on any base.
+            cast_trainable(self.model, trainer_dtypes(self._trainer).trained)
+        # from_pretrained returns eval mode and Lightning keeps modules as they are: without this
+        # dropout (the model's, LoRA's) would never be active, and Lightning would warn at the start
+        # of training about modules in eval mode.
+        self.model.train()
         if self.logits_chunk_size:  # a model the chunked path cannot score fails here, naming our key
             check_supported(self.model, key="model.logits_chunk_size")
 
@@ -158,9 +189,10 @@ class SFTModule(FreesGradientsAfterStep, LightningModule):
     def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(summed cross-entropy, label tokens)`` of a micro-batch; -100 marks prompt and padding."""
         positions, targets = next_token_targets(batch["input_ids"], batch["labels"])
+        # A packed row (data.packing) has restarting position_ids and no attention mask.
         scores = score_tokens(
-            self.model, batch["input_ids"], batch["attention_mask"], positions, targets,
-            chunk_size=self.logits_chunk_size,
+            self.model, batch["input_ids"], batch.get("attention_mask"), positions, targets,
+            chunk_size=self.logits_chunk_size, position_ids=batch.get("position_ids"),
         )
         return -scores.logprobs.sum(), torch.tensor(targets.numel(), device=targets.device)
 
@@ -174,15 +206,18 @@ class SFTModule(FreesGradientsAfterStep, LightningModule):
         """What turns this micro-batch's summed loss into its share of the step's token mean.
 
         Lightning divides each micro-batch's loss by ``accumulate_grad_batches`` and the data-
-        parallel all-reduce averages over ranks; multiplying by both and dividing by the label
-        tokens of the whole step (all micro-batches, all ranks; the sampler counts them ahead)
+        parallel all-reduce averages over the replicas; multiplying by both and dividing by the label
+        tokens of the whole step (all micro-batches, all replicas; the sampler counts them ahead)
         makes the accumulated gradient the gradient of that token mean, whatever the split.
         Without a step count (a datamodule of your own) it falls back to the micro-batch's mean.
         """
         step_tokens = batch.get("step_label_tokens")
         if step_tokens is None:
             return 1.0 / tokens.clamp(min=1)
-        return self.trainer.accumulate_grad_batches * self.trainer.world_size / max(int(step_tokens), 1)
+        # Replicas, not the world size: the ranks of a tensor- or context-parallel group share a batch
+        # (lightning_mem.ranks), and their gradients come out whole (context_parallel's gathers).
+        replicas, _ = data_parallel(self.trainer)
+        return self.trainer.accumulate_grad_batches * replicas / max(int(step_tokens), 1)
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         loss_sum, tokens = self.loss(batch)
@@ -213,8 +248,10 @@ class SFTModule(FreesGradientsAfterStep, LightningModule):
     def adapter_base_record(self) -> dict[str, Any]:
         """How the base was loaded, written next to an exported adapter (a 4-bit base says so)."""
         hp = self.hparams
+        dtype = self.model_dtype()  # what training loaded, so a reload computes what training did
         return base_record(
-            None, dtype=hp.dtype, attn_implementation=hp.attn_implementation, trust_remote_code=hp.trust_remote_code
+            None, dtype=dtype if isinstance(dtype, str) else dtype_name(dtype),
+            attn_implementation=hp.attn_implementation, trust_remote_code=hp.trust_remote_code,
         )
 
     def on_fit_end(self) -> None:
@@ -247,4 +284,4 @@ def main(args: list[str] | None = None) -> RecipeCLI | Path:
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

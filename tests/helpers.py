@@ -78,3 +78,16 @@ def fit_and_probe(main, args: list[str]):  # noqa: ANN001
     with torch.no_grad():
         logits = model(input_ids=torch.tensor(PROBE_IDS)).logits
     return cli, logits
+
+
+def bf16_checkpoint_folder(dest: Path, source: Path = TINY_MODEL) -> Path:
+    """A copy of the config-only model folder ``source`` whose config.json says
+    ``torch_dtype: bfloat16``, as every real checkpoint's does (the tiny model's says nothing)."""
+    import json
+    import shutil
+
+    shutil.copytree(source, dest)
+    config = json.loads((dest / "config.json").read_text())
+    config["torch_dtype"] = "bfloat16"
+    (dest / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return dest

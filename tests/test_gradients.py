@@ -1,6 +1,7 @@
 """Gradients are freed right after the optimizer step (lightning_mem.gradients), in the SFT recipe
 through its real CLI: none is alive when a step's forward starts, accumulation keeps them until
-the step, and the weights are those of the loop that freed them at the next step's zero_grad."""
+the step, and the weights are those of the loop that freed them at the next step's zero_grad.
+PPO's hand-stepped optimizers free theirs before the next rollout, scoring pass and mini-batch."""
 
 from __future__ import annotations
 
@@ -93,3 +94,65 @@ def test_tracked_bytes_no_gradient_in_the_forward(tmp_path):
     assert freed.device_breakdown_bytes["gradients"] < params  # only part of this step's, in backward
     assert kept.device_breakdown_bytes["gradients"] >= params  # every gradient, at the forward's peak
     assert kept.device_peak_bytes - freed.device_peak_bytes >= 0.5 * params
+
+
+def test_ppo_frees_them_before_each_rollout_score_and_mini_batch(tmp_path):
+    """PPO steps its optimizers by hand, several times per iteration (ppo_epochs x mini-batches, an
+    actor and a critic): no gradient element of the last update is alive when the next rollout,
+    scoring pass or mini-batch's first forward starts."""
+    from lightning.pytorch import Trainer, seed_everything
+
+    import recipes.ppo as ppo
+    from lightning_mem.data import PromptDataModule
+    from lightning_mem.rl.config import PPOConfig
+    from lightning_mem.rl.rollout import GenerationConfig
+    from recipes.rewards import ArithmeticReward
+    from tests.helpers import ARITH, TINY_MODEL
+
+    class Probe(ppo.PPOModule):
+        seen: list
+
+        def _live(self) -> int:
+            return sum(p.grad.numel() for p in self.parameters() if p.grad is not None)
+
+        def rollout(self, batch):
+            self.seen.append(("rollout", self._live()))
+            return super().rollout(batch)
+
+        def score(self, exp):
+            self.seen.append(("score", self._live()))
+            return super().score(exp)
+
+        def update(self, exp):
+            self.first_of_mini_batch = True
+            return super().update(exp)
+
+        def loss(self, mb):
+            self.forwards += 1
+            if self.first_of_mini_batch:
+                self.seen.append(("update", self._live()))
+            self.first_of_mini_batch = False
+            return super().loss(mb)
+
+        def _optimizer_step(self):
+            self.seen.append(("step", self._live()))
+            super()._optimizer_step()
+            self.first_of_mini_batch = True
+
+    seed_everything(0)
+    module = Probe(
+        name_or_path=str(TINY_MODEL), reward=ArithmeticReward(), generation=GenerationConfig(max_new_tokens=4),
+        ppo=PPOConfig(ppo_epochs=2, num_mini_batches=2, max_tokens_per_microbatch=32), export_dir=None,  # 2+ micro-batches
+    )  # fmt: skip
+    module.seen, module.forwards = [], 0
+    data = PromptDataModule(str(ARITH / "prompts.jsonl"), tokenizer=str(TINY_MODEL), batch_size=8, max_prompt_length=64)
+    Trainer(accelerator="cpu", devices=1, max_epochs=1, limit_train_batches=2, default_root_dir=tmp_path, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).fit(module, data)
+    trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)  # actor + critic
+    per_iteration = ["rollout", "score"] + ["update", "step"] * 4
+    assert [phase for phase, _ in module.seen] == per_iteration * 2
+    # Each optimizer step sees every trainable gradient (accumulated over its micro-batches) ...
+    assert [live for phase, live in module.seen if phase == "step"] == [trainable] * 8
+    assert module.forwards > 8  # some mini-batches accumulated over micro-batches
+    # ... and every forward that starts afterwards sees none.
+    assert all(live == 0 for phase, live in module.seen if phase != "step"), module.seen

@@ -1,4 +1,4 @@
-"""The learning-rate schedule spans the trainer's run and refuses a warmup longer than the run."""
+"""The learning-rate schedule spans the trainer's run and shortens a warmup longer than the run."""
 
 from functools import partial
 from types import SimpleNamespace
@@ -46,11 +46,20 @@ def test_explicit_total_steps_is_kept():
     assert build_lr_scheduler(factory, _optimizer(), _trainer(max_steps=50)).total_steps == 20
 
 
-def test_warmup_longer_than_the_run_fails_naming_the_key():
+def test_warmup_longer_than_the_run_warns_naming_the_key_and_is_shortened(recwarn):
     factory = partial(WarmupCosineLR, warmup_steps=20, total_steps=None)
-    with pytest.raises(ValueError, match=r"`model.lr_scheduler.init_args.warmup_steps`=20 is longer than the run: 10"):
+    with pytest.warns(UserWarning, match=r"`model.lr_scheduler.init_args.warmup_steps`=20 is longer than the run "
+                                         r"\(10 scheduler steps, trainer.max_steps=10\): warming up over 10 steps"):
         check_schedule(factory, _trainer(max_steps=10), key="model.lr_scheduler")  # the key the recipes pass
-    check_schedule(factory, _trainer(max_steps=20))  # fits
+    scheduler = build_lr_scheduler(factory, _optimizer(), _trainer(max_steps=10))
+    assert (scheduler.warmup_steps, scheduler.total_steps) == (10, 10)
+    # An explicit total_steps bounds the warmup too (the scheduler would refuse warmup > total).
+    explicit = partial(WarmupCosineLR, warmup_steps=20, total_steps=8)
+    assert build_lr_scheduler(explicit, _optimizer(), _trainer(max_steps=50)).warmup_steps == 8
+    recwarn.clear()
+    check_schedule(factory, _trainer(max_steps=20))  # fits: nothing to say
+    assert not [w for w in recwarn if "warmup" in str(w.message)]
+    assert build_lr_scheduler(factory, _optimizer(), _trainer(max_steps=20)).warmup_steps == 20
 
 
 def test_total_steps_other_than_the_run_warns():

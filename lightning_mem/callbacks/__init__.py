@@ -14,18 +14,21 @@ from lightning_mem.callbacks.memory_monitor import MemoryMonitor, PhaseObserver,
 from lightning_mem.callbacks.optimizer_in_backward import OptimizerInBackward
 from lightning_mem.callbacks.optimizer_state_offload import OptimizerStateOffload
 from lightning_mem.callbacks.progress import StepProgressBar, StepRichProgressBar
+from lightning_mem.callbacks.training_dtypes import DtypeReport, TrainingDtypes
 
 __all__ = [
     "ActivationCheckpointing",
     "ActivationOffload",
     "ActivationOffloadStats",
     "ActivationOffloader",
+    "DtypeReport",
     "FitCheck",
     "MemoryMonitor",
     "OptimizerInBackward",
     "OptimizerStateOffload",
     "StepProgressBar",
     "StepRichProgressBar",
+    "TrainingDtypes",
     "memory_phase",
     "PhaseObserver",
 ]

@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_mem.activation_checkpointing import checkpoint_blocks
+from lightning_mem.activation_checkpointing import POLICIES, Policy, checkpoint_blocks
 from lightning_mem.module_tree import find_hf_models
 
 
@@ -27,14 +27,38 @@ class ActivationCheckpointing(Callback):
         block_classes: class names of the blocks; default: each model's ``_no_split_modules``.
         frozen_models: also checkpoint models with no trainable parameter (they run no backward,
             so by default they are left alone).
+        policy: ``full`` (recompute the whole block) or ``selective`` (keep matmul and attention
+            outputs, recompute the rest); see :mod:`lightning_mem.activation_checkpointing`.
+        offload_inputs: keep each checkpointed block's input on the host until backward.
+        blocks: checkpoint the first ``blocks`` blocks instead of every ``every``-th.
+        budget: a device budget (``"20GiB"``): the recipe CLI estimates the run before any model
+            loads and sets ``blocks`` to the fewest whose estimated peak fits
+            (:func:`lightning_mem.activation_checkpointing.fewest_blocks_within`).
     """
 
-    def __init__(self, every: int = 1, block_classes: Optional[list[str]] = None, frozen_models: bool = False) -> None:
+    def __init__(
+        self,
+        every: int = 1,
+        block_classes: Optional[list[str]] = None,
+        frozen_models: bool = False,
+        policy: Policy = "full",
+        offload_inputs: bool = False,
+        blocks: Optional[int] = None,
+        budget: Optional[str] = None,
+    ) -> None:
         if every < 1:
             raise ValueError(f"ActivationCheckpointing: `every` must be >= 1, got {every}")
+        if policy not in POLICIES:
+            raise ValueError(f"ActivationCheckpointing: `policy` must be one of {POLICIES}, got {policy!r}")
+        if blocks is not None and blocks < 0:
+            raise ValueError(f"ActivationCheckpointing: `blocks` must be >= 0, got {blocks}")
         self.every = every
         self.block_classes = block_classes
         self.frozen_models = frozen_models
+        self.policy = policy
+        self.offload_inputs = offload_inputs
+        self.blocks = blocks
+        self.budget = budget
         self.checkpointed: dict[str, int] = {}  # model name -> number of checkpointed blocks
 
     @override
@@ -47,6 +71,11 @@ class ActivationCheckpointing(Callback):
                 "ActivationCheckpointing: under FSDP2Strategy set"
                 " `trainer.strategy.init_args.activation_checkpointing` instead of this callback"
             )
+        if self.budget is not None and self.blocks is None:
+            raise ValueError(
+                "ActivationCheckpointing: `budget` is turned into `blocks` by the recipe command line before the"
+                " run (it estimates the run); built in code, give `blocks` (or `every`) instead"
+            )
         models = find_hf_models(pl_module)
         if not models:
             raise ValueError("ActivationCheckpointing: the LightningModule holds no Hugging Face model")
@@ -54,8 +83,10 @@ class ActivationCheckpointing(Callback):
             if not self.frozen_models and not any(p.requires_grad for p in model.parameters()):
                 continue
             try:
-                chosen, blocks = checkpoint_blocks(model, self.every, self.block_classes)
+                chosen, blocks = checkpoint_blocks(model, self.every, self.block_classes, count=self.blocks,
+                                                   policy=self.policy, offload_inputs=self.offload_inputs)
             except ValueError as err:
                 raise ValueError(f"ActivationCheckpointing: `{name}`: {err}") from None
             self.checkpointed[name] = chosen
-            rank_zero_info(f"ActivationCheckpointing: {chosen} of {blocks} blocks of `{name}` checkpointed")
+            rank_zero_info(f"ActivationCheckpointing: {chosen} of {blocks} blocks of `{name}` checkpointed"
+                           f" ({self.policy}{', inputs on the host' if self.offload_inputs else ''})")

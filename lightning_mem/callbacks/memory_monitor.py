@@ -7,6 +7,7 @@ import csv
 import logging
 import re
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any, Iterator, Optional, Protocol, runtime_checkable
 
@@ -23,6 +24,8 @@ log = logging.getLogger(__name__)
 _warning_cache = WarningCache()
 
 _GIB = 1024**3
+#: Samples kept in memory (``MemoryMonitor.rows``); all of them go to the CSV as they are taken.
+_KEPT_ROWS = 256
 _METRICS = (
     "device_allocated_bytes",
     "device_reserved_bytes",
@@ -49,8 +52,10 @@ class MemoryMonitor(Callback):
     - ``pinned_host_bytes``: pinned host memory held by torch's caching host allocator.
 
     Step samples are logged as ``memory/<metric>``, phase samples as ``memory/<phase>/<metric>``,
-    through the trainer's loggers at ``trainer.global_step``. At the end of fit, ``memory.csv``
-    (every sample) and ``memory.png`` (a timeline from zero, with each phase's spans shaded and
+    through the trainer's loggers at ``trainer.global_step``. Every sample is appended to
+    ``memory.csv`` as it is taken (a long run's monitor holds only the last few in memory, so it
+    does not itself make host memory grow), and at the end of fit ``memory.png`` (a timeline from
+    zero, with each phase's spans shaded and
     named, device memory above host memory where there is a device) are written to the logger's run
     folder (:func:`lightning_mem.run_dir.run_dir`: ``<save_dir>/<name>/version_N`` for CSV and
     TensorBoard, ``<default_root_dir>/<name>/<run id>`` for MLflow and W&B; ``memory_rank<r>.*`` on
@@ -88,7 +93,8 @@ class MemoryMonitor(Callback):
         self.record_history = record_history
         self.history_max_entries = history_max_entries
         self.plot = plot
-        self.rows: list[dict[str, Any]] = []
+        self.rows: deque[dict[str, Any]] = deque(maxlen=_KEPT_ROWS)  # the latest samples
+        self._csv_columns: Optional[list[str]] = None
         self._trainer: Optional[pl.Trainer] = None
         self._device = torch.device("cpu")
         self._out_dir: Optional[Path] = None
@@ -138,7 +144,8 @@ class MemoryMonitor(Callback):
         self._out_dir = run_dir(trainer)
         self._suffix = f"_rank{trainer.global_rank}" if trainer.world_size > 1 else ""
         self._t0 = time.perf_counter()
-        self.rows = []
+        self.rows.clear()
+        self._csv_columns = None  # the first sample starts a new file
         for optimizer in trainer.optimizers:
             self._step_hooks.append(optimizer.register_step_post_hook(self._after_optimizer_step))
 
@@ -208,6 +215,7 @@ class MemoryMonitor(Callback):
         row = {"time_s": round(time.perf_counter() - self._t0, 6), "start_s": round(start, 6), "event": event,
                "phase": name, "step": self._trainer.global_step if self._trainer else 0, **sample}
         self.rows.append(row)
+        self._append_csv(row)
         if log:
             prefix = "memory/" if event == "step" else f"memory/{name}/"
             self._log({prefix + k: float(v) for k, v in sample.items()})
@@ -258,18 +266,33 @@ class MemoryMonitor(Callback):
     def png_path(self) -> Optional[Path]:
         return None if self._out_dir is None else self._out_dir / f"memory{self._suffix}.png"
 
-    def write(self) -> None:
-        """Write ``memory.csv`` and (with ``plot``) ``memory.png`` for the samples so far."""
+    def _append_csv(self, row: dict[str, Any]) -> None:
+        # Written as taken: a run of 100k steps keeps none of its samples in memory, and a run
+        # that dies keeps its timeline up to the last sample.
         if self._out_dir is None:
             return
-        self._out_dir.mkdir(parents=True, exist_ok=True)
-        columns = ["time_s", "start_s", "event", "phase", "step", *[m for m in _METRICS if any(m in r for r in self.rows)]]
-        with open(self.csv_path, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=columns, restval="")
-            writer.writeheader()
-            writer.writerows(self.rows)
-        if self.plot:
-            _plot_timeline(self.rows, columns[5:], self.png_path)
+        if self._csv_columns is None:
+            self._out_dir.mkdir(parents=True, exist_ok=True)
+            self._csv_columns = ["time_s", "start_s", "event", "phase", "step", *[m for m in _METRICS if m in row]]
+            with open(self.csv_path, "w", newline="") as f:
+                csv.DictWriter(f, fieldnames=self._csv_columns).writeheader()
+        with open(self.csv_path, "a", newline="") as f:
+            csv.DictWriter(f, fieldnames=self._csv_columns, restval="", extrasaction="ignore").writerow(row)
+
+    def read_csv(self) -> list[dict[str, Any]]:
+        """Every sample of this fit, from ``memory.csv`` (numbers as numbers, absent metrics left out)."""
+        if self._out_dir is None or self._csv_columns is None or not self.csv_path.is_file():
+            return []
+        with open(self.csv_path, newline="") as f:
+            return [_parse_row(r) for r in csv.DictReader(f)]
+
+    def write(self) -> None:
+        """Write ``memory.png`` (with ``plot``) for the samples so far; ``memory.csv`` already holds them."""
+        if self._out_dir is None or not self.plot:
+            return
+        rows = self.read_csv()
+        if rows:
+            _plot_timeline(rows, [m for m in _METRICS if m in self._csv_columns], self.png_path)
 
     # -- out of memory ---------------------------------------------------------------------------
     def _dump_snapshot(self) -> Optional[Path]:
@@ -327,6 +350,13 @@ def memory_phase(trainer: Optional[pl.Trainer], name: str) -> contextlib.Abstrac
         if isinstance(callback, PhaseObserver):
             stack.enter_context(callback.phase(name))
     return stack
+
+
+def _parse_row(row: dict[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {"time_s": float(row["time_s"]), "start_s": float(row["start_s"]), "event": row["event"],
+                           "phase": row["phase"], "step": int(row["step"])}
+    out.update({m: int(row[m]) for m in _METRICS if row.get(m)})
+    return out
 
 
 _DEVICE_METRICS = ("device_allocated_bytes", "device_reserved_bytes", "device_peak_allocated_bytes",

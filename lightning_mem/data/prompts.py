@@ -39,6 +39,7 @@ from lightning_mem.data.cache import (
 from lightning_mem.data.chat import encode_rendered, render_prompt, row_to_prompt_messages
 from lightning_mem.data.rows import DataFormatError, data_source, warn_once
 from lightning_mem.padding import pad_sequences
+from lightning_mem.ranks import data_parallel
 from lightning_mem.settings import SettingError, check_arguments, join_key, settings_at
 
 log = logging.getLogger(__name__)
@@ -300,7 +301,7 @@ class PromptDataModule(LightningDataModule):
             warn_once(summary + f"; raise `{join_key(self.config_key, 'max_prompt_length')}` to keep them")
         else:
             log.info(summary)
-        world = self.trainer.world_size if self.trainer else 1
+        world, _ = data_parallel(self.trainer)  # a tensor- or context-parallel group shares its prompts
         kept = meta["rows"] - len(self.dropped)
         if kept < self.batch_size * world:
             raise DataFormatError(
@@ -312,11 +313,12 @@ class PromptDataModule(LightningDataModule):
     def _with_system_prompt(self, row: dict[str, Any]) -> dict[str, Any]:
         return with_system_prompt(row, self.system_prompt)
 
-    def largest_batch(self, fill_token: int) -> dict[str, Any]:
+    def largest_batch(self, fill_token: int, context_parallel_size: int = 1) -> dict[str, Any]:
         """The largest batch of prompts these settings allow, made of ``fill_token``: ``batch_size``
         prompts of ``max_prompt_length`` tokens, each with the data's first row (what a reward rule
         reads, e.g. its ``answer``). The memory estimate (:mod:`lightning_mem.estimate`) runs the recipe
-        on it; only that row is read."""
+        on it; only that row is read. Every rank of a context-parallel group reads the same whole
+        prompts: ``context_parallel_size`` changes nothing here (the recipe's budgets count it)."""
         with settings_at(self.config_key):
             row = self._with_system_prompt(self.source.first_row("train"))
         ids = torch.full((self.batch_size, self.max_prompt_length), fill_token, dtype=torch.long)
@@ -325,11 +327,12 @@ class PromptDataModule(LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         assert self.train_set is not None, "call setup() first"
         trainer = self.trainer
+        replicas, replica = data_parallel(trainer)  # a tensor- or context-parallel group shares its prompts
         sampler = FullBatchSampler(
             self.train_set.lengths,
             batch_size=self.batch_size,
-            num_replicas=trainer.world_size if trainer else 1,
-            rank=trainer.global_rank if trainer else 0,
+            num_replicas=replicas,
+            rank=replica,
             shuffle=True,
             seed=self.seed,
         )

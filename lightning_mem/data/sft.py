@@ -35,9 +35,11 @@ from lightning_mem.data.cache import (
     take_ragged,
     tokenizer_identity,
 )
+from lightning_mem.data import packing as packed
 from lightning_mem.data.chat import encode_rendered, render_with_spans, row_to_conversation
 from lightning_mem.data.rows import DataFormatError, data_source, warn_once
 from lightning_mem.padding import pad_sequences
+from lightning_mem.ranks import data_parallel, per_rank_budget
 from lightning_mem.settings import SettingError, check_arguments, join_key, settings_at
 
 log = logging.getLogger(__name__)
@@ -253,6 +255,10 @@ class SFTDataModule(LightningDataModule):
         cache_dir: where tokenized sets are cached (a folder per data, tokenizer, chat template,
             ``max_length`` and tokenization code); None: ``.lightning_mem_cache`` next to
             ``train_file`` (see :func:`~lightning_mem.data.cache.default_cache_root`).
+        packing: padding-free batches: each micro-batch is one row of up to
+            ``max_tokens_per_batch`` tokens holding whole examples (best-fit-decreasing), position
+            ids restarting per example, no attention across examples
+            (:mod:`lightning_mem.data.packing`); the loss and gradients equal the unpacked ones.
 
     Tokenization runs once, on the first start: Lightning's ``prepare_data`` (local rank 0)
     builds the cache, every rank memory-maps it in ``setup``; later starts and resumes reuse it.
@@ -281,6 +287,7 @@ class SFTDataModule(LightningDataModule):
         columns: dict[str, str] | None = None,
         num_proc: PositiveInt = 1,
         cache_dir: str | None = None,
+        packing: bool = False,
     ) -> None:
         super().__init__()
         # Cheap checks first: a bad path or number fails before any model is loaded.
@@ -299,6 +306,10 @@ class SFTDataModule(LightningDataModule):
             batch_size = None
         elif batch_size is None:
             raise SettingError("batch_size", "set `batch_size` (> 0) or `max_tokens_per_batch`", siblings=("max_tokens_per_batch",))
+        if packing and max_tokens_per_batch is None:  # a packed row is the token budget
+            raise SettingError("packing", ": true needs `max_tokens_per_batch` (the tokens of a packed row)",
+                               siblings=("max_tokens_per_batch",))
+        self.packing = packing
         if tokenizer is None:
             raise SettingError("tokenizer", " is not set: name the model folder or hub id to load it from")
         self.tokenizer_name = tokenizer
@@ -384,12 +395,15 @@ class SFTDataModule(LightningDataModule):
 
     def _sampler(self, dataset: TokenizedDataset, shuffle: bool, *, train: bool = False) -> TokenBudgetSampler:
         trainer = self.trainer
-        return TokenBudgetSampler(
+        replicas, replica = data_parallel(trainer)
+        return (packed.PackedBatchSampler if self.packing else TokenBudgetSampler)(
             dataset.lengths,
-            max_tokens=self.max_tokens_per_batch,
+            # A rank of a context-parallel group holds 1/cp of each sequence: the budget is per rank.
+            max_tokens=per_rank_budget(self.max_tokens_per_batch, trainer),
             batch_size=self.batch_size,
-            num_replicas=trainer.world_size if trainer else 1,
-            rank=trainer.global_rank if trainer else 0,
+            # The replicas read different batches; a tensor- or context-parallel group shares one.
+            num_replicas=replicas,
+            rank=replica,
             shuffle=shuffle,
             seed=self.seed,
             # Training batches carry their optimizer step's label tokens (all micro-batches, all
@@ -403,16 +417,20 @@ class SFTDataModule(LightningDataModule):
             dataset,
             sampler=sampler,
             batch_size=None,  # the sampler yields whole batches
-            collate_fn=_Collator(self.tokenizer.pad_token_id),
+            collate_fn=packed.PackedCollator() if self.packing else _Collator(self.tokenizer.pad_token_id),
             num_workers=self.num_workers,
         )
 
-    def largest_batch(self, fill_token: int) -> dict[str, torch.Tensor]:
+    def largest_batch(self, fill_token: int, context_parallel_size: int = 1) -> dict[str, torch.Tensor]:
         """The largest training micro-batch these settings allow, made of ``fill_token``: as many
         rows as the token budget (or ``batch_size``) takes, each ``max_length`` tokens, every token a
-        label. The memory estimate (:mod:`lightning_mem.estimate`) runs the recipe on it; no data
-        are read."""
-        rows = self.max_tokens_per_batch // self.max_length if self.max_tokens_per_batch else self.batch_size
+        label; with ``context_parallel_size`` ranks sharing each row, the budget is per rank
+        (:func:`lightning_mem.ranks.per_rank_budget`). The memory estimate
+        (:mod:`lightning_mem.estimate`) runs the recipe on it; no data are read."""
+        if self.packing:
+            return packed.largest_packed_batch(fill_token, self.max_tokens_per_batch, self.max_length)
+        budget = self.max_tokens_per_batch and self.max_tokens_per_batch * context_parallel_size
+        rows = budget // self.max_length if budget else self.batch_size
         ids = torch.full((max(rows, 1), self.max_length), fill_token, dtype=torch.long)
         return {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids),
                 "step_label_tokens": torch.tensor(ids.numel(), dtype=torch.long)}

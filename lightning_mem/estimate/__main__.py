@@ -45,12 +45,13 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(name).setLevel(logging.ERROR)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        result = estimate(args.config, overrides, recipe=recipe, world_size=args.world_size)
+        result = estimate(args.config, overrides, recipe=recipe, world_size=args.world_size, device_memory=device_bytes)
         suggestions = None
         if args.suggest and result.device_peak_bytes > report.usable_bytes(device_bytes):
             suggestions = suggest(
                 result.parsed, recipe, overrides, device_bytes,
-                lambda extra: estimate(args.config, extra, recipe=recipe, world_size=args.world_size),
+                lambda extra: estimate(args.config, extra, recipe=recipe, world_size=args.world_size,
+                                       device_memory=device_bytes),
                 base=result, config=args.config, limit=args.suggestions,
             )
     if args.json:

@@ -266,6 +266,22 @@ class Sharding:
     # FSDP2's reshard_after_forward: True frees a unit after its forward; False keeps a trained
     # model's units gathered from their forward until their backward; an int k keeps a 1/k copy.
     reshard_after_forward: bool | int = True
+    # FSDP2Strategy's tensor and context parallelism (lightning_mem/strategies/tensor_parallel.py,
+    # lightning_mem/context_parallel.py). Weights, gradients and optimizer state stay 1/world_size
+    # per rank: the plan splits every layer, embeddings and output layer included, over the
+    # tensor-parallel ranks, and FSDP2 shards those pieces over the data x context ranks (the
+    # replicated norms are ignored). What FSDP2 gathers, and the gradients it has yet to reduce, are
+    # a unit's tensor-parallel piece: 1/tensor_parallel. Outside generation each rank runs
+    # 1/context_parallel of every sequence: activations and logits divide by it (Ulysses trades the
+    # attention kernel's sequence for heads: the same bytes); with ``sequence_parallel`` the
+    # activations divide by the tensor-parallel size too (heads and MLP columns inside the regions,
+    # sequence shards between them); without it they are counted whole (an upper bound: the local
+    # heads and columns would be smaller). The logits are whole over the vocabulary (the output
+    # layer gathers them). Generation runs whole sequences on every rank of a context group, through
+    # the split model: its KV cache holds 1/tensor_parallel of the key/value heads.
+    tensor_parallel: int = 1
+    context_parallel: int = 1
+    sequence_parallel: bool = False
 
 
 def sharding_of(strategy: Any) -> Sharding:
@@ -276,10 +292,13 @@ def sharding_of(strategy: Any) -> Sharding:
         cats = ("weights", "gradients", "optimizer_state")
         reshard = strategy._reshard_after_forward
         precision = f", compute in {str(strategy._param_dtype).removeprefix('torch.')}" if strategy._param_dtype else ""
-        return Sharding("FSDP2" + (" + CPU offload" if strategy.cpu_offload else "") + precision, cats,
+        tp, cp = getattr(strategy, "tensor_parallel_size", 1), getattr(strategy, "context_parallel_size", 1)
+        sp = getattr(strategy, "sequence_parallel", False)
+        split = (f" + TP {tp}" + (" (sequence parallel)" if sp else "") if tp > 1 else "") + (f" + CP {cp}" if cp > 1 else "")
+        return Sharding("FSDP2" + split + (" + CPU offload" if strategy.cpu_offload else "") + precision, cats,
                         cats if strategy.cpu_offload else (), gathered_units=2, forward_gathered_units=3,
                         unit_gradients=True, param_dtype=strategy._param_dtype, reduce_dtype=strategy._reduce_dtype,
-                        reshard_after_forward=reshard)
+                        reshard_after_forward=reshard, tensor_parallel=tp, context_parallel=cp, sequence_parallel=sp)
     tier = getattr(strategy, "tier", None)
     if tier is not None:  # ZeroStrategy
         shard = ("gradients", "optimizer_state") + (("weights",) if tier.stage == 3 else ())
@@ -299,7 +318,7 @@ def shard_per_rank(breakdown: dict[str, int], host: int, sharding: Sharding, wor
                    unit_bytes: tuple[int, int], grad_element_size: int = 4, *, gathered: bool = True,
                    in_flight: tuple[int, int] | None = None,
                    gathered_units: int | None = None, scales: dict[str, float] | None = None,
-                   resident: int = 0) -> tuple[dict[str, int], int]:
+                   resident: int = 0, generating: bool = False) -> tuple[dict[str, int], int]:
     """Per-rank device breakdown and host bytes of one unsharded measurement under ``sharding``.
 
     A sharded category holds 1/world_size of its measured bytes per rank (on the host when
@@ -315,6 +334,8 @@ def shard_per_rank(breakdown: dict[str, int], host: int, sharding: Sharding, wor
     ``scales``: per category, the sharded bytes per measured byte (the run computed in FSDP2's
     ``param_dtype`` while the shards keep their own dtype: fp32 shards of a bf16 computation are 2).
     ``resident``: bytes of units a ``reshard_after_forward`` other than True keeps after their forward.
+    Tensor and context parallelism divide as :class:`Sharding` says; ``generating``: the rollout's
+    generation, which runs whole sequences on every rank of a context group.
     """
     measured_grads = breakdown["gradients"]
     out = dict(breakdown)
@@ -331,11 +352,20 @@ def shard_per_rank(breakdown: dict[str, int], host: int, sharding: Sharding, wor
     if "weights" in sharding.shard and sharding.gathered_units and gathered:
         block, root = unit_bytes
         units = sharding.gathered_units if gathered_units is None else gathered_units
-        out["weights"] += min(units * block + root, breakdown["weights"]) + resident
+        tp = sharding.tensor_parallel  # a gathered unit is its tensor-parallel piece
+        out["weights"] += math.ceil((min(units * block + root, breakdown["weights"]) + resident) / tp)
         if in_flight is not None:
-            out["gradients"] += unreduced + math.ceil(buffered * scales.get("reduce_scatter", 1.0))
+            out["gradients"] += math.ceil((unreduced + buffered * scales.get("reduce_scatter", 1.0)) / tp)
         elif breakdown["gradients"]:
-            out["gradients"] += min(block + root, breakdown["gradients"])
+            out["gradients"] += math.ceil(min(block + root, breakdown["gradients"]) / tp)
+    if sharding.tensor_parallel * sharding.context_parallel > 1:
+        if generating:
+            out["kv_cache"] = math.ceil(out["kv_cache"] / sharding.tensor_parallel)
+        else:
+            tokens = sharding.context_parallel
+            out["logits"] = math.ceil(out["logits"] / tokens)
+            out["activations"] = math.ceil(
+                out["activations"] / (tokens * (sharding.tensor_parallel if sharding.sequence_parallel else 1)))
     if sharding.bucket_elements and measured_grads:
         out["gradients"] += min(sharding.bucket_elements * grad_element_size, measured_grads)
     return out, host
@@ -471,6 +501,7 @@ class PhaseRecorder(Callback):
         self._named = False  # the current step reported a phase
         self._depth = 0  # open phases: nested ones (an engine's sleep inside the rollout) are part of theirs
         self._shape = ""
+        self._phase: str | None = None  # the phase a step reported, while it runs
 
     @property
     def phases(self) -> list[PhaseEstimate]:
@@ -526,13 +557,15 @@ class PhaseRecorder(Callback):
         self._depth += 1
         top = self._depth == 1 and self._measuring
         if top:
-            self._named = True
+            self._named, self._phase = True, name
             self.retag()
             self.ledger.reset_peak()
         try:
             yield
         finally:
             self._depth -= 1
+            if top:
+                self._phase = None
         if top:
             self._record(name, f"batch of {self._shape}")
 
@@ -542,7 +575,8 @@ class PhaseRecorder(Callback):
             breakdown, host = dict(ledger.peak_breakdown), ledger.peak_host_bytes
         else:  # the unsharded peak, divided over the ranks
             breakdown, host = shard_per_rank(ledger.peak_breakdown, ledger.peak_host_bytes, self.sharding,
-                                             self.world_size, self._units, self._grad_size)
+                                             self.world_size, self._units, self._grad_size,
+                                             generating=name == "rollout")
         new = PhaseEstimate(name, sum(breakdown.values()), breakdown, host, shape)
         old = self.peaks.get(name)
         if old is None or new.device_peak_bytes > old.device_peak_bytes:
@@ -629,7 +663,7 @@ class EstimateRun(PhaseRecorder, StepIO):
     """
 
     def __init__(self, init: Any, cfg: Any, *, world_size: int, fake: bool, vocab: list[int], workdir: Path,
-                 full_loops: bool = False) -> None:
+                 full_loops: bool = False, device_memory: int | None = None) -> None:
         trainer_cfg = init.trainer
         strategy = trainer_cfg.strategy if not isinstance(trainer_cfg.strategy, str) else None
         super().__init__(MemoryLedger(set(vocab)), sharding=sharding_of(strategy), world_size=world_size)
@@ -656,6 +690,9 @@ class EstimateRun(PhaseRecorder, StepIO):
         self._shard_dtype = torch.float32
         self._resident: dict[int, int] = {}  # units kept gathered after their forward -> bytes
         self._fill, self._eos = 0, None
+        self.device_memory = device_memory  # one device's total bytes, when the estimate knows the card
+        accelerator = str(trainer_cfg.accelerator or "auto").lower()
+        self.on_cuda = accelerator not in ("cpu", "mps")  # what the config runs on, not this machine
 
     def measured(self, step: int) -> bool:
         return step == 1
@@ -686,7 +723,8 @@ class EstimateRun(PhaseRecorder, StepIO):
                 f"{type(self.data).__name__} has no largest_batch(fill_token): the estimate needs the datamodule"
                 " to say what its largest micro-batch looks like (see lightning_mem.data.SFTDataModule)"
             )
-        batch = largest(fill)
+        cp = self.sharding.context_parallel  # a token budget is per rank: cp times the tokens of whole rows
+        batch = largest(fill, context_parallel_size=cp) if cp > 1 else largest(fill)
         warm_up = _head(batch, rows=_rows_of(batch), tokens=8)  # every row: no loop of the step runs empty
         return [warm_up] * self.accumulated + [batch] * self.accumulated
 
@@ -700,6 +738,11 @@ class EstimateRun(PhaseRecorder, StepIO):
         self.mode.fill_token = fill if self._eos is None else self._eos
         with _attribution(self.ledger, self.fake), _weights_source(self.fake), self.mode, self.accounting():
             self.trainer = Trainer(**self.trainer_arguments())
+            if self.sharding.context_parallel > 1:
+                # The recipes state micro-batch budgets per rank of a context group and read its size
+                # from the strategy (lightning_mem.ranks.per_rank_budget): this one-process fit's
+                # strategy says what the run's would.
+                self.trainer.strategy.context_parallel_size = self.sharding.context_parallel
             loader = DataLoader(self.batches(fill), batch_size=None, collate_fn=_as_is)
             try:
                 self.trainer.fit(self.module, train_dataloaders=loader)
@@ -858,6 +901,15 @@ class EstimateRun(PhaseRecorder, StepIO):
             return contextlib.nullcontext()
         return _last_decode_step(self, model)
 
+    @override
+    def rollout_engine(self, config: Any, generation: Any, **kwargs: Any) -> Any:
+        if config.name != "vllm":
+            return super().rollout_engine(config, generation, **kwargs)
+        from lightning_mem.estimate.engine import ReservedEngine
+
+        return ReservedEngine(generation, config, run=self, on_cuda=self.on_cuda, device_memory=self.device_memory,
+                              **kwargs)
+
     # -- the per-rank view ------------------------------------------------------------------------
     def _per_rank(self, breakdown: dict[str, int], host: int) -> tuple[dict[str, int], int]:
         flight = self._flight
@@ -877,7 +929,7 @@ class EstimateRun(PhaseRecorder, StepIO):
                               scales=self._scales, resident=resident,
                               gathered=not self._stepping,
                               in_flight=(flight.unreduced, flight.buffered) if flight is not None else None,
-                              gathered_units=count)
+                              gathered_units=count, generating=self._phase == "rollout")
 
     def _gathered_units(self) -> int | None:
         flight = self._flight
@@ -1338,6 +1390,7 @@ def estimate(
     fake: bool = True,
     full_loops: bool = False,
     run_class: type[EstimateRun] = EstimateRun,
+    device_memory: int | None = None,
 ) -> Estimate:
     """Estimate every phase of ``config`` (plus recipe CLI ``overrides``) per rank.
 
@@ -1345,17 +1398,24 @@ def estimate(
     ``full_loops=True`` runs every decode step, micro-batch, mini-batch, epoch and accumulated
     micro-batch instead of the ones that decide the peak (:class:`EstimateRun`): the same figures,
     many times slower. ``run_class`` makes the run: :class:`EstimateRun`, or a subclass such as
-    :mod:`.sharded`'s, which really shards the model.
+    :mod:`.sharded`'s, which really shards the model. ``device_memory`` is one device's total bytes
+    (default: the config's tier, if it names one): a vLLM rollout engine takes a fraction of it.
     """
+    from lightning_mem.estimate.report import tier_of
+    from lightning_mem.rl.engine_config import engines_stood_in
+
     module_name = recipe_for(config, recipe)
     cli, cfg, module_class = parse_config(module_name, ["--config", str(config), *overrides])
-    with tempfile.TemporaryDirectory(prefix="lightning_mem_estimate_") as tmp:
+    if device_memory is None and (tier := tier_of(config)) is not None:
+        device_memory = tier.memory_bytes
+    with tempfile.TemporaryDirectory(prefix="lightning_mem_estimate_") as tmp, engines_stood_in():
         vocab = _localize_models(cfg.model, Path(tmp))
         if cfg.get("data") is not None and "tokenizer" in cfg.data:
             cfg.data.tokenizer = cfg.model.name_or_path
         init = instantiate(cli, cfg)
         size = world_size or _world_size(cfg.trainer)
-        run = run_class(init, cfg, world_size=size, fake=fake, vocab=vocab, workdir=Path(tmp), full_loops=full_loops)
+        run = run_class(init, cfg, world_size=size, fake=fake, vocab=vocab, workdir=Path(tmp), full_loops=full_loops,
+                        device_memory=device_memory)
         run.fit()
     notes = []
     if run.sharding.shard:
@@ -1365,4 +1425,12 @@ def estimate(
                         if run.sharding.gathered_units else "")
                      + ("; gradients stay whole on the device until backward leaves their unit"
                         if run.sharding.unit_gradients else ""))
+    tp, cp = run.sharding.tensor_parallel, run.sharding.context_parallel
+    if tp * cp > 1:
+        split = "activations" + (f" 1/{cp * tp}" if run.sharding.sequence_parallel else f" 1/{cp}")
+        notes.append(f"{run.sharding.name}: gathered units and unreduced gradients are 1/{tp} (a tensor-parallel"
+                     f" piece); outside generation {split} and logits 1/{cp} of the one-process run's"
+                     + ("" if run.sharding.sequence_parallel or tp == 1 else
+                        "; activations are not divided by the tensor-parallel size (an upper bound)")
+                     + (f"; the KV cache 1/{tp}" if tp > 1 else ""))
     return Estimate(str(config), module_name, size, run.sharding.name, run.phases, notes, parsed=cfg)

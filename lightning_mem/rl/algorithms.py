@@ -203,25 +203,23 @@ class PolicyLossTerms:
 def clipped_policy_loss(
     logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, *, clip_ratio: float = 0.2
 ) -> PolicyLossTerms:
-    """PPO's clipped surrogate: per token max(-A * r, -A * clip(r, 1-eps, 1+eps)), r = pi / pi_old."""
-    # Padded positions are selected away before exp: whatever they hold, they give 0 and no NaN
-    # gradient (0 * exp(inf) in the backward would be NaN even with the sum masked).
-    log_ratio = _masked(logprobs - old_logprobs, mask)
-    advantages = _masked(advantages, mask)
-    ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio, 1.0 + clip_ratio)
-    loss = torch.maximum(unclipped, clipped)
+    """PPO's clipped surrogate summed over tokens: per token max(-A * r, -A * clip(r, 1-eps, 1+eps)),
+    r = pi / pi_old. The per-token form, with decoupled and dual clipping, GSPO and CISPO, is
+    :mod:`lightning_mem.rl.policy_losses` (what the recipe uses)."""
+    from lightning_mem.rl.policy_losses import clipped_surrogate  # it builds on this module's masking
+
+    terms = clipped_surrogate(logprobs, old_logprobs, advantages, mask, clip_low=clip_ratio, clip_high=clip_ratio)
     with torch.no_grad():
-        clipped_tokens = masked_sum((clipped > unclipped).to(loss.dtype), mask)
-        approx_kl = masked_sum(torch.expm1(log_ratio) - log_ratio, mask)
-    return PolicyLossTerms(masked_sum(loss, mask), clipped_tokens, approx_kl)
+        clipped_tokens = masked_sum(terms.clipped.to(terms.loss.dtype), mask)
+        approx_kl = masked_sum(torch.expm1(terms.log_ratio) - terms.log_ratio, mask)
+    return PolicyLossTerms(masked_sum(terms.loss, mask), clipped_tokens, approx_kl)
 
 
 @dataclass
 class ValueLossTerms:
     loss_sum: Tensor  # sum over tokens of 0.5 * max((V - R)^2, (V_clip - R)^2)
     clipped_tokens: Tensor
+    loss: Tensor | None = None  # [N, R] the per-token loss (0 on padding), for weighted aggregation
 
 
 def clipped_value_loss(
@@ -235,12 +233,14 @@ def clipped_value_loss(
     values, old_values, returns = (_masked(x, mask) for x in (values, old_values, returns))
     unclipped = (values - returns).square()
     if clip_range is None:
-        return ValueLossTerms(0.5 * masked_sum(unclipped, mask), torch.zeros((), device=values.device))
+        per_token = _masked(0.5 * unclipped, mask)
+        return ValueLossTerms(per_token.sum(), torch.zeros((), device=values.device), per_token)
     v_clipped = old_values + torch.clamp(values - old_values, -clip_range, clip_range)
     clipped = (v_clipped - returns).square()
     with torch.no_grad():
         clipped_tokens = masked_sum((clipped > unclipped).to(values.dtype), mask)
-    return ValueLossTerms(0.5 * masked_sum(torch.maximum(unclipped, clipped), mask), clipped_tokens)
+    per_token = _masked(0.5 * torch.maximum(unclipped, clipped), mask)
+    return ValueLossTerms(per_token.sum(), clipped_tokens, per_token)
 
 
 # ---------------------------------------------------------------------------------------------

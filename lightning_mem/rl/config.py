@@ -9,7 +9,7 @@ several fields) in ``__post_init__``, naming the field (:mod:`lightning_mem.sett
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from jsonargparse.typing import (
@@ -21,7 +21,63 @@ from jsonargparse.typing import (
 )
 
 from lightning_mem.rl.algorithms import KLEstimator
+from lightning_mem.rl.loss_aggregation import LossAggMode
+from lightning_mem.rl.policy_losses import PolicyLoss
+from lightning_mem.rl.rollout_correction import CorrectionLevel, CorrectionMode
 from lightning_mem.settings import AtLeastTwo, SettingError, check_fields
+
+
+@dataclass
+class OverlongConfig:
+    """What happens to a response cut off at ``max_new_tokens`` (YAML ``model.ppo.overlong``;
+    DAPO, Yu et al. 2025, sec. 3.4; :mod:`lightning_mem.rl.sample_filters`).
+
+    Args:
+        filter: drop truncated responses (full length, no end token) from the loss: their score
+            judged an unfinished answer.
+        buffer: the soft penalty's ramp, in tokens before ``max_new_tokens``: a response longer than
+            ``max_new_tokens - buffer`` loses up to ``penalty_factor`` of score (None: no penalty).
+        penalty_factor: the penalty at full length.
+    """
+
+    filter: bool = False
+    buffer: PositiveInt | None = None
+    penalty_factor: PositiveFloat = 1.0
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """Importance sampling against the rollout engine's drift (YAML ``model.ppo.rollout_correction``;
+    :mod:`lightning_mem.rl.rollout_correction`), from the engine's own log-probs of its samples.
+
+    Args:
+        mode: ``none``; ``tis`` (truncated: weight min(pi_old / pi_engine, upper)); ``mis``
+            (masked: drop what falls outside [lower, upper]).
+        level: ``token`` (each token's ratio) or ``sequence`` (the product over the response).
+        upper: the TIS cap, or MIS's upper bound; above 1.
+        lower: MIS's lower bound, below 1 (None: none; verl's `rollout_rs_threshold_lower` defaults to
+            1 / upper instead). TIS has no lower bound.
+    """
+
+    mode: CorrectionMode = "none"
+    level: CorrectionLevel = "token"
+    upper: PositiveFloat = 2.0
+    lower: OpenUnitInterval | None = None
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.upper <= 1.0:
+            # A bound below 1 would cut or drop tokens on which the engine and trainer agree.
+            raise SettingError("upper", f" must be above 1, got {self.upper}")
+        if self.lower is not None and self.mode != "mis":
+            raise SettingError("lower", f" is a bound of `mode: mis`, not of `mode: {self.mode}`", siblings=("mode",))
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "none"
 
 
 @dataclass
@@ -32,16 +88,30 @@ class PPOConfig:
         ppo_epochs: passes over each rollout batch.
         num_mini_batches: optimizer steps per pass; the batch is reshuffled and split this many ways.
         clip_ratio: epsilon of the clipped surrogate, ratio kept in [1 - eps, 1 + eps].
+        clip_ratio_low, clip_ratio_high: the two sides separately (DAPO's clip-higher: 0.2 and
+            0.28); None: ``clip_ratio``. For ``cispo`` they bound the importance weight.
+        clip_ratio_c: the dual clip's bound on the loss of a negative-advantage token, ``-A * c``
+            (> 1; verl's default is 3); None: off. ``vanilla`` only.
+        policy_loss: ``vanilla`` (PPO's clipped surrogate), ``gspo`` (one geometric-mean ratio per
+            response) or ``cispo`` (clipped, detached importance weight on REINFORCE's gradient)
+            (:mod:`lightning_mem.rl.policy_losses`).
+        loss_agg_mode: how per-token losses are averaged: ``token-mean``, ``seq-mean-token-sum``,
+            ``seq-mean-token-mean`` or ``seq-mean-token-sum-norm`` (divided by ``max_new_tokens``)
+            (:mod:`lightning_mem.rl.loss_aggregation`). The same for the value, KL and entropy terms.
+        filter_groups: drop groups whose answers all scored alike from the loss (DAPO's dynamic
+            sampling condition); grouped estimators only.
+        overlong: truncated responses (:class:`OverlongConfig`).
+        rollout_correction: TIS/MIS against the engine's drift (:class:`RolloutCorrectionConfig`).
         value_clip: how far the new values may move from the rollout's (None: no clipping).
         vf_coef: weight of the value loss in the summed loss.
         entropy_coef: weight of the entropy bonus (0 computes entropy for the metric only).
         max_grad_norm: gradient clipping per optimizer step (None: off).
-        gamma, lam: GAE's discount and trace decay.
+        gamma, lam: GAE's discount and trace decay (``gamma`` is REINFORCE++'s discount too).
         whiten_advantages: GAE only: normalise the advantages to zero mean and unit variance over
             the batch (all ranks). None (the default) whitens under GAE. GRPO's group-relative
             scores reach the loss as they are (whitening them again would give a group that
             scored all alike a non-zero advantage, and undo Dr. GRPO's unscaled variant), so
-            ``true`` with GRPO is an error.
+            ``true`` without GAE is an error (REINFORCE++ whitens as part of its definition).
         max_tokens_per_microbatch: padded-token budget of a training micro-batch (forward +
             backward); None puts the whole mini-batch in one.
         logprob_max_tokens_per_microbatch: budget for the no-grad passes (old and reference
@@ -52,6 +122,14 @@ class PPOConfig:
     ppo_epochs: PositiveInt = 1
     num_mini_batches: PositiveInt = 1
     clip_ratio: OpenUnitInterval = 0.2
+    clip_ratio_low: ClosedUnitInterval | None = None
+    clip_ratio_high: PositiveFloat | None = None
+    clip_ratio_c: PositiveFloat | None = None
+    policy_loss: PolicyLoss = "vanilla"
+    loss_agg_mode: LossAggMode = "token-mean"
+    filter_groups: bool = False
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     value_clip: PositiveFloat | None = 0.2
     vf_coef: NonNegativeFloat = 0.1
     entropy_coef: NonNegativeFloat = 0.0
@@ -63,7 +141,28 @@ class PPOConfig:
     logprob_max_tokens_per_microbatch: PositiveInt | None = None
 
     def __post_init__(self) -> None:
+        # jsonargparse may hand the nested groups over as dicts when the class is built directly.
+        if isinstance(self.overlong, dict):
+            self.overlong = OverlongConfig(**self.overlong)
+        if isinstance(self.rollout_correction, dict):
+            self.rollout_correction = RolloutCorrectionConfig(**self.rollout_correction)
         check_fields(self)
+        if self.clip_ratio_c is not None:
+            if self.clip_ratio_c <= 1.0:
+                # -A * c with c <= 1 would sit below the clipped surrogate's own value.
+                raise SettingError("clip_ratio_c", f" must be above 1, got {self.clip_ratio_c}")
+            if self.policy_loss != "vanilla":
+                raise SettingError(
+                    "clip_ratio_c", f" (the dual clip) is a term of `policy_loss: vanilla`, not of"
+                    f" `policy_loss: {self.policy_loss}`", siblings=("policy_loss",))
+
+    @property
+    def clip_low(self) -> float:
+        return self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low
+
+    @property
+    def clip_high(self) -> float:
+        return self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
 
     @property
     def logprob_budget(self) -> int | None:
@@ -127,7 +226,8 @@ class CriticConfig:
             (``model.critic_optimizer``); ``shared``: a value head on the actor's backbone,
             trained with the actor's optimizer.
         name_or_path: checkpoint of the separate critic's backbone; None starts it from the actor's.
-        dtype: its parameter dtype; None: the actor's ``dtype``.
+        dtype: its parameter dtype. It trains, so it follows ``trainer.precision`` (float32 under
+            ``32-true`` and ``*-mixed``); None follows it, and any other dtype is an error.
     """
 
     layout: Literal["separate", "shared"] = "separate"
@@ -144,7 +244,9 @@ class RewardModelConfig:
 
     Args:
         name_or_path: its checkpoint (with its own tokenizer).
-        dtype: parameter dtype; None: the actor's ``dtype``.
+        dtype: parameter dtype. It is frozen: None loads it in the compute dtype of
+            ``trainer.precision`` (bfloat16 under ``bf16-mixed``, float32 under ``32-true``);
+            ``auto`` keeps the checkpoint's; under ``*-true`` only the precision's dtype holds.
         max_length: tokens per scored conversation (cut from the left).
     """
 

@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
+from lightning_mem.context_parallel import layout_of, sequence_forward
 from lightning_mem.rl.rollout import Experience, gather_response
 
 
@@ -36,11 +37,15 @@ class ValueHead(nn.Module):
         nn.init.zeros_(self.summary.bias)
 
     def forward(self, hidden: Tensor) -> Tensor:
-        # The head runs in its own dtype (fp32 by default) whatever the backbone computes in.
+        # The head runs in its own dtype (fp32 under 32-true and *-mixed) whatever the backbone
+        # computes in, autocast included: values are regressed onto returns, and a bf16 value
+        # keeps 8 bits of mantissa. One [tokens, hidden] x [hidden, 1] product: nothing to save.
+        # The values come out in float32 under any precision, as the rollout's buffers hold them.
         # NOTE: a fresh tensor, not the view `squeeze` gives: FSDP2 hooks the unit's output for
         # backward, and an in-place op on a returned view would silently drop that hook (FSDP2
         # warns on every forward). The copy is one value per token.
-        return self.summary(hidden.to(self.summary.weight.dtype)).squeeze(-1).clone()
+        with torch.autocast(hidden.device.type, enabled=False):
+            return self.summary(hidden.to(self.summary.weight.dtype)).squeeze(-1).float().clone()
 
 
 class ValueModel(nn.Module):
@@ -53,10 +58,16 @@ class ValueModel(nn.Module):
     def __init__(self, backbone: nn.Module) -> None:
         super().__init__()
         self.backbone = backbone
-        self.value_head = ValueHead(backbone.config.hidden_size)
+        # Trained with the backbone, so in its dtype (not torch's default: under bf16-true that is
+        # bf16 only inside Lightning's hooks).
+        dtype = next((p.dtype for p in backbone.parameters() if p.is_floating_point()), None)
+        self.value_head = ValueHead(backbone.config.hidden_size, dtype=dtype)
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None, **model_kwargs: Any) -> Tensor:
+        """Values ``[B, T]``; ``model_kwargs`` (position ids, a context-parallel layout) go to the backbone."""
+        hidden = self.backbone(
+            input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **model_kwargs
+        ).last_hidden_state
         return self.value_head(hidden)
 
 
@@ -87,8 +98,10 @@ def load_value_model(
 
 
 def critic_values(critic: ValueModel, batch: Experience) -> Tensor:
-    """``[n, R]`` values of the states before each response token (same positions as the logits)."""
-    values = critic(batch.input_ids, batch.attention_mask)
+    """``[n, R]`` values of the states before each response token (same positions as the logits).
+    A critic a strategy split along the sequence runs its slice and the values are gathered
+    (:func:`lightning_mem.context_parallel.sequence_forward`)."""
+    values = sequence_forward(critic, batch.input_ids, batch.attention_mask, layout_of(critic))
     return gather_response(values, batch.prompt_lengths, batch.response_ids.shape[1])
 
 
@@ -103,8 +116,10 @@ class SharedHead:
     def __init__(self) -> None:
         self.module: ValueHead | None = None
 
-    def build(self, actor: nn.Module, load_critic: Callable[[], ValueModel]) -> ValueHead:
-        self.module = ValueHead(actor.config.hidden_size)
+    def build(self, actor: nn.Module, load_critic: Callable[[], ValueModel], *,
+              dtype: torch.dtype | None = None) -> ValueHead:
+        """A fresh head in ``dtype`` (what trains under the trainer's precision; None: torch's default)."""
+        self.module = ValueHead(actor.config.hidden_size, dtype=dtype)
         return self.module
 
     def actor_param_groups(self) -> list[dict[str, Any]]:
@@ -127,7 +142,9 @@ class SeparateCritic:
     def __init__(self) -> None:
         self.module: ValueModel | None = None
 
-    def build(self, actor: nn.Module, load_critic: Callable[[], ValueModel]) -> ValueModel:
+    def build(self, actor: nn.Module, load_critic: Callable[[], ValueModel], *,
+              dtype: torch.dtype | None = None) -> ValueModel:
+        """The critic ``load_critic`` loads, in the dtype it loads in (``dtype`` is the shared head's)."""
         self.module = load_critic()
         return self.module
 

@@ -6,13 +6,33 @@ which imports neither of them.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import importlib.util
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
+
+import torch
 
 from lightning_mem.settings import AtLeastOne, AtLeastTwo, LeftOpenUnitInterval, SettingError, check_fields
 
 EngineName = Literal["hf", "vllm"]
+
+# False while the memory estimate runs a recipe: it builds a stand-in for the engine
+# (lightning_mem.estimate.engine), so the engine need not be installed where the estimate runs.
+_ENGINE_RUNS = contextvars.ContextVar("lightning_mem_engine_runs", default=True)
+
+
+@contextlib.contextmanager
+def engines_stood_in() -> Iterator[None]:
+    """Inside: :meth:`RolloutEngineConfig.validate` does not ask for the engine's package (the
+    memory estimate of a vLLM config, on a machine without vLLM)."""
+    token = _ENGINE_RUNS.set(False)
+    try:
+        yield
+    finally:
+        _ENGINE_RUNS.reset(token)
 
 
 @dataclass
@@ -35,10 +55,14 @@ class RolloutEngineConfig:
             re-synced from the actor at the next rollout anyway). Needs vLLM's sleep mode, which
             CUDA has and the CPU build has not: on CPU it is a no-op, with one warning.
         sync_bucket_mb: weight sync hands the engine at most this many MiB of tensors at a time.
-        dtype: the engine's weight dtype; None: the actor's.
+        dtype: the engine's weight dtype; None: the compute dtype of ``trainer.precision``
+            (bfloat16 under ``bf16-mixed``, not the actor's fp32 master weights).
         cpu_kv_cache_space_gb: KV cache size on CPU (vLLM's ``VLLM_CPU_KVCACHE_SPACE``); ignored on CUDA.
         seed: the engine's own sampling seed; None draws one from torch's generator, so a seeded
             run samples the same responses.
+        tensor_parallel_size: GPUs vLLM splits its copy of the weights over (vLLM's own tensor
+            parallelism, its worker processes; independent of the trainer's). CUDA only, with that
+            many visible GPUs; weights then reach the workers one bucket at a time.
     """
 
     name: EngineName = "hf"
@@ -51,6 +75,7 @@ class RolloutEngineConfig:
     dtype: str | None = None
     cpu_kv_cache_space_gb: AtLeastOne = 1
     seed: int | None = None
+    tensor_parallel_size: AtLeastOne = 1
 
     def __post_init__(self) -> None:
         check_fields(self)  # the ranges are the annotations (the CLI checks them while parsing)
@@ -64,7 +89,9 @@ class RolloutEngineConfig:
         The one place this is checked: the recipe calls it before any model loads, and an engine
         built directly calls it too. Errors name ``rollout_engine.<field>`` and
         ``generation.<field>`` (a recipe names their parent, ``settings_at("model")``)."""
-        if self.name == "vllm" and importlib.util.find_spec("vllm") is None:
+        if self.tensor_parallel_size > 1:
+            self._check_tensor_parallel()
+        if self.name == "vllm" and _ENGINE_RUNS.get() and importlib.util.find_spec("vllm") is None:
             raise SettingError(
                 "rollout_engine.name",
                 "`rollout_engine.name: vllm` needs vLLM, which is not installed in this environment: "
@@ -77,4 +104,21 @@ class RolloutEngineConfig:
                 f"`generation.kv_cache: static` is the Hugging Face engine's; `rollout_engine.name: {self.name}`"
                 " pages its own KV cache (size it with its knobs)",
                 siblings=("rollout_engine.name",),
+            )
+
+    def _check_tensor_parallel(self) -> None:
+        tp = self.tensor_parallel_size
+        if self.name != "vllm":
+            raise SettingError(
+                "rollout_engine.tensor_parallel_size",
+                f"`rollout_engine.tensor_parallel_size`={tp} is vLLM's; the `hf` engine generates with the actor as the"
+                " trainer's strategy split it (set the strategy's `tensor_parallel_size` instead)",
+                siblings=("rollout_engine.name",),
+            )
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus < tp:
+            raise SettingError(
+                "rollout_engine.tensor_parallel_size",
+                f"={tp} splits vLLM's weights over {tp} GPUs; this machine has {gpus} visible"
+                + (" (vLLM's CPU build runs one worker)" if gpus == 0 else ""),
             )

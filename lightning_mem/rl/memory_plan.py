@@ -34,6 +34,7 @@ Example (YAML; in the PPO recipe, ``model.memory_plan``)::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import time
 from collections.abc import Iterator
@@ -43,6 +44,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from lightning_mem.allocator import release_free_host_memory
 from lightning_mem.settings import SettingError, check_fields
 
 Placement = Literal["device", "host"]
@@ -91,6 +93,10 @@ class PhaseMemoryPlan:
             phase's differently shaped tensors. Costs some re-allocation time; a no-op on CPU.
         pin_memory: pin the host copies (faster, asynchronous transfers); None pins when the
             device is CUDA.
+        trim_host_memory: after a phase boundary that brought state back from the host, hand the
+            freed host pages back to the system (glibc's ``malloc_trim``; a no-op under jemalloc or
+            tcmalloc): without it glibc keeps them, and resident host memory creeps up over a long
+            run (measured: docs/benchmarks.md, the long-run row).
     """
 
     rollout: PhasePlacement = field(default_factory=PhasePlacement)
@@ -99,6 +105,7 @@ class PhaseMemoryPlan:
     free_kv_cache: bool = True
     empty_cache_between_phases: bool = False
     pin_memory: bool | None = None
+    trim_host_memory: bool = True
 
     def placement(self, phase: str) -> PhasePlacement:
         if phase not in PHASES:
@@ -117,6 +124,11 @@ class PhaseMemoryPlan:
                         f" is 'host', but the {phase} phase computes with the"
                         f" {component.replace('_', ' ')}: it must be 'device' there",
                     )
+
+    def host_placements(self) -> list[str]:
+        """``"<phase>.<component>"`` for every component (optimizer state or module) sent to the host."""
+        return [f"{phase}.{f.name}" for phase in PHASES for f in dataclasses.fields(PhasePlacement)
+                if getattr(self.placement(phase), f.name) == "host"]
 
     def offloads_modules(self) -> list[str]:
         """``"<phase>.<component>"`` for every module (critic, reference, reward model) sent to the host."""
@@ -218,9 +230,12 @@ class PhaseMemory:
         for name, where in wanted.items():
             if where == "host" and self.locations[name] == "device":
                 self._to_host(name)
-        for name, where in wanted.items():
-            if where == "device" and self.locations[name] == "host":
-                self._to_device(name)
+        returned = [name for name, where in wanted.items() if where == "device" and self.locations[name] == "host"]
+        for name in returned:
+            self._to_device(name)
+        if returned and self.plan.trim_host_memory:
+            # The host copies just freed: glibc would keep their pages for later requests.
+            release_free_host_memory()
 
     def restore(self) -> None:
         """Everything back on the device (end of fit, or an exception mid-step)."""

@@ -10,9 +10,9 @@ same size. Two more rules for the training phase:
   own samples, the ranks agree on the largest count, and ranks with fewer split their biggest
   micro-batches until they match (verl balances its dynamic micro-batches the same way).
 - **Split-invariant loss.** Each micro-batch's loss is a *sum* over tokens scaled by
-  ``world_size / tokens in the whole mini-batch on all ranks``: the accumulated gradient is then
+  ``replicas / tokens in the whole mini-batch on all replicas``: the accumulated gradient is then
   the mini-batch's token mean, whatever the budget, the split, or the number of ranks (the data-
-  parallel all-reduce averages over ranks, which the ``world_size`` factor undoes).
+  parallel all-reduce averages over the replicas, which their count undoes; see :mod:`lightning_mem.ranks`).
 """
 
 from __future__ import annotations

@@ -78,6 +78,9 @@ class Experience:
     advantages: Tensor | None = None
     returns: Tensor | None = None
     kl: Tensor | None = None  # [N] each sample's summed KL to the reference (the rollout's policy)
+    loss_mask: Tensor | None = None  # [N, R] the response tokens that train (filters drop samples)
+    correction_weights: Tensor | None = None  # [N, R] the rollout correction's weight per token
+    sample_stats: dict[str, Tensor] = field(default_factory=dict)  # sums for the step's metrics
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]

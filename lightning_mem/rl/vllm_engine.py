@@ -72,7 +72,8 @@ class VLLMRolloutEngine(RolloutEngine):
         model_path: the actor's checkpoint folder or hub id: vLLM reads its config (architecture,
             sizes) from there; the weights come from the actor.
         eos_token_ids, pad_token_id: as for :class:`RolloutEngine`.
-        dtype: the engine's weight dtype when ``engine.dtype`` is None (the actor's).
+        dtype: the engine's weight dtype when ``engine.dtype`` is None (the recipe passes the
+            compute dtype of its precision).
         device: where the generated tensors are returned (the actor's device).
     """
 
@@ -135,6 +136,8 @@ class VLLMRolloutEngine(RolloutEngine):
         )
         if cfg.max_model_len is not None:
             kwargs["max_model_len"] = cfg.max_model_len
+        if cfg.tensor_parallel_size > 1:  # vLLM's worker processes, one per GPU (validated: CUDA only)
+            kwargs["tensor_parallel_size"] = cfg.tensor_parallel_size
         if self.on_cuda:
             kwargs["enable_sleep_mode"] = cfg.sleep_level > 0
         else:
@@ -213,7 +216,16 @@ class VLLMRolloutEngine(RolloutEngine):
                 yield from bucket
                 bucket.clear()  # the engine has copied them: drop this bucket before building the next
 
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream(), "is_checkpoint_format": True})
+        if self.engine_config.tensor_parallel_size > 1:
+            # vLLM's tensor-parallel workers are other processes: an iterator cannot cross to them,
+            # so each bucket goes as a list of host tensors, one call per bucket.
+            # NOTE: not run in this project's CI (no GPU); see docs/parallelism.md.
+            for bucket in weight_buckets(checkpoint_weights(actor), max_bytes=bucket_bytes, dtype=self.dtype, device="cpu"):
+                size = sum(t.numel() * t.element_size() for _, t in bucket)
+                total, largest = total + size, max(largest, size)
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(bucket), "is_checkpoint_format": True})
+        else:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream(), "is_checkpoint_format": True})
         self.synced_bytes, self.largest_bucket_bytes = total, largest
         return total
 

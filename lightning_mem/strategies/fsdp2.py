@@ -42,10 +42,13 @@ from lightning_mem.checkpointing import (
     remove_versioned,
     version_dir,
 )
+from lightning_mem.context_parallel import SequenceLayout, attach_layout
 from lightning_mem.dtypes import resolve_dtype
+from lightning_mem.settings import SettingError, SettingNotSupported
 from lightning_mem.offload import optimizer_state_onto
 from lightning_mem import activation_checkpointing, module_tree
-from lightning_mem.strategies import shard_plan
+from lightning_mem.activation_checkpointing import POLICIES
+from lightning_mem.strategies import shard_plan, tensor_parallel
 from lightning_mem.export import full_state_dict
 
 if TYPE_CHECKING:
@@ -100,12 +103,25 @@ class FSDP2Strategy(ModelParallelStrategy):
         reduce_dtype: dtype gradients are reduce-scattered in; ``None`` follows ``param_dtype``.
         activation_checkpointing: ``True`` recomputes every block's activations in backward
             (non-reentrant); an int ``k`` checkpoints every ``k``-th block (blocks 0, k, 2k, ...).
+        activation_checkpointing_policy: ``"full"`` recomputes the whole block; ``"selective"``
+            keeps matmul and attention outputs and recomputes the rest
+            (:mod:`lightning_mem.activation_checkpointing`).
         shard_modules: class names of the blocks to shard (e.g. ``["LlamaDecoderLayer"]``);
             ``None`` takes each HF model's ``_no_split_modules``.
-        data_parallel_size: ranks parameters are sharded across; ``"auto"`` is world size
-            divided by ``tensor_parallel_size``.
-        tensor_parallel_size: tensor-parallel degree, applied by your own ``configure_model``;
-            1 (the default) means pure FSDP.
+        data_parallel_size: ranks that each train on their own batches; ``"auto"`` is world size
+            divided by ``tensor_parallel_size x context_parallel_size``. Parameters are sharded
+            across the data and context ranks.
+        tensor_parallel_size: ranks each layer's weights are split across, by the architecture's
+            own tensor-parallel plan in ``transformers``
+            (:mod:`lightning_mem.strategies.tensor_parallel`); 1 (the default) means FSDP alone.
+            Needs the attention and key/value heads to divide by it (times ``context_parallel_size``).
+        sequence_parallel: with ``tensor_parallel_size > 1``, also split the norms and the
+            residual stream between the tensor-parallel regions along the sequence: their saved
+            activations shrink ``tensor_parallel_size`` times, at no extra communication.
+        context_parallel_size: ranks each sequence is split across (Ulysses attention,
+            :mod:`lightning_mem.context_parallel`): every activation shrinks that many times. The
+            ranks of a group read the same batches; models score through
+            :func:`lightning_mem.logits.score_tokens`, which splits and gathers.
         save_distributed_checkpoint: ``True`` saves one shard per rank (a folder);
             ``False`` gathers full weights and optimizer state into one file on rank 0.
         process_group_backend: as for ``ModelParallelStrategy`` (gloo on CPU, nccl on GPU).
@@ -149,14 +165,18 @@ class FSDP2Strategy(ModelParallelStrategy):
         param_dtype: Union[str, torch.dtype, None] = None,
         reduce_dtype: Union[str, torch.dtype, None] = None,
         activation_checkpointing: Union[bool, int] = False,
+        activation_checkpointing_policy: Literal["full", "selective"] = "full",
         shard_modules: Optional[Sequence[str]] = None,
         data_parallel_size: Union[Literal["auto"], int] = "auto",
         tensor_parallel_size: int = 1,
+        sequence_parallel: bool = False,
+        context_parallel_size: int = 1,
         save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
         timeout: Union[float, timedelta, None] = DEFAULT_TIMEOUT_S,
     ) -> None:
         self._check_sizes(data_parallel_size, tensor_parallel_size)
+        self._check_model_parallel(tensor_parallel_size, sequence_parallel, context_parallel_size)
         self._check_plan(cpu_offload, reshard_after_forward, activation_checkpointing, tensor_parallel_size)
         shard_modules = self._shard_module_names(shard_modules)
         timeout = self._timeout_of(timeout)
@@ -176,7 +196,14 @@ class FSDP2Strategy(ModelParallelStrategy):
         self._reduce_dtype = resolve_dtype(reduce_dtype, key="reduce_dtype")
         # `True` means every block; an int counts blocks; bool is an int, so normalize.
         self._checkpoint_every = int(activation_checkpointing)
+        # The argument `activation_checkpointing` shadows the module of that name here.
+        if activation_checkpointing_policy not in POLICIES:
+            raise ValueError(f"`activation_checkpointing_policy` must be one of {POLICIES},"
+                             f" got {activation_checkpointing_policy!r}.")
+        self._checkpoint_policy = activation_checkpointing_policy
         self._shard_modules = shard_modules
+        self._sequence_parallel = sequence_parallel
+        self._context_parallel_size = context_parallel_size
 
     @staticmethod
     def _check_plan(cpu_offload: Any, reshard_after_forward: Any, activation_checkpointing: Any,
@@ -231,9 +258,31 @@ class FSDP2Strategy(ModelParallelStrategy):
                 " makes it the devices per node, which leaves nothing for FSDP to shard on one node.)"
             )
 
+    @staticmethod
+    def _check_model_parallel(tensor_parallel_size: int, sequence_parallel: Any, context_parallel_size: Any) -> None:
+        if not isinstance(sequence_parallel, bool):
+            raise SettingError("sequence_parallel", f" must be true or false, got {sequence_parallel!r}")
+        if sequence_parallel and tensor_parallel_size == 1:
+            raise SettingError("sequence_parallel", ": true needs `tensor_parallel_size` > 1: it splits the sequence"
+                               " between the tensor-parallel regions", siblings=("tensor_parallel_size",))
+        if isinstance(context_parallel_size, bool) or not isinstance(context_parallel_size, int) or context_parallel_size < 1:
+            raise SettingError("context_parallel_size", f" must be an int >= 1, got {context_parallel_size!r}")
+
     @property
     def cpu_offload(self) -> bool:
         return self._cpu_offload
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self._tensor_parallel_size
+
+    @property
+    def context_parallel_size(self) -> int:
+        return self._context_parallel_size
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self._sequence_parallel
 
     # ------------------------------------------------------------------ registry
 
@@ -258,24 +307,58 @@ class FSDP2Strategy(ModelParallelStrategy):
         # Resolve the mesh before the parent builds it: Lightning's "auto" would make the
         # tensor-parallel size the devices per node, which leaves FSDP nothing to shard.
         world_size = self.num_nodes * self.num_processes
-        tp = self._tensor_parallel_size
+        tp, cp = self._tensor_parallel_size, self._context_parallel_size
         if self._data_parallel_size == "auto":
-            if world_size % tp:
-                raise ValueError(f"`tensor_parallel_size={tp}` does not divide the world size ({world_size}).")
-            self._data_parallel_size = world_size // tp
+            if world_size % (tp * cp):
+                raise SettingError(
+                    "tensor_parallel_size" if tp > 1 else "context_parallel_size",
+                    f": `tensor_parallel_size`={tp} x `context_parallel_size`={cp} does not divide the world size"
+                    f" ({world_size})", siblings=("tensor_parallel_size", "context_parallel_size"))
+            self._data_parallel_size = world_size // (tp * cp)
         dp = self._data_parallel_size
         k = self._reshard_after_forward
-        if not isinstance(k, bool) and (k >= dp or dp % k):
+        if not isinstance(k, bool) and (k >= dp * cp or (dp * cp) % k):
             raise ValueError(
-                f"`reshard_after_forward={k}` must divide the data-parallel size ({dp}) and be smaller than it;"
+                f"`reshard_after_forward={k}` must divide the data-parallel size ({dp * cp}) and be smaller than it;"
                 " use True or False otherwise."
             )
+        if cp == 1:
+            super().setup_environment()
+            return
+        # Lightning's mesh has two dimensions (data, tensor): built for the data x context ranks,
+        # then replaced by the three-dimensional mesh with the context dimension in between.
+        self._data_parallel_size = dp * cp
         super().setup_environment()
+        self._data_parallel_size = dp
+        self._device_mesh = self.model_parallel_mesh(dp, cp, tp)
+        self.lightning_module._device_mesh = self._device_mesh
+
+    def model_parallel_mesh(self, dp: int, cp: int, tp: int) -> "DeviceMesh":
+        """The ``(data_parallel, context_parallel, tensor_parallel)`` mesh: a rank's tensor-parallel
+        peers are its nearest (the same node, where the fastest links are), then its context peers."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(self.root_device.type, (dp, cp, tp),
+                                mesh_dim_names=("data_parallel", "context_parallel", "tensor_parallel"))
 
     @property
     def data_parallel_mesh(self) -> "DeviceMesh":
-        """The 1-D mesh parameters are sharded across."""
-        return self.device_mesh["data_parallel"]
+        """The 1-D mesh parameters are sharded across: the data-parallel ranks, times the
+        context-parallel ranks (which train on slices of the same sequences, so their gradients
+        are averaged too)."""
+        if self._context_parallel_size == 1:
+            return self.device_mesh["data_parallel"]
+        if getattr(self, "_shard_mesh", None) is None:
+            self._shard_mesh = self.device_mesh["data_parallel", "context_parallel"]._flatten("data_context_parallel")
+        return self._shard_mesh
+
+    @property
+    def tensor_parallel_mesh(self) -> "DeviceMesh":
+        return self.device_mesh["tensor_parallel"]
+
+    @property
+    def context_parallel_mesh(self) -> Optional["DeviceMesh"]:
+        return self.device_mesh["context_parallel"] if self._context_parallel_size > 1 else None
 
     # ------------------------------------------------------------------ setup
 
@@ -315,6 +398,8 @@ class FSDP2Strategy(ModelParallelStrategy):
             if not isinstance(model, FSDPModule):
                 self._parallelize_model(name, model)
         for name, leftover in shard_plan.unsharded_modules(module):
+            if self._tensor_parallel_size > 1:  # on the split models' mesh too (see ReplicatedParallel)
+                tensor_parallel.replicate_unsplit(leftover, self.tensor_parallel_mesh)
             self.shard_module(leftover, reshard_after_forward=self._reshard_for(leftover))
         # Every unit root, including any the user sharded in `configure_model`.
         for name, unit in module_tree.outermost(module, lambda sub: isinstance(sub, FSDPModule)):
@@ -329,6 +414,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         reshard = self._reshard_for(model)
         blocks = self.blocks_to_shard(model)
         checkpointed = set(activation_checkpointing.checkpointed_indices(len(blocks), self._checkpoint_every))
+        self.split_model(model)  # tensor and context parallelism before checkpointing and sharding
         for index, block in enumerate(blocks):
             if isinstance(block, FSDPModule):  # sharded by the user's configure_model
                 continue
@@ -338,7 +424,11 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.shard_module(model, reshard_after_forward=reshard)
         rank_zero_info(
             f"FSDP2Strategy: sharded `{name}` ({class_name}) as {len(blocks)} blocks + root,"
-            f" {len(checkpointed)} blocks checkpointed, reshard_after_forward={reshard}."
+            f" {len(checkpointed)} blocks checkpointed, reshard_after_forward={reshard}"
+            + (f", tensor_parallel_size={self._tensor_parallel_size}" if self._tensor_parallel_size > 1 else "")
+            + (" with sequence parallelism" if self._sequence_parallel else "")
+            + (f", context_parallel_size={self._context_parallel_size}" if self._context_parallel_size > 1 else "")
+            + "."
         )
 
     def _reshard_for(self, model: nn.Module) -> Union[bool, int]:
@@ -391,10 +481,50 @@ class FSDP2Strategy(ModelParallelStrategy):
             )
         return blocks
 
+    def check_model_config(self, config: Any) -> None:
+        """Raise a :class:`~lightning_mem.settings.SettingError` naming this strategy's argument when a
+        model of ``config`` (a ``transformers`` config) cannot be split the way it is set to split:
+        heads not divisible by ``tensor_parallel_size x context_parallel_size``, no tensor-parallel
+        plan, attention that context parallelism would change (sliding windows). Needs no model: a
+        recipe calls it before loading one."""
+        tensor_parallel.check_model_parallel(
+            config, tensor_parallel_size=self._tensor_parallel_size, context_parallel_size=self._context_parallel_size,
+            sequence_parallel=self._sequence_parallel)
+        if self._context_parallel_size > 1:
+            text = config.get_text_config() if hasattr(config, "get_text_config") else config
+            layer_types = getattr(text, "layer_types", None) or []
+            windowed = any(kind != "full_attention" for kind in layer_types) or (
+                not layer_types and getattr(text, "sliding_window", None) is not None
+                and getattr(text, "use_sliding_window", True))
+            if windowed:
+                raise SettingNotSupported(
+                    "context_parallel_size", f"={self._context_parallel_size}: {type(config).__name__} has"
+                    " sliding-window or non-attention layers, which context parallelism would turn into full causal"
+                    " attention; use `context_parallel_size: 1`")
+
+    def split_model(self, model: nn.Module) -> None:
+        """Step 2b: split ``model`` (an HF model) over the tensor-parallel ranks by its own plan
+        (with ``sequence_parallel``, along the sequence between the tensor-parallel regions), and
+        record how its sequences split (:class:`~lightning_mem.context_parallel.SequenceLayout`);
+        with ``context_parallel_size > 1`` its attention becomes Ulysses attention. A no-op for
+        FSDP alone."""
+        tp, cp = self._tensor_parallel_size, self._context_parallel_size
+        if tp * cp == 1:
+            return
+        self.check_model_config(model.config)
+        if tp > 1:
+            tensor_parallel.apply_tensor_parallel(model, self.tensor_parallel_mesh, sequence_parallel=self._sequence_parallel)
+        cp_mesh = self.context_parallel_mesh
+        attach_layout(model, SequenceLayout(
+            group=cp_mesh.get_group() if cp_mesh is not None else None, size=cp,
+            rank=cp_mesh.get_local_rank() if cp_mesh is not None else 0,
+            multiple=tp if self._sequence_parallel else 1,
+        ))
+
     def apply_activation_checkpointing(self, block: nn.Module) -> None:
         """Step 3: make ``block`` recompute its activations in backward
         (:func:`lightning_mem.activation_checkpointing.checkpoint_block`)."""
-        activation_checkpointing.checkpoint_block(block)
+        activation_checkpointing.checkpoint_block(block, self._checkpoint_policy)
 
     def offload_policy(self) -> "OffloadPolicy":
         """Step 4a: where sharded parameters, gradients and the optimizer step live."""
@@ -422,6 +552,7 @@ class FSDP2Strategy(ModelParallelStrategy):
 
         if reshard_after_forward is None:
             reshard_after_forward = self._reshard_after_forward
+        self._check_unit_dtypes(module)
         fully_shard(
             module,
             mesh=self.data_parallel_mesh,
@@ -429,6 +560,31 @@ class FSDP2Strategy(ModelParallelStrategy):
             mp_policy=self.mixed_precision_policy(),
             offload_policy=self.offload_policy(),
         )
+
+    @staticmethod
+    def _check_unit_dtypes(module: nn.Module) -> None:
+        """FSDP2 reduce-scatters a unit's gradients as one flat buffer, so the trainable parameters
+        the unit will own must share one dtype (frozen ones may differ: a bf16 LoRA base beside
+        fp32 adapters is fine, all-gathered as bytes). FSDP2's own check is a bare AssertionError
+        at the first backward; this one names the parameters, before anything is sharded."""
+        from torch.distributed.fsdp import FSDPModule
+
+        owned: dict[torch.dtype, list[str]] = {}
+        stack = [("", module)]
+        while stack:
+            prefix, sub = stack.pop()
+            for name, param in sub.named_parameters(recurse=False):
+                if param.requires_grad:
+                    owned.setdefault(param.dtype, []).append(prefix + name)
+            # A child sharded already is a unit of its own: its parameters are not this unit's.
+            stack += [(f"{prefix}{n}.", c) for n, c in sub.named_children() if not isinstance(c, FSDPModule)]
+        if len(owned) > 1:
+            examples = ", ".join(f"{names[0]} ({str(dtype).removeprefix('torch.')})" for dtype, names in owned.items())
+            raise ValueError(
+                f"FSDP2Strategy: `{type(module).__name__}` would be one FSDP2 unit whose trainable parameters differ in"
+                f" dtype ({examples}); FSDP2 needs one dtype for them. Load everything that trains in one dtype"
+                " (the recipes follow `trainer.precision`; see lightning_mem.dtypes.cast_trainable)."
+            )
 
     def materialize(self, name: str, unit: nn.Module) -> None:
         """Step 5: give meta-device tensors of a sharded ``unit`` real memory and values.

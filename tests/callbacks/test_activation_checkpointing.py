@@ -41,3 +41,65 @@ def test_unknown_block_class_is_named(tmp_path):
 def test_every_must_be_positive():
     with pytest.raises(ValueError, match="`every` must be >= 1"):
         ActivationCheckpointing(every=0)
+
+
+def test_policy_blocks_and_input_offload_from_the_callback(tmp_path):
+    from lightning_mem.activation_checkpointing import is_checkpointed
+
+    callback = ActivationCheckpointing(policy="selective", blocks=3, offload_inputs=True)
+    module = TinyLM()
+    fit(module, tmp_path, steps=1, callbacks=[callback])
+    assert callback.checkpointed == {"model": 3}
+    assert [is_checkpointed(b) for b in module.model.model.layers] == [True, True, True, False]
+    assert module.model._lightning_mem_input_offloader.stats.stashed_tensors > 0
+
+
+@pytest.mark.parametrize("kwargs, match", [(dict(policy="most"), "`policy` must be one of"),
+                                           (dict(blocks=-1), "`blocks` must be >= 0")])
+def test_bad_arguments_are_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ActivationCheckpointing(**kwargs)
+
+
+def test_a_budget_without_the_cli_is_refused_at_fit_start(tmp_path):
+    with pytest.raises(ValueError, match="`budget` is turned into `blocks` by the recipe command line"):
+        fit(TinyLM(), tmp_path, steps=1, callbacks=[ActivationCheckpointing(budget="1GiB")])
+
+
+def test_fewest_blocks_within_a_budget_asks_few_estimates():
+    from lightning_mem.activation_checkpointing import fewest_blocks_within
+
+    asked = []
+
+    def peak_of(n):  # 1000 bytes of weights, 100 per unchecked block, 10 per checkpointed one
+        asked.append(n)
+        return 1000 + 100 * (24 - n) + 10 * n
+
+    assert fewest_blocks_within(5000, peak_of, 24) == (0, {0: 3400})
+    asked.clear()
+    n, peaks = fewest_blocks_within(3000, peak_of, 24)
+    assert n == 5 and peak_of(5) <= 3000 < peak_of(4)
+    assert len(set(asked)) <= 4
+    with pytest.raises(ValueError, match="checkpointing alone cannot fit it"):
+        fewest_blocks_within(1100, peak_of, 24)
+
+
+def test_the_estimator_models_each_checkpointing_mode(tmp_path):
+    """The estimate runs the recipe's callbacks: each mode changes it, in the order of what each
+    mode keeps, and it matches the real fit's measured peak."""
+    import json
+
+    from lightning_mem.estimate import estimate, measure_fit
+    from lightning_mem.estimate.measure import filling_rows
+
+    rows = filling_rows(tmp_path)["sft"]
+
+    def overrides(**init_args):
+        callbacks = [{"class_path": "lightning_mem.callbacks.ActivationCheckpointing", "init_args": init_args}]
+        return [*rows, f"--trainer.callbacks={json.dumps(callbacks if init_args else [])}"]
+
+    peak = {name: estimate("configs/sft/tiny_cpu.yaml", overrides(**args)).device_peak_bytes
+            for name, args in dict(none={}, selective=dict(policy="selective"), full=dict(every=1)).items()}
+    assert peak["full"] < peak["selective"] < peak["none"], peak
+    measured = max(p.device_peak_bytes for p in measure_fit("configs/sft/tiny_cpu.yaml", overrides(policy="selective"), steps=2)[0])
+    assert measured == pytest.approx(peak["selective"], rel=0.05)

@@ -55,6 +55,29 @@ def test_writes_csv_png_and_logs_steps_and_phases(tmp_path) -> None:
     assert sum(1 for r in logged if r["memory/host_rss_bytes"]) == 3
 
 
+class ManyPhasesLM(TinyLM):
+    """More phases in one step than the monitor keeps in memory."""
+
+    def training_step(self, ids, batch_idx):
+        for _ in range(module_under_test._KEPT_ROWS + 44):
+            with memory_phase(self.trainer, "tick"):
+                pass
+        return lm_loss(self.model, ids)
+
+
+def test_a_long_run_keeps_a_bounded_number_of_samples_in_memory_and_all_in_the_csv(tmp_path) -> None:
+    # A monitor that kept every sample would itself make host memory grow with the run's length
+    # (about 2 KB per PPO step: benchmarks/host_memory_long_run.py found it).
+    monitor = MemoryMonitor()
+    trainer = fit(ManyPhasesLM(), tmp_path, steps=1, callbacks=[monitor], logger=CSVLogger(tmp_path, name="run"))
+    kept = module_under_test._KEPT_ROWS
+    assert len(monitor.rows) == kept and monitor.rows[-1]["event"] == "step"
+    rows = _read_csv(monitor.csv_path)
+    assert len(rows) == kept + 44 + 1 and rows[0]["phase"] == "tick"
+    assert monitor.read_csv()[-1] == dict(monitor.rows[-1])
+    assert (Path(trainer.log_dir) / "memory.png").is_file()
+
+
 def test_phase_api_is_a_no_op_without_a_monitor_and_checks_names(tmp_path) -> None:
     with memory_phase(None, "rollout"):
         pass

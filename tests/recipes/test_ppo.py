@@ -308,6 +308,7 @@ def _grpo_experience():
     return SimpleNamespace(
         response_mask=mask, scores=torch.tensor([1.0, 1, 1, 1, 1, 0, 0, 0]),
         group_ids=torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]), old_logprobs=torch.zeros(8, 6), ref_logprobs=None,
+        engine_logprobs=None, loss_mask=None, correction_weights=None, sample_stats={},
     )
 
 
@@ -333,11 +334,46 @@ def test_grpo_advantages_reach_the_loss_as_they_are(scale):
 
 
 def test_grpo_with_whitening_asked_for_is_an_error(tmp_path, no_model_load):
-    with pytest.raises(ValueError, match=r"`model.ppo.whiten_advantages: true` with GRPO: whitening is a GAE option"):
+    with pytest.raises(ValueError, match=r"`model.ppo.whiten_advantages: true` with `model.advantage_estimator: grpo`:"
+                                         r" whitening is a GAE option"):
         _cli(tmp_path, "--model.advantage_estimator=grpo", "--model.ppo.whiten_advantages=true")
 
 
 # -- bad input: one clear error, before any model is loaded ---------------------------------
+
+
+@pytest.mark.parametrize(
+    ("estimator", "settings", "message"),
+    [
+        ("grpo", dict(critic=CriticConfig(name_or_path="x")),
+         r"^`model.critic.name_or_path` is set, but `model.advantage_estimator: grpo` learns no value function"),
+        ("rloo", dict(ppo=PPOConfig(whiten_advantages=True)), r"^`model.ppo.whiten_advantages: true` with `model.adv"),
+        ("rloo", dict(generation=GenerationConfig(do_sample=False)),
+         r"^`model.generation.do_sample: false` with `model.advantage_estimator: rloo`"),
+        ("reinforce_pp", dict(ppo=PPOConfig(filter_groups=True)),
+         r"^`model.ppo.filter_groups: true` with `model.advantage_estimator: reinforce_pp`: .* only \('grpo'"),
+        ("gae", dict(ppo=PPOConfig(policy_loss="gspo")), r"^`model.ppo.policy_loss: gspo` with `model.advantage_estimator: gae`"),
+        ("grpo", dict(ppo=PPOConfig(overlong={"buffer": 8})),
+         r"^`model.ppo.overlong.buffer` \(8\) is longer than `model.generation.max_new_tokens` \(4\)"),
+    ],
+)
+def test_objective_combinations_that_cannot_work(estimator, settings, message):
+    args = dict(generation=GenerationConfig(max_new_tokens=4), ppo=PPOConfig(), critic=CriticConfig()) | settings
+    with pytest.raises(ValueError, match=message):
+        ppo.PPOModule._validate_objective(estimator, args["generation"], args["ppo"], args["critic"])
+
+
+def test_objective_errors_name_the_yaml_keys_from_the_cli(tmp_path, no_model_load):
+    """The group's own rules (dual clip on GSPO; a TIS lower bound) and the engine rule, through the CLI."""
+    with pytest.raises(ValueError, match=r"^`model.ppo.clip_ratio_c` \(the dual clip\) is a term of `model.ppo.policy_loss:"
+                                         r" vanilla`, not of `model.ppo.policy_loss: gspo`"):
+        _cli(tmp_path, "--model.advantage_estimator=grpo", "--model.ppo.policy_loss=gspo", "--model.ppo.clip_ratio_c=3")
+    with pytest.raises(ValueError, match=r"^`model.ppo.rollout_correction.lower` is a bound of"
+                                         r" `model.ppo.rollout_correction.mode: mis`"):
+        _cli(tmp_path, "--model.ppo.rollout_correction.mode=tis", "--model.ppo.rollout_correction.lower=0.5")
+    with pytest.raises(ValueError, match=r"^`model.ppo.rollout_correction.mode: tis` weighs samples by the rollout engine's"
+                                         r" own log-probs, and `model.rollout_engine.name: hf`"):
+        _cli(tmp_path, "--model.ppo.rollout_correction.mode=tis")
 
 
 @pytest.fixture

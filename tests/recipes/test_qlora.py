@@ -31,7 +31,7 @@ def _fit_args(root, *extra):
 def run(tmp_path_factory):
     """One short fit, in this process (so the trained model itself can be compared with its export)."""
     root = tmp_path_factory.mktemp("qlora")
-    return (root, *fit_and_probe(qlora.main, _fit_args(root)))
+    return (root, *fit_and_probe(qlora.main, _fit_args(root, "--trainer.callbacks+=tests.test_gradients.GradientProbe")))
 
 
 def test_loss_falls(run):
@@ -41,6 +41,14 @@ def test_loss_falls(run):
     q = STEPS // 4
     assert sum(losses[-q:]) / q < 0.85 * sum(losses[:q]) / q, losses
     assert read_metric(root, "val_loss")  # validation ran through the 4-bit layers too
+
+
+def test_no_gradient_alive_when_a_step_starts(run):
+    # The recipe is an SFTModule (lightning_mem.gradients): the adapters' gradients are freed right
+    # after each optimizer step, not in the next step's closure after its forward.
+    _, cli, _ = run
+    (probe,) = [cb for cb in cli.trainer.callbacks if type(cb).__name__ == "GradientProbe"]
+    assert probe.alive == [(i, 0) for i in range(STEPS)]
 
 
 def test_only_adapters_train_and_the_base_is_4bit(run):

@@ -32,7 +32,7 @@ def runs(tmp_path_factory):
     assert b.returncode == 0, b.stderr[-3000:]
     c = _fit(part, "--trainer.max_steps=60", "--ckpt_path=last", *common)
     assert c.returncode == 0, c.stderr[-3000:]
-    return full, part
+    return full, part, a.stdout + a.stderr
 
 
 def test_loss_falls(runs):
@@ -84,6 +84,22 @@ def test_export_loads_and_generates(runs):
     # The export is the trained model: its loss on a training row matches the last logged loss scale.
     with torch.no_grad():
         assert model(ids, labels=ids).loss.isfinite()
+
+
+def test_a_default_run_prints_no_line_a_user_cannot_act_on(runs):
+    # Each was printed by every run (lightning_mem/quiet.py says why each one is not actionable;
+    # the eval-mode warning came from training a from_pretrained model left in eval mode).
+    output = runs[2]
+    for line in ("Tip: For seamless cloud", "module(s) in eval mode", "Setting accelerator to CPU", "Traceback",
+                 "Writing model shards"):
+        assert line not in output, line
+
+
+def test_a_model_with_weights_trains_in_train_mode(runs):
+    # from_pretrained returns eval mode, which Lightning keeps: dropout would never be active.
+    module = sft.SFTModule(name_or_path=str(runs[0] / "export"))
+    module.configure_model()
+    assert module.model.training and all(m.training for m in module.model.modules())
 
 
 # -- bad input: one clear error, before any model is loaded ---------------------------------

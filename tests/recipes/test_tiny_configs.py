@@ -42,6 +42,11 @@ RUNS: dict[str, tuple[str, list[str]]] = {
                     "--data.batch_size=8", *SHORT]),
     "ppo_fsdp2": ("ppo", ["--config", "configs/ppo/tiny_cpu_fsdp2.yaml", "--trainer.max_steps=8",
                           f"--model.name_or_path={TINY_MODEL}", "--data.batch_size=8", *SHORT]),
+    # One GRPO iteration each (2 mini-batches), 2 prompts x 8 answers: the objectives' keys from YAML.
+    "ppo_dapo": ("ppo", ["--config", "configs/ppo/tiny_cpu_dapo.yaml", "--trainer.max_steps=2",
+                         f"--model.name_or_path={TINY_MODEL}", "--data.batch_size=2", *SHORT]),
+    "ppo_gspo": ("ppo", ["--config", "configs/ppo/tiny_cpu_gspo.yaml", "--trainer.max_steps=2",
+                         f"--model.name_or_path={TINY_MODEL}", "--data.batch_size=2", *SHORT]),
 }  # fmt: skip
 
 

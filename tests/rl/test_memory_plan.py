@@ -197,3 +197,27 @@ def test_each_phase_places_everything_on_the_declared_device_on_cuda():
     # The update works on the state that came back.
     actor(torch.ones(3, 4, device="cuda")).sum().backward()
     parts["actor_optimizer"].step()
+
+
+@pytest.mark.parametrize("trim", [True, False])
+def test_host_memory_trimmed_after_state_comes_back_when_asked(parts, monkeypatch, trim):
+    from lightning_mem.rl import memory_plan
+
+    calls = []
+    monkeypatch.setattr(memory_plan, "release_free_host_memory", lambda: calls.append(1) or True)
+    memory = PhaseMemory(gpu_tier_plan(trim_host_memory=trim), **parts)
+    memory.place("train")
+    calls.clear()
+    memory.place("rollout")  # only moves out: nothing freed on the host yet
+    assert calls == []
+    memory.place("train")  # optimizer state back: its host copies freed
+    assert calls == ([1] if trim else [])
+
+
+def test_host_placements_are_named_as_the_config_names_them():
+    assert gpu_tier_plan().host_placements() == [
+        "rollout.actor_optimizer", "rollout.critic_optimizer", "rollout.critic", "rollout.reference",
+        "rollout.reward_model", "score.actor_optimizer", "score.critic_optimizer", "train.reference",
+        "train.reward_model",
+    ]
+    assert PhaseMemoryPlan().host_placements() == []

@@ -169,6 +169,33 @@ def test_after_an_update_and_a_sync_greedy_equals_the_updated_actor(tmp_path, lo
     assert all(v >= 0 for v in read_metric(tmp_path, "engine_logprob_abs_diff").values())
 
 
+def test_rollout_correction_weighs_by_the_engines_own_logprobs(tmp_path):
+    """TIS against the engine's drift, from the engine's log-probs of its own samples: the old-logprob
+    pass runs (pi_old is needed before the update), and the mismatch KL and the truncated share are
+    logged each step. Synced fp32 weights on CPU drift little, so the KL is small but measured."""
+    from lightning_mem.rl.config import RolloutCorrectionConfig
+
+    module = fit_vllm(tmp_path, ppo=PPOConfig(ppo_epochs=1, num_mini_batches=1, max_tokens_per_microbatch=256,
+                                             rollout_correction=RolloutCorrectionConfig(mode="tis", upper=1.5)))
+    assert not module.on_policy  # one mini-batch would otherwise skip the old-logprob pass
+    kl, affected = read_metric(tmp_path, "mismatch_kl"), read_metric(tmp_path, "correction_affected_frac")
+    assert len(kl) == len(affected) == 2
+    assert all(0 <= v < 1e-2 for v in kl.values()), kl
+    assert all(0 <= v <= 1 for v in affected.values()), affected
+
+
+def test_on_policy_the_update_measures_the_engines_drift(tmp_path):
+    """One mini-batch and one epoch skip the old-logprob pass: the update's own logprobs are pi_old,
+    and the engine's drift is measured against them, every response token once."""
+    from lightning_mem.rl.config import GRPOConfig
+
+    module = fit_vllm(tmp_path, ppo=PPOConfig(ppo_epochs=1, num_mini_batches=1, max_tokens_per_microbatch=256),
+                      advantage_estimator="grpo", grpo=GRPOConfig(group_size=4), kl=KLConfig(in_reward=False))
+    assert module.on_policy  # no critic, no KL in the reward: nothing needs pi_old before the update
+    diffs = read_metric(tmp_path, "engine_logprob_abs_diff")
+    assert len(diffs) == 2 and all(0 <= v < 1e-3 for v in diffs.values()), diffs
+
+
 def test_memory_plan_drives_the_engine_in_order_and_warns_once_on_cpu(tmp_path, monkeypatch, caplog):
     from lightning_mem.rl.vllm_engine import VLLMRolloutEngine
 

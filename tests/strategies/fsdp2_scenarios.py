@@ -167,6 +167,50 @@ class LoraWithMetaReward(_RecordsLosses):
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=LR)
 
 
+class Bf16Checkpoint(_RecordsLosses):
+    """Two models read from a folder whose config says ``torch_dtype: bfloat16`` (as every real
+    checkpoint's does), each loaded in the dtype :mod:`lightning_mem.dtypes` gives its role under
+    the trainer's precision, as the recipes load theirs:
+
+    - ``policy``: fully trained, so float32 under ``32-true`` whatever the checkpoint says;
+    - ``lora_policy``: a frozen base loaded in bfloat16 (an explicit ``dtype``, which a frozen
+      role keeps) with LoRA adapters in float32: both dtypes inside every decoder block's unit.
+
+    Forward pre-hooks record the weight dtypes each model's first q_proj computes with.
+    """
+
+    def __init__(self, folder: str) -> None:
+        super().__init__()
+        self.folder = folder
+
+    def configure_model(self) -> None:
+        from lightning_mem.dtypes import cast_trainable, trainer_dtypes
+        from lightning_mem.lora import LoraSettings, apply_lora
+        from lightning_mem.models import load_causal_lm
+
+        if hasattr(self, "policy"):
+            return
+        dtypes = trainer_dtypes(self.trainer)
+        torch.manual_seed(0)  # the same weights on every rank
+        self.policy = load_causal_lm(self.folder, dtype=dtypes.load_dtype(None, role="trained"))
+        torch.manual_seed(1)
+        base = load_causal_lm(self.folder, dtype=dtypes.load_dtype("bfloat16", role="frozen"))
+        torch.manual_seed(2)
+        self.lora_policy = apply_lora(base, LoraSettings(r=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]))
+        cast_trainable(self.lora_policy, dtypes.trained)
+        self.forward_weight_dtypes: dict[str, set[str]] = {"policy": set(), "lora_base": set(), "lora_adapter": set()}
+        q_proj = self.policy.model.layers[0].self_attn.q_proj
+        lora_q = self.lora_policy.base_model.model.model.layers[0].self_attn.q_proj
+        for name, layer in (("policy", q_proj), ("lora_base", lora_q.base_layer), ("lora_adapter", lora_q.lora_A["default"])):
+            layer.register_forward_pre_hook(lambda m, args, name=name: self.forward_weight_dtypes[name].add(str(m.weight.dtype)))
+
+    def compute_loss(self, batch: Tensor) -> Tensor:
+        return self.policy(input_ids=batch, labels=batch).loss + self.lora_policy(input_ids=batch, labels=batch).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=LR)
+
+
 class PolicyOnly(_RecordsLosses):
     """SFT-shaped: one trainable HF model (the GPU memory test)."""
 

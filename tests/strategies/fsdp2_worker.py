@@ -21,12 +21,14 @@ from torch.distributed._composable.contract import _get_registry
 from torch.distributed.tensor import DTensor
 
 import fsdp2_scenarios as sc
+from lightning_mem.callbacks import TrainingDtypes
 from lightning_mem.strategies import FSDP2Strategy
 
 SCENARIOS = {
     "policy_ref_value": sc.PolicyRefValue,
     "lora_meta_reward": sc.LoraWithMetaReward,
     "policy_only": sc.PolicyOnly,
+    "bf16_checkpoint": sc.Bf16Checkpoint,
 }
 
 
@@ -72,7 +74,11 @@ def measure_model(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
             else:
                 state_bytes += _nbytes(value)
     trainable = [p for p in params if p.requires_grad]
+    states = [v for p in trainable for k, v in optimizer.state.get(p, {}).items() if k != "step"]
     return {
+        "trainable_dtypes": sorted({str(local_tensor(p).dtype) for p in trainable}),
+        "frozen_dtypes": sorted({str(local_tensor(p).dtype) for p in params if not p.requires_grad}),
+        "optim_state_dtypes": sorted({str(local_tensor(v).dtype) for v in states}),
         "local_param_bytes": sum(_nbytes(p) for p in params),
         "full_param_bytes": sum(p.numel() * p.element_size() for p in params),
         "full_trainable_bytes": sum(p.numel() * p.element_size() for p in trainable),
@@ -99,7 +105,7 @@ def measure(trainer: pl.Trainer, module: pl.LightningModule) -> dict:
             {str(local_tensor(v).device) for s in optimizer.state.values() for k, v in s.items() if k != "step"}
         ),
     }
-    for name in ("policy", "ref", "value_head", "reward", "reward_head"):
+    for name in ("policy", "ref", "value_head", "reward", "reward_head", "lora_policy"):
         if hasattr(module, name):
             model = getattr(module, name)
             report["models"][name] = measure_model(model, optimizer)
@@ -133,7 +139,7 @@ def meta_reward_checks(module: sc.LoraWithMetaReward, strategy: FSDP2Strategy) -
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     out = Path(spec["out"])
-    module = SCENARIOS[spec["scenario"]]()
+    module = SCENARIOS[spec["scenario"]](**spec.get("scenario_args", {}))
     strategy = FSDP2Strategy(**spec.get("strategy", {}))
     callbacks: list[Callback] = []
     if spec.get("checkpoint_dir"):
@@ -146,6 +152,9 @@ def main() -> None:
                 save_on_train_epoch_end=True,
             )
         )
+    dtypes = TrainingDtypes() if spec.get("report_dtypes") else None
+    if dtypes:
+        callbacks.append(dtypes)
     peak = PeakDeviceMemory() if spec.get("measure_peak") else None
     if peak:
         callbacks.append(peak)
@@ -154,6 +163,7 @@ def main() -> None:
         accelerator=spec.get("accelerator", "cpu"),
         devices=devices,
         strategy=strategy,
+        precision=spec.get("precision", "32-true"),
         max_epochs=spec.get("epochs", 2),
         callbacks=callbacks,
         logger=False,
@@ -166,6 +176,10 @@ def main() -> None:
     report = measure(trainer, module)
     if peak:
         report["peak_allocated"] = peak.peak
+    if dtypes:
+        report["dtype_report"] = {"line": dtypes.report.line(), "compute": sorted(str(d) for d in dtypes.report.compute)}
+    if spec["scenario"] == "bf16_checkpoint":
+        report["forward_weight_dtypes"] = {k: sorted(v) for k, v in module.forward_weight_dtypes.items()}
     if spec["scenario"] == "lora_meta_reward":
         report["forward_weight_dtypes"] = sorted(module.forward_weight_dtypes)
         report["reward_scores_finite"] = all(torch.isfinite(torch.tensor(module.reward_scores)).tolist())

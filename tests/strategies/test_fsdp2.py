@@ -8,6 +8,9 @@ re-executes the script per rank) on CPU with gloo. Three runs cover everything:
 * ``resumed_run``: resumes ``full_run``'s first checkpoint with ``cpu_offload=True``.
 * ``lora_run``: models built in ``configure_model``: a LoRA policy and a meta-device
   reward model; CPU offload, bf16 compute, ``reshard_after_forward=False``.
+* ``bf16_run``: a checkpoint whose config says bfloat16, loaded by the dtype rule of
+  :mod:`lightning_mem.dtypes` under ``32-true`` with ``param_dtype: bfloat16``: a fully trained
+  policy, and a LoRA policy whose bf16 base shares each block's unit with fp32 adapters.
 
 Single-process references run in this process on the same global batches.
 """
@@ -30,7 +33,7 @@ sys.path.insert(0, str(HERE))
 
 import fsdp2_scenarios as sc  # noqa: E402
 
-from tests.helpers import HANG_GUARD_S  # noqa: E402
+from tests.helpers import HANG_GUARD_S, bf16_checkpoint_folder  # noqa: E402
 
 from lightning_mem import activation_checkpointing, module_tree  # noqa: E402
 from lightning_mem.strategies import FSDP2Strategy, full_state_dict, shard_plan  # noqa: E402
@@ -121,6 +124,24 @@ def lora_run(workdir) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
+def bf16_run(workdir) -> list[dict]:
+    plain = workdir / "llama-config"
+    sc.tiny_config().save_pretrained(plain)
+    folder = bf16_checkpoint_folder(workdir / "llama-bf16", source=plain)
+    return run_worker(
+        workdir / "bf16",
+        {
+            "scenario": "bf16_checkpoint",
+            "scenario_args": {"folder": str(folder)},
+            "strategy": {"param_dtype": "bfloat16", "reduce_dtype": "float32"},
+            "precision": "32-true",
+            "epochs": 1,
+            "report_dtypes": True,
+        },
+    )
+
+
+@pytest.fixture(scope="module")
 def reference_ppo() -> tuple[list[float], sc.PolicyRefValue]:
     module = sc.PolicyRefValue()
     losses = sc.reference_losses(module.compute_loss, module.parameters(), epochs=2)
@@ -200,6 +221,46 @@ def test_resume_from_sharded_checkpoint_continues_like_the_uninterrupted_run(wor
         assert report["losses"] == pytest.approx(full_run[0]["losses"][3:], abs=1e-6)
         assert report["models"]["policy"]["param_devices"] == ["cpu"]
         assert report["optim_state_devices"] == ["cpu"]
+
+
+# ---------------------------------------------------------------- a bf16 checkpoint, param_dtype
+
+
+def test_bf16_checkpoint_trains_fp32_shards_and_state_and_computes_in_param_dtype(bf16_run):
+    for report in bf16_run:
+        policy = report["models"]["policy"]
+        assert policy["all_dtensor"] and policy["frozen_dtypes"] == []
+        assert policy["trainable_dtypes"] == ["torch.float32"]  # the sharded master copy, not the config's bf16
+        assert policy["optim_state_dtypes"] == ["torch.float32"]
+        assert 2 * policy["local_param_bytes"] == policy["full_param_bytes"] == 4 * 3_164_416
+        assert policy["local_optim_state_bytes"] == policy["full_trainable_bytes"]  # 2 fp32 moments x half
+        assert report["forward_weight_dtypes"]["policy"] == ["torch.bfloat16"]  # gathered in param_dtype
+        assert all(loss == loss and loss < 20 for loss in report["losses"])  # finite
+    line = bf16_run[0]["dtype_report"]["line"]
+    assert "trainable parameters float32" in line and "gradients float32" in line
+    assert "optimizer state float32" in line and "compute bfloat16" in line
+
+
+def test_a_bf16_lora_base_and_fp32_adapters_share_a_unit(bf16_run):
+    # FSDP2 wants one dtype over a unit's *trainable* parameters (its gradients are reduce-scattered
+    # as one buffer); frozen ones may differ and are all-gathered as bytes.
+    for report in bf16_run:
+        lora = report["models"]["lora_policy"]
+        assert lora["all_dtensor"] and lora["block_apis"] == [["fully_shard"]] * 4
+        assert lora["trainable_dtypes"] == ["torch.float32"] and lora["frozen_dtypes"] == ["torch.bfloat16"]
+        assert lora["optim_state_dtypes"] == ["torch.float32"] and lora["optim_entries"] == lora["num_trainable"] == 16
+        assert 2 * lora["local_param_bytes"] == lora["full_param_bytes"]
+        assert report["forward_weight_dtypes"]["lora_base"] == ["torch.bfloat16"]
+        assert report["forward_weight_dtypes"]["lora_adapter"] == ["torch.bfloat16"]  # fp32 shards, gathered in bf16
+
+
+def test_a_unit_whose_trainable_parameters_differ_in_dtype_is_a_clear_error():
+    model = sc.tiny_llama(seed=0)
+    model.model.layers[0].mlp.to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"trainable parameters differ in dtype \(.*float32.*bfloat16"):
+        FSDP2Strategy._check_unit_dtypes(model.model.layers[0])
+    model.model.layers[0].mlp.requires_grad_(False)  # frozen ones may differ
+    FSDP2Strategy._check_unit_dtypes(model.model.layers[0])
 
 
 # ---------------------------------------------------------------- LoRA, meta init, bf16, offload
@@ -325,6 +386,18 @@ def test_activation_checkpointing_cuts_saved_bytes_and_changes_no_gradient():
 
 
 # ---------------------------------------------------------------- configuration and errors (1 process)
+
+
+def test_the_selective_policy_reaches_each_checkpointed_block():
+    model = sc.tiny_llama(seed=0)
+    model.config.use_cache = False
+    strategy = FSDP2Strategy(activation_checkpointing=True, activation_checkpointing_policy="selective")
+    blocks = strategy.blocks_to_shard(model)
+    strategy.apply_activation_checkpointing(blocks[0])
+    assert getattr(blocks[0], "_lightning_mem_checkpointed") == "selective"
+    with pytest.raises(ValueError, match="`activation_checkpointing_policy` must be one of"):
+        FSDP2Strategy(activation_checkpointing=True, activation_checkpointing_policy="some")
+
 
 
 @pytest.mark.parametrize(

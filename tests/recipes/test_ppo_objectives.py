@@ -1,0 +1,218 @@
+"""The PPO recipe's objectives (#29) through its own ``update`` and ``loss``: the same mini-batch in
+1, 2 or 4 micro-batches, on 1 or 2 ranks (gloo), gives the same gradient to 1e-6 for every loss
+aggregation mode, policy loss, filter and rollout correction; and the new metrics are counted.
+
+The harness runs ``PPOModule.update`` on a fixed Experience with a stand-in trainer: its StepIO
+(the hook the estimator uses too) makes exactly ``k`` micro-batches, ``_sum_over_ranks`` is a gloo
+all-reduce, and the optimizer step records the gradient averaged over ranks (what DDP's all-reduce
+gives). Sequence-mean modes must divide by the whole mini-batch's sequence count over both ranks,
+so a micro-batch or a rank that normalised by its own count fails here.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import recipes.ppo as ppo
+from lightning_mem.models import load_causal_lm
+from lightning_mem.rl.config import GRPOConfig, KLConfig, PPOConfig, RolloutCorrectionConfig
+from lightning_mem.rl.loss_aggregation import LOSS_AGG_MODES
+from lightning_mem.rl.rollout import Experience, GenerationConfig
+from lightning_mem.step_io import StepIO
+from recipes.rewards import ArithmeticReward
+from tests.helpers import TINY_MODEL
+
+N, PROMPT, RESPONSE = 8, 5, 6  # 8 samples in 4 groups of 2; rank r holds groups 2r and 2r + 1
+
+#: name -> (advantage_estimator, PPOConfig settings, rollout correction). Every aggregation mode,
+#: every policy loss; the vanilla rows use decoupled and dual clipping; the filters and the
+#: corrections each appear (TIS's weights, MIS's dropped tokens leaving the normaliser).
+CASES = {
+    **{mode: ("grpo", dict(loss_agg_mode=mode, clip_ratio_low=0.1, clip_ratio_high=0.15, clip_ratio_c=2.0,
+                           filter_groups=True), RolloutCorrectionConfig(mode="tis", level="token", upper=1.05))
+       for mode in LOSS_AGG_MODES},
+    # ...and with DAPO's overlong filter: the three full-length responses (no end token) leave the loss.
+    "overlong-filter": ("grpo", dict(loss_agg_mode="seq-mean-token-sum", overlong={"filter": True}),
+                        RolloutCorrectionConfig()),
+    "gspo": ("rloo", dict(policy_loss="gspo", loss_agg_mode="seq-mean-token-mean", clip_ratio_low=0.01,
+                          clip_ratio_high=0.01), RolloutCorrectionConfig(mode="mis", level="sequence", upper=1.2, lower=0.8)),
+    "cispo": ("reinforce_pp_baseline", dict(policy_loss="cispo", loss_agg_mode="seq-mean-token-sum-norm",
+                                            clip_ratio_low=1.0, clip_ratio_high=0.1),
+              RolloutCorrectionConfig(mode="mis", level="token", upper=1.1, lower=0.9)),
+}
+SPLITS = (1, 2, 4)
+
+
+class SplitInto(StepIO):
+    """Exactly ``k`` micro-batches of consecutive samples (the plan is the StepIO's to make)."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def micro_batches(self, lengths, max_tokens, *, agree_on_count=None):
+        return [chunk.tolist() for chunk in torch.tensor_split(torch.arange(len(lengths)), self.k)]
+
+
+class GradientProbe(ppo.PPOModule):
+    """The recipe's update, with a stand-in trainer, a gloo reduction and the step recording grads."""
+
+    def __init__(self, *args, world_size: int = 1, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.stand_in = SimpleNamespace(world_size=world_size, callbacks=[SplitInto(1)])
+        self.grads: dict[str, torch.Tensor] = {}
+
+    @property
+    def trainer(self):  # noqa: D401  (the stand-in, not a Lightning Trainer)
+        return self.stand_in
+
+    def _sum_over_ranks(self, value):
+        if self.stand_in.world_size == 1:
+            return value
+        value = value.clone()
+        torch.distributed.all_reduce(value)
+        return value
+
+    def manual_backward(self, loss, *args, **kwargs):
+        loss.backward()
+
+    def _optimizer_step(self):
+        for name, p in self.actor.named_parameters():
+            grad = p.grad.clone()
+            if self.stand_in.world_size > 1:  # DDP averages the ranks' gradients
+                torch.distributed.all_reduce(grad)
+                grad /= self.stand_in.world_size
+            self.grads[name] = grad
+            p.grad = None
+
+
+def _experience() -> Experience:
+    """8 samples with response lengths 1..6 (one single-token response), random tokens, old and
+    engine log-probs off the actor's by a fixed noise (so the clips and corrections act); groups 0
+    and 2 scored all alike (filtered where `filter_groups` is on)."""
+    g = torch.Generator().manual_seed(0)
+    lengths = [6, 1, 3, 6, 2, 5, 4, 6]
+    ids = torch.randint(3, 200, (N, PROMPT + RESPONSE), generator=g)
+    attention = torch.zeros(N, PROMPT + RESPONSE, dtype=torch.long)
+    response_mask = torch.zeros(N, RESPONSE, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        attention[i, : PROMPT + n] = 1
+        response_mask[i, :n] = 1
+    ids = ids * attention
+    return Experience(
+        input_ids=ids, attention_mask=attention, prompt_lengths=torch.full((N,), PROMPT),
+        response_ids=ids[:, PROMPT:] * response_mask, response_mask=response_mask,
+        group_ids=torch.arange(N) // 2, scores=torch.tensor([1.0, 1.0, 1.0, 0.0, 0.5, 0.5, 0.0, 1.0]),
+        old_logprobs=0.3 * torch.randn(N, RESPONSE, generator=g),  # + the actor's (added in _grads)
+        engine_logprobs=0.1 * torch.randn(N, RESPONSE, generator=g),
+    )
+
+
+def _module(case: str, world_size: int) -> GradientProbe:
+    estimator, settings, correction = CASES[case]
+    module = GradientProbe(
+        name_or_path=str(TINY_MODEL), reward=ArithmeticReward(), advantage_estimator=estimator,
+        grpo=GRPOConfig(group_size=2), kl=KLConfig(coef=0.0), generation=GenerationConfig(max_new_tokens=RESPONSE),
+        ppo=PPOConfig(max_grad_norm=None, **settings), export_dir=None, world_size=world_size,
+    )
+    # The hf engine has no drift to correct (the recipe refuses the key with it); here the engine's
+    # log-probs are given, so the correction is switched on after the checks.
+    module.ppo = replace(module.ppo, rollout_correction=correction)
+    torch.manual_seed(0)
+    module.actor = load_causal_lm(str(TINY_MODEL))
+    return module
+
+
+def _grads(module: GradientProbe, exp: Experience, split: int) -> tuple[dict[str, torch.Tensor], dict]:
+    exp = exp.select(list(range(len(exp))))  # a fresh copy: the stages fill it
+    exp.sample_stats = {}
+    from lightning_mem.rl.rollout import policy_forward
+
+    with torch.no_grad():
+        actor = policy_forward(module.actor, exp, chunk_size=None).logprobs
+    exp.old_logprobs = (exp.old_logprobs + actor) * exp.response_mask
+    exp.engine_logprobs = (exp.engine_logprobs + exp.old_logprobs) * exp.response_mask
+    module.advantages(exp)
+    module.stand_in.callbacks = [SplitInto(split)]
+    totals = module.update(exp)
+    return dict(module.grads), {k: float(v) for k, v in {**totals, **exp.sample_stats}.items()}
+
+
+def _rank(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    try:
+        exp = _experience().select(list(range(4 * rank, 4 * rank + 4)))
+        results = {}
+        for case in CASES:
+            module = _module(case, world_size=2)
+            results[case] = {split: _grads(module, exp, split)[0] for split in SPLITS}
+        if rank == 0:
+            torch.save(results, f"{out}/grads.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def single_rank():
+    exp, out = _experience(), {}
+    for case in CASES:
+        module = _module(case, world_size=1)
+        out[case] = {split: _grads(module, exp, split) for split in SPLITS}
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    import torch.multiprocessing as mp
+
+    out = tmp_path_factory.mktemp("ranks")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_rank, args=(port, str(out)), nprocs=2)  # one spawn for every case
+    return torch.load(out / "grads.pt")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_gradient_is_the_same_for_any_split_and_rank_count(case, single_rank, two_ranks):
+    reference, stats = single_rank[case][1]
+    assert sum(float(g.abs().sum()) for g in reference.values()) > 0  # the update is not a no-op
+    runs = {f"1 rank, {k} micro-batches": single_rank[case][k][0] for k in SPLITS}
+    runs.update({f"2 ranks, {k} micro-batches": two_ranks[case][k] for k in SPLITS})
+    for label, grads in runs.items():
+        for name, g in reference.items():
+            torch.testing.assert_close(grads[name], g, atol=1e-6, rtol=1e-5, msg=f"{case}, {label}: {name}")
+
+
+def test_the_mini_batch_normaliser_matters():
+    """The invariance is not trivially true: dividing each micro-batch by its own sequence count
+    (what a per-micro-batch mean does) changes the gradient."""
+    from lightning_mem.rl.loss_aggregation import aggregate
+
+    loss, mask = torch.tensor([[1.0, 2.0], [3.0, 0.0], [5.0, 0.0]]), torch.tensor([[1, 1], [1, 0], [1, 0]])
+    whole = aggregate(loss, mask, "seq-mean-token-sum")
+    halves = (aggregate(loss[:1], mask[:1], "seq-mean-token-sum") + aggregate(loss[1:], mask[1:], "seq-mean-token-sum")) / 2
+    assert whole.item() == pytest.approx(11 / 3) and halves.item() != pytest.approx(whole.item())
+
+
+def test_clip_filter_and_correction_counts(single_rank):
+    """The counts behind the new metrics, on the fixed batch (the same for every split)."""
+    _, token_mean = single_rank["token-mean"][1]
+    # groups 0 (1, 1) and 2 (0.5, 0.5) scored alike: 2 of 4 groups, 9 of 33 response tokens
+    assert (token_mean["groups_filtered"], token_mean["groups"]) == (2.0, 4.0)
+    assert token_mean["tokens"] == 33 - (6 + 1) - (2 + 5)
+    assert token_mean["clipped_low"] + token_mean["clipped_high"] > 0
+    assert token_mean["correction_affected"] > 0 and token_mean["mismatch_kl"] > 0
+    for k in SPLITS:
+        assert single_rank["token-mean"][k][1] == pytest.approx(token_mean)
+    _, overlong = single_rank["overlong-filter"][1]
+    assert overlong["truncated"] == 3 and overlong["tokens"] == 33 - 3 * 6  # rows 0, 3 and 7 reached 6 tokens
+    _, mis = single_rank["cispo"][1]
+    assert mis["tokens"] == 33 - mis["correction_affected"]  # MIS's dropped tokens left the loss
