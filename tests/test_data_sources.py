@@ -292,3 +292,30 @@ def test_rows_keep_their_where_for_later_errors(tmp_path, reference):
     rows = read_rows(tmp_path / "ds")
     with pytest.raises(DataFormatError, match=r"ds:row 12: row needs `messages` or `prompt` and `completion`"):
         tokenize_rows(rows, _sft_tokenizer(), 64)
+
+
+# -- the tokenized cache ------------------------------------------------------------------------------
+
+
+def test_second_setup_reuses_the_cache_and_gives_the_python_tokenization(tmp_path, monkeypatch):
+    import lightning_mem.data.sft as sft
+
+    calls = []
+    real = sft.tokenize_batch
+    monkeypatch.setattr(sft, "tokenize_batch", lambda *a, **k: calls.append(1) or real(*a, **k))
+    path = _jsonl(tmp_path / "rows.jsonl", [*ROWS, {"prompt": "x " * 60, "completion": "long"}])
+    first = _sft(train_file=str(path), cache_dir=str(tmp_path / "cache"))
+    assert calls and first.stats["train"].dropped == 1
+    calls.clear()
+    second = _sft(train_file=str(path), cache_dir=str(tmp_path / "cache"))
+    assert calls == []  # a second start reads the cache, it does not tokenize
+    expected, _ = tokenize_rows(read_rows(path), first.tokenizer, 64)
+    assert _examples(second.train_set) == expected and second.stats["train"].dropped_where == [f"{path}:13"]
+    assert second.train_set.lengths.dtype.name == "int32"
+
+
+def test_malformed_line_is_named_with_two_tokenizing_processes(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in ROWS) + "\n{not json\n")
+    with pytest.raises(DataFormatError, match=r"bad\.jsonl:14: not valid JSON"):
+        _sft(train_file=str(path), num_proc=2)
