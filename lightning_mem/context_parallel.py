@@ -229,7 +229,7 @@ def _all_to_all(x: Tensor, layout: SequenceLayout, scatter_dim: int, gather_dim:
 
 #: Keyword arguments the kernel may take; the rest (position ids, cache positions) describe this
 #: rank's slice, not the whole sequence the kernel sees.
-_KERNEL_KWARGS = ("dropout", "scaling", "softcap", "s_aux")
+KERNEL_KWARGS = ("dropout", "scaling", "softcap", "s_aux")
 
 
 def ulysses_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
@@ -243,7 +243,7 @@ def ulysses_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tens
     if sequence_layout is None or not sequence_layout.context_parallel:
         return inner(module, query, key, value, attention_mask, **kwargs)
     q, k, v = (_all_to_all(t, sequence_layout, scatter_dim=1, gather_dim=2) for t in (query, key, value))
-    kernel_kwargs = {name: kwargs[name] for name in _KERNEL_KWARGS if name in kwargs}
+    kernel_kwargs = {name: kwargs[name] for name in KERNEL_KWARGS if name in kwargs}
     out, _ = inner(module, q, k, v, None, is_causal=True, **kernel_kwargs)  # [B, T, heads/cp, D]
     return _all_to_all(out, sequence_layout, scatter_dim=1, gather_dim=2), None
 

@@ -776,6 +776,25 @@ class EstimateRun(PhaseRecorder, StepIO):
                 self._flight = _GradientFlight.of(pl_module, self.strategy)
                 self._follow_units(pl_module)
             self.ledger.view = self._per_rank
+        self._split_like_the_run(pl_module)
+
+    def _split_like_the_run(self, pl_module: nn.Module) -> None:
+        """What a model split by tensor or context parallelism computes beyond its share of this
+        one-process run: the recipe pads each sequence to a multiple of ``cp`` (times ``tp`` under
+        sequence parallelism) before splitting it -- a 41-token GRPO sequence is 2 x 21 tokens, not
+        2 x 20.5 -- so this run pads as the run does (a layout of one slice: the padding alone);
+        and Ulysses' exchanges allocate copies the division misses (:mod:`.ulysses`)."""
+        from lightning_mem import module_tree
+        from lightning_mem.context_parallel import SequenceLayout, attach_layout
+        from lightning_mem.estimate.ulysses import use_ulysses_footprint
+
+        sharding = self.sharding
+        multiple = sharding.context_parallel * (sharding.tensor_parallel if sharding.sequence_parallel else 1)
+        for _, model in module_tree.find_hf_models(pl_module):
+            if multiple > 1:
+                attach_layout(model, SequenceLayout(multiple=multiple))
+            if sharding.context_parallel > 1:
+                use_ulysses_footprint(model, active=lambda: self._phase != "rollout")
 
     def _compute_in(self, dtype: torch.dtype, module: nn.Module) -> None:
         """FSDP2's mixed precision: units are gathered, and compute, in ``dtype`` while the shards and
