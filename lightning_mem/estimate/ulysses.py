@@ -70,6 +70,12 @@ def ulysses_footprint_attention(module: nn.Module, query: Tensor, key: Tensor, v
     return _Exchange.apply(out), None
 
 
+def _footprint_mask(*args: Any, mask: Callable[..., Any], active: Callable[[], bool], **kwargs: Any) -> Any:
+    # The split model is given no padding mask (the kernel is causal over the whole sequence): no
+    # [B, 1, T, T] mask is built, as in the run.
+    return None if active() else mask(*args, **kwargs)
+
+
 def use_ulysses_footprint(model: nn.Module, active: Callable[[], bool]) -> None:
     """Switch ``model`` (a ``transformers`` model) to its kernel with the exchanges' copies, as
     :func:`lightning_mem.context_parallel.attach_layout` switches it to Ulysses in the real run."""
@@ -81,5 +87,6 @@ def use_ulysses_footprint(model: nn.Module, active: Callable[[], bool]) -> None:
     name = f"ulysses_footprint_{kernel}"
     # Registered again for every run: ``active`` is this run's.
     AttentionInterface.register(name, partial(ulysses_footprint_attention, kernel=kernel, active=active))
-    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[kernel])
+    AttentionMaskInterface.register(name, partial(_footprint_mask, mask=ALL_MASK_ATTENTION_FUNCTIONS[kernel],
+                                                  active=active))
     model.set_attn_implementation(name)

@@ -7,7 +7,8 @@ phase's estimated peak is within 5 % of the run's and never under it by more tha
 bytes the same). The run's data fill every micro-batch as far as the config allows -- rows of
 ``max_length`` tokens; prompts of ``max_prompt_length`` tokens whose responses run to
 ``max_new_tokens`` -- which is the case an estimate describes. FSDP2 configs run on 2 CPU
-processes (gloo), each rank against the estimate's per-rank figures. A recipe subclass that keeps
+processes (gloo), each rank against the estimate's per-rank figures, tensor- and context-parallel
+configs too. A recipe subclass that keeps
 more alive is estimated as itself. Each technique shows its effect in the breakdown.
 """
 
@@ -168,6 +169,42 @@ def test_sft_fsdp2_two_ranks(case, data):
     else:  # half the optimizer state per rank; half the weights plus the gathered units
         assert adamw / 2 <= real["optimizer_state"] <= adamw / 2 + 4096
         assert 4 * TINY_PARAMS / 2 + gathered <= real["weights"] <= 4 * TINY_PARAMS / 2 + gathered + 8192
+
+
+def test_sft_packed(data):
+    """Packed SFT (one row of the token budget, examples isolated by their position ids): the
+    estimate runs the largest packed row (lightning_mem.data.packing.largest_packed_batch)."""
+    est, ranks = _held("configs/sft/tiny_cpu_packed.yaml", data["sft"])
+    assert "1 x 256 tokens" in est.phases[0].shape  # one row of max_tokens_per_batch
+    for cat, value in ranks[0][0].device_breakdown_bytes.items():
+        assert abs(_breakdown(est)[cat] - value) <= max(0.05 * value, 65536), (cat, est, ranks)
+
+
+# -- tensor and context parallelism on 2 ranks -----------------------------------------------------
+
+PARALLEL_CASES = {
+    "sft_tp2": ("configs/sft/tiny_cpu_tp2.yaml", "sft"),
+    "sft_cp2": ("configs/sft/tiny_cpu_cp2.yaml", "sft"),
+    "grpo_cp2": ("configs/ppo/tiny_cpu_grpo_cp2.yaml", "ppo"),
+}
+
+
+@pytest.mark.parametrize("case", list(PARALLEL_CASES))
+def test_parallel_two_ranks(case, data):
+    """The tiny TP 2 (+ sequence parallel) and CP 2 (Ulysses) configs on 2 processes: every phase of
+    each rank against the estimate's per-rank figures. Under CP the one-process estimate pads each
+    sequence as the split does and makes the all-to-all's copies (lightning_mem/estimate/ulysses.py),
+    so every category is the rank's too; under TP the peak is, not its split into categories (the
+    rank peaks in another moment of the step than the divided one-process run)."""
+    config, rows = PARALLEL_CASES[case]
+    est, ranks = _held(config, data[rows], world_size=2)
+    assert est.world_size == 2 and len(ranks) == 2
+    if case == "sft_tp2":
+        return
+    for phases in ranks:
+        for e, r in zip(est.phases, phases):
+            for cat, value in r.device_breakdown_bytes.items():
+                assert abs(e.device_breakdown_bytes[cat] - value) <= max(0.05 * value, 65536), (case, cat, e, r)
 
 
 # -- PPO / GRPO -----------------------------------------------------------------------------------
