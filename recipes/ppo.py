@@ -50,6 +50,7 @@ from lightning_mem.lora import LoraSettings, apply_lora, check_lora_targets, met
 from lightning_mem.models import check_model_source, load_causal_lm, load_tokenizer
 from lightning_mem.dtypes import cast_trainable, resolve_dtype, trainer_dtypes
 from lightning_mem.optim import param_groups, warn_if_paged_on_cpu
+from lightning_mem.packed_attention import use_packed_sdpa
 from lightning_mem.ranks import check_model_splits, context_parallel_size, data_parallel, per_rank_budget, sum_over_replicas
 from lightning_mem.schedules import build_lr_scheduler, check_schedule
 from lightning_mem.settings import settings_at
@@ -397,6 +398,10 @@ class PPOModule(LightningModule):
             built = self.value_function.build(self.actor, lambda: self._load_critic(dtypes["critic"]),
                                               dtype=dtypes["trained"])
             setattr(self, self.value_function.attribute, built)
+        if self.ppo.packing:  # sdpa scores each packed sequence alone, not the whole row under a block mask
+            for model in (self.actor, self.reference, self.critic):
+                if model is not None:
+                    use_packed_sdpa(model)
         if self.reward_model_config is not None:
             rm = self.reward_model_config
             self.reward_model = load_reward_model(

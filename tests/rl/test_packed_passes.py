@@ -22,6 +22,7 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 import recipes.ppo as ppo
 from lightning_mem.data import PromptDataModule
 from lightning_mem.models import load_causal_lm
+from lightning_mem.packed_attention import NAME, sequence_bounds, use_packed_sdpa
 from lightning_mem.rl.config import GRPOConfig, KLConfig, PPOConfig
 from lightning_mem.rl.critic import critic_values, load_value_model
 from lightning_mem.rl.microbatch import PackedBudget, micro_batches
@@ -54,13 +55,17 @@ def _experience() -> Experience:
     )
 
 
-@pytest.fixture(scope="module")
-def models():
+@pytest.fixture(scope="module", params=["sdpa", "packed_sdpa"])
+def models(request):
+    """The tiny actor and critic under ``sdpa`` (a packed row isolated by the block-diagonal mask)
+    or switched to ``packed_sdpa`` (each sequence of the row alone), as the recipe switches them."""
     torch.manual_seed(0)
     actor = load_causal_lm(str(TINY_MODEL))
     critic = load_value_model(str(TINY_MODEL))
     # The head starts at zero (every value 0): a random one makes the values depend on the states.
     torch.nn.init.normal_(critic.value_head.summary.weight, std=0.02)
+    if request.param == "packed_sdpa":
+        assert use_packed_sdpa(actor) and use_packed_sdpa(critic)
     return actor, critic
 
 
@@ -215,6 +220,8 @@ def test_one_iteration_packed_leaves_the_weights_padded_leaves(tmp_path, name):
         # The plan counted real tokens packed, padded ones padded; the passes ran several micro-batches.
         budgets = {type(budget) for budget, _ in recorder.plans}
         assert budgets == ({PackedBudget} if packing else {int})
+        models = [m for m in (module.actor, module.reference, module.critic and module.critic.backbone) if m is not None]
+        assert {m.config._attn_implementation for m in models} == ({NAME} if packing else {"sdpa"})
         assert len(recorder.plans) == 3 and all(len(plan) > 1 for _, plan in recorder.plans)  # score + 2 mini-batches
     padded, _ = runs[False]
     assert (padded.critic is not None) == (name == "ppo")
@@ -222,6 +229,28 @@ def test_one_iteration_packed_leaves_the_weights_padded_leaves(tmp_path, name):
         torch.testing.assert_close(trained[True][key], weight, atol=1e-5, rtol=1e-5, msg=key)
     moved = [not torch.allclose(padded.initial[k], v, atol=1e-6) for k, v in padded.actor.named_parameters()]
     assert sum(moved) > len(moved) // 2  # the update was not a no-op
+
+
+def test_packed_sdpa_cuts_packed_rows_only_and_leaves_the_rest_to_sdpa():
+    q = torch.zeros(1, 2, 7, 4)
+    restarting = torch.tensor([[0, 1, 2, 0, 1, 0, 1]])
+    assert sequence_bounds(q, q, restarting) == [(0, 3), (3, 5), (5, 7)]
+    assert sequence_bounds(q, q, torch.arange(7).unsqueeze(0)) is None  # one sequence
+    assert sequence_bounds(q, torch.zeros(1, 2, 9, 4), restarting) is None  # a KV cache: generation
+    assert sequence_bounds(torch.zeros(2, 2, 7, 4), torch.zeros(2, 2, 7, 4), restarting.expand(2, -1)) is None
+    assert sequence_bounds(q, q, None) is None
+    # Padded batches and generation are sdpa's, unchanged.
+    torch.manual_seed(0)
+    plain, switched = load_causal_lm(str(TINY_MODEL)), load_causal_lm(str(TINY_MODEL))
+    switched.load_state_dict(plain.state_dict())
+    assert use_packed_sdpa(switched) and not use_packed_sdpa(switched)  # once: it no longer runs sdpa
+    exp = _experience()
+    with torch.no_grad():
+        padded = dict(input_ids=exp.input_ids, attention_mask=exp.attention_mask)
+        assert torch.equal(plain(**padded).logits, switched(**padded).logits)
+        prompt = dict(input_ids=exp.input_ids[:2, :3], attention_mask=exp.attention_mask[:2, :3], max_new_tokens=4,
+                      do_sample=False, pad_token_id=0)
+        assert torch.equal(plain.generate(**prompt), switched.generate(**prompt))
 
 
 # -- the plan and the refusals ---------------------------------------------------------------------------
