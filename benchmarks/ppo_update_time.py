@@ -14,7 +14,8 @@ With ``--ab`` each round runs both checkouts in fresh processes one after the ot
 other jobs falls on both alike; the figure is the ratio of the medians.
 
 ``--packing`` runs the update with ``model.ppo.packing: true`` (each micro-batch one padding-free
-row). ``--long-tail`` swaps the batch for a long-tailed length mix: prompts of 16-48 tokens,
+row, the actor switched to ``packed_sdpa`` as the recipe switches it; ``--block-mask`` keeps plain
+``sdpa`` and its block-diagonal mask instead). ``--long-tail`` swaps the batch for a long-tailed length mix: prompts of 16-48 tokens,
 responses log-normal (median 24 tokens, clamped to 1-192), micro-batches of ``--max-tokens``
 tokens, where padding to the longest sequence costs most. ``--packing-ab`` alternates padded and
 packed runs in fresh processes and reports each one's real tokens per second (prompt + response
@@ -36,7 +37,8 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def measure(steps: int, *, packing: bool = False, long_tail: bool = False, max_tokens: int | None = None) -> dict:
+def measure(steps: int, *, packing: bool = False, long_tail: bool = False, max_tokens: int | None = None,
+            block_mask: bool = False) -> dict:
     import torch
 
     import recipes.ppo as ppo
@@ -80,6 +82,10 @@ def measure(steps: int, *, packing: bool = False, long_tail: bool = False, max_t
                    grpo=GRPOConfig(group_size=8), kl=KLConfig(coef=0.0), generation=GenerationConfig(max_new_tokens=response),
                    ppo=PPOConfig(**ppo_settings), export_dir=None)
     module.actor = load_causal_lm(str(ROOT / "assets/tiny-llama"))
+    if packing and not block_mask:  # what PPOModule.configure_model does with packing on
+        from lightning_mem.packed_attention import use_packed_sdpa
+
+        use_packed_sdpa(module.actor)
     width = int((prompts + lengths).max())
     attention = (torch.arange(width) < (prompts + lengths).unsqueeze(1)).long()
     ids = torch.randint(3, 300, (n, width)) * attention
@@ -130,8 +136,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--long-tail", action="store_true", help="the long-tailed length mix")
     parser.add_argument("--max-tokens", type=int, default=None, help="model.ppo.max_tokens_per_microbatch")
     parser.add_argument("--packing-ab", action="store_true", help="alternate padded and packed rounds")
+    parser.add_argument("--block-mask", action="store_true",
+                        help="packed rows under plain sdpa and its block-diagonal mask (not packed_sdpa)")
     args = parser.parse_args(argv)
-    shape = (["--long-tail"] if args.long_tail else []) + ([f"--max-tokens={args.max_tokens}"] if args.max_tokens else [])
+    shape = ((["--long-tail"] if args.long_tail else []) + ([f"--max-tokens={args.max_tokens}"] if args.max_tokens else [])
+             + (["--block-mask"] if args.block_mask else []))
     if args.packing_ab:
         runs: dict[str, list[dict]] = {"padded": [], "packed": []}
         for round_ in range(args.rounds):
@@ -166,7 +175,8 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    result = measure(args.steps, packing=args.packing, long_tail=args.long_tail, max_tokens=args.max_tokens)
+    result = measure(args.steps, packing=args.packing, long_tail=args.long_tail, max_tokens=args.max_tokens,
+                     block_mask=args.block_mask)
     print(json.dumps(result) if args.json else
           f"update: {result['update_s'] * 1e3:.1f} ms, {result['tokens_per_s']:.0f} tokens/s, "
           f"{result['micro_batches']} micro-batches, update peak {result['update_peak_bytes'] / 2**20:.1f} MiB")
