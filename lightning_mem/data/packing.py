@@ -24,17 +24,22 @@ examples compute one per row:
   (``modeling_flash_attention_utils.prepare_fa_kwargs_from_position_ids``). Only without a KV
   cache: the model must run with ``use_cache=False``, as :func:`lightning_mem.logits.score_tokens`
   runs it (with a cache, transformers 5 builds a plain causal mask across the whole row).
+  The block-diagonal mask still scores every pair of the row under ``sdpa``; the PPO recipe's
+  packed passes therefore switch ``sdpa`` models to :mod:`lightning_mem.packed_attention`, which
+  runs each sequence alone (SFT packing does not yet).
 - every example's first label is ``-100``: the position before it is the previous example's last
   token, and an unpacked example never scores its first token either.
 
 The equality with unpacked batches (loss, gradients, a token that does not move when another
-example changes) is pinned by ``tests/test_packing.py``.
+example changes) is pinned by ``tests/test_packing.py``; for the RL passes (``model.ppo.packing``,
+which pack right-padded rollouts with :func:`pack_right_padded`) by ``tests/rl/test_packed_passes.py``.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -196,6 +201,29 @@ class PackedCollator:
             # precision plugins cast floats).
             batch["step_label_tokens"] = torch.tensor(int(examples.step_weight), dtype=torch.long)
         return batch
+
+
+@dataclass
+class PackedRows:
+    """Right-padded rows ``[N, T]`` as one packed row: ``input_ids`` and ``position_ids`` ``[1, tokens]``,
+    and ``starts[i]``, where row ``i``'s first token sits in it (token ``t`` of row ``i`` is at
+    ``starts[i] + t``)."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    starts: torch.Tensor
+
+
+def pack_right_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PackedRows:
+    """The real tokens of right-padded rows (``attention_mask`` 1 on a prefix of each row) back to
+    back in one row, positions restarting at 0 per row. Run it with no attention mask and
+    ``use_cache=False`` (the module docstring says why that isolates the rows)."""
+    lengths = attention_mask.sum(dim=1)
+    keep = attention_mask.bool()
+    starts = torch.cumsum(lengths, dim=0) - lengths
+    # Each kept token's column is its position within its row (right padding: real tokens first).
+    columns = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    return PackedRows(input_ids[keep].unsqueeze(0), columns[keep].unsqueeze(0), starts)
 
 
 def largest_packed_batch(fill_token: int, max_tokens: int, max_length: int) -> dict[str, torch.Tensor]:
