@@ -44,6 +44,7 @@ CASES = {
     "grpo + LoRA": ("configs/ppo/tiny_cpu_grpo.yaml", "ppo",
                     ['--model.lora={"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}',
                      "--data.batch_size=2"], 1),
+    "grpo packed": ("configs/ppo/tiny_cpu_grpo_packed.yaml", "ppo", ["--data.batch_size=2"], 1),
     "ppo fsdp2": ("configs/ppo/tiny_cpu_fsdp2.yaml", "ppo", [], 2),
 }
 

@@ -298,10 +298,15 @@ def next_token_targets(input_ids: Tensor, labels: Tensor, ignore_index: int = -1
     return rows * width + cols, shifted[rows, cols]
 
 
-def response_targets(prompt_lengths: Tensor, response_ids: Tensor, response_mask: Tensor, width: int) -> tuple[Tensor, Tensor, Tensor]:
+def response_targets(prompt_lengths: Tensor, response_ids: Tensor, response_mask: Tensor, width: int,
+                     *, starts: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """``(positions, targets, (rows, cols))`` of each real response token of right-padded sequences
     whose response starts at ``prompt_lengths``: response token j of sample i is predicted at
-    position ``prompt_lengths[i] - 1 + j``. ``(rows, cols)`` place the results back into ``[N, R]``."""
+    position ``prompt_lengths[i] - 1 + j``. ``(rows, cols)`` place the results back into ``[N, R]``.
+
+    ``starts``: where each sequence begins in the flat input when it is not row ``i`` of ``width``
+    columns (``i * width``), as in a packed row (:func:`lightning_mem.data.packing.pack_right_padded`)."""
     rows, cols = response_mask.nonzero(as_tuple=True)
-    positions = rows * width + prompt_lengths[rows] - 1 + cols
+    begins = rows * width if starts is None else starts[rows]
+    positions = begins + prompt_lengths[rows] - 1 + cols
     return positions, response_ids[rows, cols], (rows, cols)

@@ -43,13 +43,15 @@ from lightning_mem.callbacks.training_dtypes import TrainingDtypes
 from lightning_mem.checkpointing import check_trainable_kept, keep_trainable
 from lightning_mem.cli import RecipeCLI, run_command
 from lightning_mem.data import PromptDataModule, row_to_prompt_messages
+from lightning_mem.data.packing import check_packing_attention
 from lightning_mem.export import export_hf, export_main
 from lightning_mem.logits import check_supported
 from lightning_mem.lora import LoraSettings, apply_lora, check_lora_targets, meta_model
 from lightning_mem.models import check_model_source, load_causal_lm, load_tokenizer
 from lightning_mem.dtypes import cast_trainable, resolve_dtype, trainer_dtypes
 from lightning_mem.optim import param_groups, warn_if_paged_on_cpu
-from lightning_mem.ranks import check_model_splits, data_parallel, per_rank_budget, sum_over_replicas
+from lightning_mem.packed_attention import use_packed_sdpa
+from lightning_mem.ranks import check_model_splits, context_parallel_size, data_parallel, per_rank_budget, sum_over_replicas
 from lightning_mem.schedules import build_lr_scheduler, check_schedule
 from lightning_mem.settings import settings_at
 from lightning_mem.step_io import step_io
@@ -81,6 +83,7 @@ from lightning_mem.rl.sample_filters import groups_filtered, overlong_penalty, t
 from lightning_mem.rl.engines import RolloutEngineConfig, logprob_mismatch
 from lightning_mem.rl.critic import SeparateCritic, SharedHead, ValueHead, ValueModel, load_value_model, value_function
 from lightning_mem.rl.memory_plan import PhaseMemory, PhaseMemoryPlan
+from lightning_mem.rl.microbatch import PackedBudget
 from lightning_mem.rl.reference import AdaptersOff, FrozenCopy, ReferenceMode, disable_dropout, reference_policy
 from lightning_mem.rl.reward import RewardFunction, RewardModel, load_reward_model
 from lightning_mem.rl.rng import SamplingRNG
@@ -166,7 +169,7 @@ class PPOModule(LightningModule):
         # Every check that needs no model runs here, so a bad config fails in a second.
         self._validate(name_or_path, dtype, lora, advantage_estimator, reward, reward_model, reference,
                        generation, ppo, kl, grpo, critic, memory_plan, logits_chunk_size,
-                       trust_remote_code=trust_remote_code)
+                       trust_remote_code=trust_remote_code, attn_implementation=attn_implementation)
         # logger=False: the CLI logs the whole resolved config (lightning_mem.cli.RunConfigCallback).
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "critic_optimizer", "reward"], logger=False)
         with settings_at("model"):
@@ -235,8 +238,10 @@ class PPOModule(LightningModule):
     @staticmethod
     def _validate(name_or_path, dtype, lora, advantage_estimator, reward, reward_model, reference,
                   generation, ppo, kl, grpo, critic, memory_plan, logits_chunk_size, *,
-                  trust_remote_code=False) -> None:
+                  trust_remote_code=False, attn_implementation=None) -> None:
         check_model_source(name_or_path, key="model.name_or_path")
+        if ppo.packing:  # the actor, reference and critic all load with this attention
+            check_packing_attention(attn_implementation, key="model.attn_implementation", packing_key="model.ppo.packing")
         resolve_dtype(dtype, key="model.dtype")
         if advantage_estimator not in ADVANTAGE_ESTIMATORS:
             raise ValueError(f"`model.advantage_estimator` must be one of {ADVANTAGE_ESTIMATORS}, got {advantage_estimator!r}")
@@ -306,6 +311,7 @@ class PPOModule(LightningModule):
                 "`model.rollout_engine.name: vllm` runs one engine in the training process: use `trainer.devices: 1`"
                 f" (this run has {self.trainer.world_size} processes), or the `hf` engine"
             )
+        self._check_packing_splits()
         offloaded = self.memory_plan.offloads_modules()
         if offloaded and isinstance(self.trainer.strategy, ModelParallelStrategy):
             raise ValueError(
@@ -330,6 +336,22 @@ class PPOModule(LightningModule):
         train_set = getattr(self.trainer.datamodule, "train_set", None)
         if self.reward_fn is not None and train_set is not None:
             self.reward_fn.check_rows(train_set.rows, source=str(getattr(self.trainer.datamodule, "train_path", "data")))
+
+    def _check_packing_splits(self) -> None:
+        """Packed rows and a strategy that splits models or sequences: refused before any model loads.
+        The split of a sequence across ranks reads its positions from the attention mask, and a
+        packed row has none (its restarting position ids would be lost)."""
+        if not self.ppo.packing:
+            return
+        strategy = self.trainer.strategy
+        splits = {key: size for key, size in (
+            ("tensor_parallel_size", int(getattr(strategy, "tensor_parallel_size", 1) or 1)),
+            ("context_parallel_size", context_parallel_size(self.trainer)),
+        ) if size > 1}
+        if splits:
+            named = " and ".join(f"`trainer.strategy.init_args.{key}: {size}`" for key, size in splits.items())
+            raise ValueError(f"`model.ppo.packing: true` with {named}: packed rows are not split by tensor or"
+                             " context parallelism yet; turn packing off, or the split")
 
     def configure_callbacks(self) -> list[Any]:
         return [TrainingDtypes()]  # one line at the start: the dtypes this run really has
@@ -376,6 +398,10 @@ class PPOModule(LightningModule):
             built = self.value_function.build(self.actor, lambda: self._load_critic(dtypes["critic"]),
                                               dtype=dtypes["trained"])
             setattr(self, self.value_function.attribute, built)
+        if self.ppo.packing:  # sdpa scores each packed sequence alone, not the whole row under a block mask
+            for model in (self.actor, self.reference, self.critic):
+                if model is not None:
+                    use_packed_sdpa(model)
         if self.reward_model_config is not None:
             rm = self.reward_model_config
             self.reward_model = load_reward_model(
@@ -541,8 +567,15 @@ class PPOModule(LightningModule):
 
     def _policy(self, model: nn.Module, mb: Experience, **kwargs: Any) -> Any:
         return policy_forward(
-            model, mb, temperature=self.generation.temperature, chunk_size=self.logits_chunk_size, **kwargs
+            model, mb, temperature=self.generation.temperature, chunk_size=self.logits_chunk_size,
+            packed=self.ppo.packing, **kwargs
         )
+
+    def _budget(self, max_tokens: int | None) -> int | PackedBudget | None:
+        """A micro-batch budget as the plan takes it: per rank, and counted in real tokens when the
+        micro-batches run packed (a row holds no padding, so the same budget fits more sequences)."""
+        budget = per_rank_budget(max_tokens, self.trainer)  # a context-parallel rank runs 1/cp of each sequence
+        return PackedBudget(budget) if self.ppo.packing and budget is not None else budget
 
     @torch.no_grad()
     def logprobs_and_values(self, exp: Experience) -> None:
@@ -556,8 +589,7 @@ class PPOModule(LightningModule):
         exp.ref_logprobs = zeros() if reference is not None else None
         exp.old_values = zeros() if values is not None else None
         plan = step_io(self.trainer).micro_batches
-        budget = per_rank_budget(self.ppo.logprob_budget, self.trainer)  # a context-parallel rank runs 1/cp of each sequence
-        for idx in plan(exp.sequence_lengths, budget, agree_on_count=self.agree_on_count):
+        for idx in plan(exp.sequence_lengths, self._budget(self.ppo.logprob_budget), agree_on_count=self.agree_on_count):
             mb = exp.select(idx)
             cols = mb.response_ids.shape[1]
             hidden = None
@@ -567,7 +599,7 @@ class PPOModule(LightningModule):
             if reference is not None:
                 exp.ref_logprobs[idx, :cols] = reference.logprobs(self.actor, lambda model: self._policy(model, mb).logprobs)
             if values is not None:
-                exp.old_values[idx, :cols] = values.values(mb, hidden)
+                exp.old_values[idx, :cols] = values.values(mb, hidden, packed=self.ppo.packing)
 
     # 4. Advantages ------------------------------------------------------------------------------
     def advantages(self, exp: Experience) -> None:
@@ -657,7 +689,7 @@ class PPOModule(LightningModule):
                 total = denominator(self.ppo.loss_agg_mode, tokens, sequences, horizon=self.generation.max_new_tokens)
                 scale = (data_parallel(self.trainer)[0] / total).float()
                 for idx in io.micro_batches(
-                    mini.sequence_lengths, per_rank_budget(self.ppo.max_tokens_per_microbatch, self.trainer),
+                    mini.sequence_lengths, self._budget(self.ppo.max_tokens_per_microbatch),
                     agree_on_count=self.agree_on_count,
                 ):
                     loss, terms = self.loss(mini.select(idx))
@@ -705,7 +737,7 @@ class PPOModule(LightningModule):
             if not self.kl.in_reward:
                 loss = loss + self.kl_controller.value * weighted_sum(kl, weights)
         if self.value_function is not None:
-            values = self.value_function.values(mb, out.hidden)
+            values = self.value_function.values(mb, out.hidden, packed=self.ppo.packing)
             vl = clipped_value_loss(values, mb.old_values, mb.returns, loss_mask, clip_range=self.ppo.value_clip)
             loss = loss + self.ppo.vf_coef * weighted_sum(vl.loss, weights)
             terms.update(value_loss=vl.loss_sum.detach(), value_clipped=vl.clipped_tokens)

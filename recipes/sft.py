@@ -29,7 +29,7 @@ from lightning_mem.callbacks.training_dtypes import TrainingDtypes
 from lightning_mem.checkpointing import check_trainable_kept, keep_trainable
 from lightning_mem.cli import RecipeCLI, run_command
 from lightning_mem.data import SFTDataModule
-from lightning_mem.data.packing import check_packing_attention
+from lightning_mem.data.packing import VARLEN_ATTENTION, check_packing_attention, flatten_rows
 from lightning_mem.export import export_hf, export_main
 from lightning_mem.gradients import FreesGradientsAfterStep
 from lightning_mem.logits import check_supported, next_token_targets, score_tokens
@@ -188,8 +188,10 @@ class SFTModule(FreesGradientsAfterStep, LightningModule):
     # -- the algorithm: cross-entropy on assistant tokens ---------------------------------------
     def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(summed cross-entropy, label tokens)`` of a micro-batch; -100 marks prompt and padding."""
+        if self.hparams.attn_implementation in VARLEN_ATTENTION:
+            batch = flatten_rows(batch)  # varlen flash-attention isolates the examples of one row only
         positions, targets = next_token_targets(batch["input_ids"], batch["labels"])
-        # A packed row (data.packing) has restarting position_ids and no attention mask.
+        # Packed rows (data.packing) have restarting position_ids and no attention mask.
         scores = score_tokens(
             self.model, batch["input_ids"], batch.get("attention_mask"), positions, targets,
             chunk_size=self.logits_chunk_size, position_ids=batch.get("position_ids"),

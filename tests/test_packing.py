@@ -2,7 +2,8 @@
 
 - best-fit-decreasing keeps every example once, within the budget, and fills rows;
 - the packed layout: restarting position ids, each example's first label masked, no attention mask;
-- the SFT recipe's loss and its gradients on a packed row equal those on the right-padded batch of
+  rows of ``max_length`` (several a micro-batch, each row's end padded) or one row (flash varlen);
+- the SFT recipe's loss and its gradients on packed rows equal those on the right-padded batch of
   the same examples (fp32, 1e-5): full fine-tuning under sdpa and eager, LoRA, a 4-bit (QLoRA) base;
 - a token of one example does not move when another example of its row changes (isolation);
 - the datamodule: same examples and step token counts as unpacked, a random (not length-sorted)
@@ -21,7 +22,9 @@ from lightning_mem.data.packing import (
     best_fit_decreasing,
     check_packing_attention,
     collate_packed,
+    flatten_rows,
     largest_packed_batch,
+    next_fit_rows,
 )
 from lightning_mem.data.sft import collate_right_padded
 from lightning_mem.settings import SettingError
@@ -48,16 +51,21 @@ def test_best_fit_decreasing_keeps_every_example_within_the_budget():
 
 def test_packed_sampler_fills_rows_in_random_order_on_two_ranks():
     g = torch.Generator().manual_seed(0)
-    # Long-tailed lengths: mostly short, a few near the budget.
-    lengths = (torch.distributions.LogNormal(3.0, 0.8).sample((2000,)).clamp(2, 256)).long().tolist()
+    # Long-tailed lengths: mostly short, a few a whole row (the datamodule truncates to max_length,
+    # the rows' length).
+    lengths = (torch.distributions.LogNormal(3.0, 0.8).sample((2000,)).clamp(2, 128)).long().tolist()
     weights = [n - 1 for n in lengths]
-    ranks = [PackedBatchSampler(lengths, max_tokens=512, num_replicas=2, rank=r, seed=3, weights=weights,
-                                accumulate_grad_batches=2) for r in range(2)]
+    ranks = [PackedBatchSampler(lengths, max_tokens=512, row_length=128, num_replicas=2, rank=r, seed=3,
+                                weights=weights, accumulate_grad_batches=2) for r in range(2)]
     served = [list(iter(s)) for s in ranks]
     seen = sorted(i for batches in served for b in batches for i in b)
     assert seen == list(range(len(lengths)))  # every example once per epoch, over both ranks
     assert all(sum(lengths[i] for i in b) <= 512 for batches in served for b in batches)
-    assert ranks[0].fill() > 0.97
+    # A micro-batch is at most 4 rows of 128 as collated (an example over 128 alone in its row).
+    for b in (b for batches in served for b in batches):
+        rows = next_fit_rows([lengths[i] for i in b], 128)
+        assert len(rows) <= 4 and max(rows) <= 128
+    assert ranks[0].fill() > 0.95 and ranks[0].padding_efficiency() > 0.95
     # Every step's weight is the label tokens of its micro-batches on both ranks.
     first_step = served[0][:2] + served[1][:2]
     assert served[0][0].step_weight == sum(weights[i] for b in first_step for i in b)
@@ -69,15 +77,36 @@ def test_packed_sampler_fills_rows_in_random_order_on_two_ranks():
 
 
 def test_packed_layout():
-    batch = collate_packed([{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]},
-                            {"input_ids": [8, 9], "labels": [8, 9]}])
-    assert batch.keys() == {"input_ids", "labels", "position_ids"}  # no attention mask: see the module
-    assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 9]]
-    assert batch["labels"].tolist() == [[-100, 6, 7, -100, 9]]  # never a target across the boundary
-    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1]]
-    largest = largest_packed_batch(11, max_tokens=10, max_length=4)
-    assert largest["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 3, 0, 1]]
-    assert int(largest["step_label_tokens"]) == 10 - 3
+    examples = [{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}, {"input_ids": [8, 9], "labels": [8, 9]},
+                {"input_ids": [1, 2, 3, 4], "labels": [1, 2, 3, 4]}]
+    batch = collate_packed(examples)
+    assert batch.keys() == {"input_ids", "labels", "position_ids", "row_tokens"}  # no attention mask: see the module
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 9, 1, 2, 3, 4]]
+    assert batch["labels"].tolist() == [[-100, 6, 7, -100, 9, -100, 2, 3, 4]]  # never a target across a boundary
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3]]
+    # Rows of 5: the third example starts a row; the first row's end is padding (a segment of its own).
+    rows = collate_packed(examples, row_length=5)
+    assert rows["input_ids"].tolist() == [[5, 6, 7, 8, 9], [1, 2, 3, 4, 0]]
+    assert rows["labels"].tolist() == [[-100, 6, 7, -100, 9], [-100, 2, 3, 4, -100]]
+    assert rows["position_ids"].tolist() == [[0, 1, 2, 0, 1], [0, 1, 2, 3, 0]]
+    assert rows["row_tokens"].tolist() == [5, 4]
+    flat = flatten_rows(rows)
+    for key in ("input_ids", "labels", "position_ids"):
+        assert flat[key].tolist() == batch[key].tolist(), key
+    largest = largest_packed_batch(11, max_tokens=10, max_length=4)  # two full rows of 4
+    assert largest["position_ids"].tolist() == [[0, 1, 2, 3], [0, 1, 2, 3]]
+    assert int(largest["step_label_tokens"]) == 2 * 3
+    assert largest_packed_batch(11, max_tokens=3, max_length=4)["input_ids"].shape == (1, 3)
+
+
+def test_next_fit_rows_of_a_micro_batch_are_at_most_its_packed_rows():
+    # The sampler lists a micro-batch row after row; the collator splits it again by next-fit.
+    g = torch.Generator().manual_seed(1)
+    for _ in range(200):
+        lengths = torch.randint(1, 40, (30,), generator=g).tolist()
+        packed = best_fit_decreasing(range(len(lengths)), lengths, capacity=40)
+        listed = [lengths[i] for row in packed for i in row]
+        assert len(next_fit_rows(listed, 40)) <= len(packed)
 
 
 # -- equality with the unpacked batch ---------------------------------------------------------------
@@ -116,13 +145,28 @@ def _loss_and_grads(module: SFTModule, batch: dict) -> tuple[float, int, dict[st
     return float(loss_sum.detach()), int(tokens), grads
 
 
-def _assert_packed_equals_unpacked(module: SFTModule, examples: list[dict]) -> None:
+def _assert_packed_equals_unpacked(module: SFTModule, examples: list[dict], row_length: int | None = None) -> None:
     want_loss, want_tokens, want = _loss_and_grads(module, collate_right_padded(examples, pad_token_id=0))
-    got_loss, got_tokens, got = _loss_and_grads(module, collate_packed(examples))
+    batch = collate_packed(examples, row_length)
+    if row_length is not None:
+        assert batch["input_ids"].shape[0] > 1  # several rows, padded at their ends
+    got_loss, got_tokens, got = _loss_and_grads(module, batch)
     assert got_tokens == want_tokens == sum(sum(x != -100 for x in e["labels"][1:]) for e in examples)
     assert got_loss == pytest.approx(want_loss, rel=1e-5)
     assert got.keys() == want.keys() and got
     for name, g in want.items():  # relative to each gradient's norm: fp32 sums in another order
+        assert float((got[name] - g).norm() / g.norm().clamp(min=1e-12)) <= 1e-5, name
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_rows_of_max_length_and_their_flattened_row_equal_unpacked(attn):
+    # Rows of 32: 17+5 | 30+2 | 11 (two rows end in padding); flattened: the one row varlen flash reads.
+    module, examples = _module(_llama(attn)), _examples(seed=3)
+    _assert_packed_equals_unpacked(module, examples, row_length=32)
+    want_loss, _, want = _loss_and_grads(module, collate_packed(examples, 32))
+    got_loss, _, got = _loss_and_grads(module, flatten_rows(collate_packed(examples, 32)))
+    assert got_loss == pytest.approx(want_loss, rel=1e-5)
+    for name, g in want.items():
         assert float((got[name] - g).norm() / g.norm().clamp(min=1e-12)) <= 1e-5, name
 
 
@@ -184,12 +228,16 @@ def _data(**kwargs) -> SFTDataModule:
 def test_datamodule_packs_every_example_with_the_unpacked_step_tokens():
     packed, padded = _data(packing=True), _data()
     rows = list(packed.train_dataloader())
-    assert all(set(b) == {"input_ids", "labels", "position_ids", "step_label_tokens"} for b in rows)
-    assert all(b["input_ids"].shape[0] == 1 and b["input_ids"].shape[1] <= 512 for b in rows)
+    assert all(set(b) == {"input_ids", "labels", "position_ids", "row_tokens", "step_label_tokens"} for b in rows)
+    # Rows of max_length (64), as many as the budget (512) holds, and nearly full.
+    assert all(b["input_ids"].shape[0] <= 8 and b["input_ids"].shape[1] <= 64 for b in rows)
+    assert sum(int(b["row_tokens"].sum()) for b in rows) / sum(b["input_ids"].numel() for b in rows) > 0.95
     label_tokens = sum(int((b["labels"] != -100).sum()) for b in rows)
     assert label_tokens == sum(padded.train_set.label_tokens)  # the same targets, none across a boundary
     assert sum(int(b["step_label_tokens"]) for b in rows) == label_tokens  # one micro-batch a step here
-    assert len(rows) < len(padded.train_dataloader())  # no padding: fewer micro-batches of the same budget
+    # Rows of 64 hold 2-3 of these short examples: about as many micro-batches as length-sorted
+    # padding needs (whose rows are all alike), in random order.
+    assert len(rows) <= 1.05 * len(padded.train_dataloader())
 
 
 def test_packing_needs_a_token_budget_and_an_isolating_attention():

@@ -255,10 +255,11 @@ class SFTDataModule(LightningDataModule):
         cache_dir: where tokenized sets are cached (a folder per data, tokenizer, chat template,
             ``max_length`` and tokenization code); None: ``.lightning_mem_cache`` next to
             ``train_file`` (see :func:`~lightning_mem.data.cache.default_cache_root`).
-        packing: padding-free batches: each micro-batch is one row of up to
-            ``max_tokens_per_batch`` tokens holding whole examples (best-fit-decreasing), position
-            ids restarting per example, no attention across examples
-            (:mod:`lightning_mem.data.packing`); the loss and gradients equal the unpacked ones.
+        packing: packed batches: whole examples in rows of ``max_length`` tokens
+            (best-fit-decreasing over the shuffled set, random order), ``max_tokens_per_batch //
+            max_length`` rows a micro-batch, position ids restarting per example, no attention
+            across examples (:mod:`lightning_mem.data.packing`); the loss and gradients equal the
+            unpacked ones.
 
     Tokenization runs once, on the first start: Lightning's ``prepare_data`` (local rank 0)
     builds the cache, every rank memory-maps it in ``setup``; later starts and resumes reuse it.
@@ -396,8 +397,10 @@ class SFTDataModule(LightningDataModule):
     def _sampler(self, dataset: TokenizedDataset, shuffle: bool, *, train: bool = False) -> TokenBudgetSampler:
         trainer = self.trainer
         replicas, replica = data_parallel(trainer)
+        rows = {"row_length": self.max_length} if self.packing else {}  # rows no longer than a padded one's
         return (packed.PackedBatchSampler if self.packing else TokenBudgetSampler)(
             dataset.lengths,
+            **rows,
             # A rank of a context-parallel group holds 1/cp of each sequence: the budget is per rank.
             max_tokens=per_rank_budget(self.max_tokens_per_batch, trainer),
             batch_size=self.batch_size,
@@ -417,7 +420,7 @@ class SFTDataModule(LightningDataModule):
             dataset,
             sampler=sampler,
             batch_size=None,  # the sampler yields whole batches
-            collate_fn=packed.PackedCollator() if self.packing else _Collator(self.tokenizer.pad_token_id),
+            collate_fn=packed.PackedCollator(self.max_length) if self.packing else _Collator(self.tokenizer.pad_token_id),
             num_workers=self.num_workers,
         )
 

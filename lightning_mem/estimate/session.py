@@ -114,16 +114,25 @@ def _recipe_parts(module_name: str) -> tuple[Any, type, type, type]:
     classes = [v for v in vars(mod).values() if inspect.isclass(v)]
     modules = [c for c in classes if issubclass(c, LightningModule) and c.__module__ == module_name]
     datas = [c for c in classes if issubclass(c, LightningDataModule)]
-    # The CLI the recipe runs under: its own class, else the one it imports (every recipe imports
-    # RecipeCLI; it is not imported here, as lightning_mem.cli itself calls the estimator).
-    clis = [c for c in classes if issubclass(c, LightningCLI) and c.__module__ == module_name]
-    if not clis:
-        imported = [c for c in classes if issubclass(c, LightningCLI)]
-        clis = [c for c in imported if not any(o is not c and issubclass(o, c) for o in imported)]
-    if len(modules) != 1 or not datas or len(clis) != 1:
-        raise ValueError(f"{module_name}: expected one LightningModule, a datamodule and one LightningCLI "
-                         f"class (define or import one), found {modules} {datas} {clis}")
-    return mod, clis[0], modules[0], datas[0]
+    if len(modules) != 1 or not datas:
+        raise ValueError(f"{module_name}: expected one LightningModule and a datamodule, found {modules} {datas}")
+    return mod, _cli_class(modules[0]), modules[0], datas[0]
+
+
+def _cli_class(module_class: type) -> type:
+    """The CLI a recipe runs under: the one defined in or imported by the module of the recipe
+    class, else of its nearest parent recipe (a user's subclass in a file of its own runs under its
+    parent's). Looked up, not imported: ``lightning_mem.cli`` itself calls the estimator."""
+    from lightning.pytorch.cli import LightningCLI
+
+    for cls in module_class.__mro__:
+        found = [v for v in vars(importlib.import_module(cls.__module__)).values()
+                 if inspect.isclass(v) and issubclass(v, LightningCLI)]
+        # The most derived one (a module that imports RecipeCLI also sees LightningCLI, its base).
+        found = [c for c in found if not any(o is not c and issubclass(o, c) for o in found)]
+        if found:
+            return found[0]
+    return LightningCLI
 
 
 def parse_config(recipe_module: str, args: list[str]) -> tuple[Any, Any, type]:

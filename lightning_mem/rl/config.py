@@ -117,6 +117,12 @@ class PPOConfig:
         logprob_max_tokens_per_microbatch: budget for the no-grad passes (old and reference
             logprobs, values, reward model). No activations are kept there, so it can be
             several times larger. None: same as ``max_tokens_per_microbatch``.
+        packing: padding-free micro-batches in the score, reference, critic and train passes:
+            each micro-batch's sequences (prompt + response) run as one row, position ids
+            restarting per sequence, no attention mask (:mod:`lightning_mem.data.packing`); the
+            budgets above then count the real tokens of the row, not ``longest x count``. The
+            per-token results are unpacked to ``[sequences, response]``, so GAE, the group maths
+            and the losses are unchanged: packed = padded to 1e-5 (``tests/rl/test_packed_passes.py``).
     """
 
     ppo_epochs: PositiveInt = 1
@@ -139,6 +145,7 @@ class PPOConfig:
     whiten_advantages: bool | None = None
     max_tokens_per_microbatch: PositiveInt | None = None
     logprob_max_tokens_per_microbatch: PositiveInt | None = None
+    packing: bool = False
 
     def __post_init__(self) -> None:
         # jsonargparse may hand the nested groups over as dicts when the class is built directly.

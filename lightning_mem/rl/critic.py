@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_mem.context_parallel import layout_of, sequence_forward
+from lightning_mem.data.packing import pack_right_padded
 from lightning_mem.rl.rollout import Experience, gather_response
 
 
@@ -97,12 +98,25 @@ def load_value_model(
     return ValueModel(backbone)
 
 
-def critic_values(critic: ValueModel, batch: Experience) -> Tensor:
+def critic_values(critic: ValueModel, batch: Experience, *, packed: bool = False) -> Tensor:
     """``[n, R]`` values of the states before each response token (same positions as the logits).
     A critic a strategy split along the sequence runs its slice and the values are gathered
-    (:func:`lightning_mem.context_parallel.sequence_forward`)."""
-    values = sequence_forward(critic, batch.input_ids, batch.attention_mask, layout_of(critic))
-    return gather_response(values, batch.prompt_lengths, batch.response_ids.shape[1])
+    (:func:`lightning_mem.context_parallel.sequence_forward`).
+
+    ``packed``: the sequences run as one padding-free row (:mod:`lightning_mem.data.packing`);
+    positions past a response's end hold 0 (padded, they hold whatever the padding scored; the
+    response mask hides both)."""
+    layout = layout_of(critic)
+    if not packed:
+        values = sequence_forward(critic, batch.input_ids, batch.attention_mask, layout)
+        return gather_response(values, batch.prompt_lengths, batch.response_ids.shape[1])
+    if layout is not None:  # the slices' positions come from the attention mask; restarting ones would be lost
+        raise ValueError("packed rows are not split by tensor or context parallelism yet: turn one of them off")
+    row = pack_right_padded(batch.input_ids, batch.attention_mask)
+    values = critic(input_ids=row.input_ids, attention_mask=None, position_ids=row.position_ids)[0]
+    rows, cols = batch.response_mask.nonzero(as_tuple=True)
+    picked = values[row.starts[rows] + batch.prompt_lengths[rows] - 1 + cols]
+    return values.new_zeros(batch.response_ids.shape).index_put((rows, cols), picked)
 
 
 class SharedHead:
@@ -126,7 +140,9 @@ class SharedHead:
         """Parameter groups the actor's optimizer takes on (no weight decay on a head)."""
         return [{"params": list(self.module.parameters()), "weight_decay": 0.0}]
 
-    def values(self, batch: Experience, actor_hidden: Tensor | None) -> Tensor:
+    def values(self, batch: Experience, actor_hidden: Tensor | None, *, packed: bool = False) -> Tensor:
+        """``[n, R]`` from the actor's hidden states at the response positions (packed or not, the
+        actor's forward already unpacked them)."""
         if actor_hidden is None:
             raise ValueError("the shared value head reads the actor's hidden states: run the actor with_hidden=True")
         return self.module(actor_hidden)
@@ -151,8 +167,8 @@ class SeparateCritic:
     def actor_param_groups(self) -> list[dict[str, Any]]:
         return []
 
-    def values(self, batch: Experience, actor_hidden: Tensor | None = None) -> Tensor:
-        return critic_values(self.module, batch)
+    def values(self, batch: Experience, actor_hidden: Tensor | None = None, *, packed: bool = False) -> Tensor:
+        return critic_values(self.module, batch, packed=packed)
 
 
 def value_function(layout: str) -> SharedHead | SeparateCritic:

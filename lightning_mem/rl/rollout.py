@@ -200,6 +200,7 @@ def policy_forward(
     entropy_grad: bool = True,
     with_hidden: bool = False,
     chunk_size: int | None = 512,
+    packed: bool = False,
 ) -> PolicyOutput:
     """Logprobs of ``batch``'s response tokens under ``model`` (and optionally their entropy;
     ``entropy_grad=False`` computes it outside the autograd graph, as a metric only).
@@ -209,17 +210,28 @@ def policy_forward(
     alive, and backward recomputes a chunk's logits. ``with_hidden`` returns the final hidden states
     at the same positions (a shared value head reads them), without asking the model for every
     layer's output.
+
+    ``packed`` runs the batch's sequences as one padding-free row
+    (:func:`lightning_mem.data.packing.pack_right_padded`); the results come back ``[n, R]`` as
+    they do padded.
     """
+    from lightning_mem.data.packing import pack_right_padded
     from lightning_mem.logits import response_targets, score_tokens
 
     n, resp_len = batch.response_ids.shape
-    positions, targets, (rows, cols) = response_targets(
-        batch.prompt_lengths, batch.response_ids, batch.response_mask, batch.input_ids.shape[1]
-    )
-    scores = score_tokens(
-        model, batch.input_ids, batch.attention_mask, positions, targets, chunk_size=chunk_size,
-        temperature=temperature, with_entropy=with_entropy, entropy_grad=entropy_grad, with_hidden=with_hidden,
-    )
+    options = dict(chunk_size=chunk_size, temperature=temperature, with_entropy=with_entropy,
+                   entropy_grad=entropy_grad, with_hidden=with_hidden)
+    if packed:
+        row = pack_right_padded(batch.input_ids, batch.attention_mask)
+        positions, targets, (rows, cols) = response_targets(
+            batch.prompt_lengths, batch.response_ids, batch.response_mask, 0, starts=row.starts
+        )
+        scores = score_tokens(model, row.input_ids, None, positions, targets, position_ids=row.position_ids, **options)
+    else:
+        positions, targets, (rows, cols) = response_targets(
+            batch.prompt_lengths, batch.response_ids, batch.response_mask, batch.input_ids.shape[1]
+        )
+        scores = score_tokens(model, batch.input_ids, batch.attention_mask, positions, targets, **options)
 
     def response_aligned(values: Tensor | None) -> Tensor | None:
         # Back to [n, R] (or [n, R, H]); padding positions hold 0 and are masked by the caller.

@@ -234,6 +234,13 @@ def test_grpo_lora(data):
     assert train["weights"] < 2 * TINY_PARAMS * 4
 
 
+def test_grpo_packed(data):
+    """`model.ppo.packing`: the estimate runs the recipe's packed passes (its StepIO gets the packed
+    plan through the same call) and holds against the real fit."""
+    est, _ = _held("configs/ppo/tiny_cpu_grpo_packed.yaml", [*data["ppo"], "--data.batch_size=2"])
+    assert [p.phase for p in est.phases] == ["rollout", "score", "train"]
+
+
 def test_ppo_fsdp2_two_ranks(data):
     """PPO under FSDP2 on 2 ranks (actor, critic and reference each sharded per block; CPU offload;
     checkpointing; activation offload): every phase of each rank against the estimate."""
