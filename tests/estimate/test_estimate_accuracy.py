@@ -172,10 +172,10 @@ def test_sft_fsdp2_two_ranks(case, data):
 
 
 def test_sft_packed(data):
-    """Packed SFT (one row of the token budget, examples isolated by their position ids): the
-    estimate runs the largest packed row (lightning_mem.data.packing.largest_packed_batch)."""
+    """Packed SFT (rows of max_length holding whole examples, isolated by their position ids): the
+    estimate runs the largest packed micro-batch (lightning_mem.data.packing.largest_packed_batch)."""
     est, ranks = _held("configs/sft/tiny_cpu_packed.yaml", data["sft"])
-    assert "1 x 256 tokens" in est.phases[0].shape  # one row of max_tokens_per_batch
+    assert "4 x 64 tokens" in est.phases[0].shape  # max_tokens_per_batch // max_length full rows
     for cat, value in ranks[0][0].device_breakdown_bytes.items():
         assert abs(_breakdown(est)[cat] - value) <= max(0.05 * value, 65536), (cat, est, ranks)
 
