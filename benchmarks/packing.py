@@ -15,7 +15,9 @@ a character), truncated to ``--max-length``. Three layouts of the same rows unde
 - ``packed``: ``data.packing: true``: whole rows best-fit-decreasing into rows of ``--max-length``,
   as many rows a micro-batch as the budget holds, random composition (``PackedBatchSampler``);
 - ``packed, one row``: the same examples in one row of the whole budget, the layout that
-  flash-attention's varlen kernel runs (``flatten_rows``), here under ``sdpa``.
+  flash-attention's varlen kernel runs (``flatten_rows``), here under ``sdpa``;
+- ``packed, one row, packed_sdpa``: that row under :mod:`lightning_mem.packed_attention`, which runs
+  ``sdpa`` once per example (what the PPO recipe's packed passes use).
 
 Under ``sdpa`` on the CPU a row's examples are isolated by a block-diagonal mask over the whole
 row: attention still costs (row length)^2, where padded rows cost rows x (longest)^2. That is why
@@ -45,7 +47,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 WARMUP = 3
-LAYOUTS = ("padded, random", "padded, sorted", "packed", "packed, one row")
+LAYOUTS = ("padded, random", "padded, sorted", "packed", "packed, one row", "packed, one row, packed_sdpa")
 
 
 def micro_batches(data: Path, layout: str, count: int, max_length: int, max_tokens: int) -> list[dict[str, torch.Tensor]]:
@@ -70,7 +72,7 @@ def micro_batches(data: Path, layout: str, count: int, max_length: int, max_toke
     if layout == "padded, random":  # the datamodule's own collator; the sampler without length grouping
         sampler = RandomOrder(dm.train_set.lengths, max_tokens=max_tokens, seed=0)
         loader = DataLoader(dm.train_set, sampler=sampler, batch_size=None, collate_fn=dm.train_dataloader().collate_fn)
-    elif layout == "packed, one row":
+    elif layout.startswith("packed, one row"):
         sampler = PackedBatchSampler(dm.train_set.lengths, max_tokens=max_tokens, seed=0)
         loader = DataLoader(dm.train_set, sampler=sampler, batch_size=None, collate_fn=PackedCollator())
     else:
@@ -96,13 +98,16 @@ def examples(batch: dict[str, torch.Tensor]) -> int:
     return sum(int(starts[r, :n].sum()) for r, n in enumerate(batch["row_tokens"].tolist()))
 
 
-def _model():
+def _model(layout: str):
     from lightning.pytorch import seed_everything
 
     from lightning_mem.models import load_causal_lm
+    from lightning_mem.packed_attention import use_packed_sdpa
 
     seed_everything(0, verbose=False)
     model = load_causal_lm(str(ROOT / "assets/tiny-llama"), attn_implementation="sdpa")
+    if layout.endswith("packed_sdpa"):
+        use_packed_sdpa(model)
     model.config.use_cache = False
     model.train()
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -124,11 +129,11 @@ def _step(model, optimizer, batch: dict[str, torch.Tensor]) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def timed(batches: list[dict[str, torch.Tensor]]) -> tuple[float, int]:
+def timed(layout: str, batches: list[dict[str, torch.Tensor]]) -> tuple[float, int]:
     """(seconds of forward and backward, real tokens) over the micro-batches after the warm-up. The
     optimizer steps untimed: a layout with shorter micro-batches would otherwise pay more steps for
     the same tokens, which gradient accumulation does not."""
-    model, optimizer = _model()
+    model, optimizer = _model(layout)
     seconds, tokens = 0.0, 0
     for index, batch in enumerate(batches):
         start = time.perf_counter()
@@ -142,12 +147,12 @@ def timed(batches: list[dict[str, torch.Tensor]]) -> tuple[float, int]:
     return seconds, tokens
 
 
-def peak_bytes(batches: list[dict[str, torch.Tensor]]) -> int:
+def peak_bytes(layout: str, batches: list[dict[str, torch.Tensor]]) -> int:
     """The largest tensor bytes a micro-batch's forward and backward keep alive at once (weights and
     optimizer state excluded: they are the same for every layout)."""
     from lightning_mem.estimate.tracker import MemoryLedger, TrackingMode
 
-    model, optimizer = _model()
+    model, optimizer = _model(layout)
     _step(model, optimizer, batches[0])  # AdamW's state exists before the measured steps
     peak = 0
     for batch in batches[:WARMUP]:
@@ -188,12 +193,12 @@ def main(argv: list[str] | None = None) -> dict:
             "real_tokens_per_micro_batch": statistics.mean(real_tokens(b) for b in bs),
             "rows_per_micro_batch": statistics.mean(b["input_ids"].shape[0] for b in bs),
             "examples_per_micro_batch": statistics.mean(examples(b) for b in bs),
-            "peak_step_bytes": peak_bytes(bs),
+            "peak_step_bytes": peak_bytes(layout, bs),
             "rates": [],
         }
     for round_ in range(args.rounds):
         for layout in LAYOUTS:
-            seconds, tokens = timed(batches[layout])
+            seconds, tokens = timed(layout, batches[layout])
             rows[layout]["rates"].append(tokens / seconds)
         print(f"round {round_ + 1}/{args.rounds}: " + ", ".join(
             f"{layout} {statistics.median(rows[layout]['rates']):.0f} tok/s" for layout in LAYOUTS), file=sys.stderr, flush=True)
