@@ -1,4 +1,4 @@
-"""Padding-free packed batches: several examples in one row of the token budget, isolated.
+"""Packed batches: whole examples back to back in rows, isolated from each other.
 
 ``data.packing: true`` puts whole examples into rows of ``max_length`` tokens by best-fit-decreasing
 (:func:`best_fit_decreasing`) over the whole shuffled set, and a micro-batch takes as many rows as
@@ -24,9 +24,9 @@ examples compute one per row:
   (``modeling_flash_attention_utils.prepare_fa_kwargs_from_position_ids``). Only without a KV
   cache: the model must run with ``use_cache=False``, as :func:`lightning_mem.logits.score_tokens`
   runs it (with a cache, transformers 5 builds a plain causal mask across the whole row).
-  The block-diagonal mask still scores every pair of the row under ``sdpa``; the PPO recipe's
-  packed passes therefore switch ``sdpa`` models to :mod:`lightning_mem.packed_attention`, which
-  runs each sequence alone (SFT packing does not yet).
+  The block-diagonal mask still scores every pair of the row under ``sdpa``: SFT keeps rows to
+  ``max_length`` (above); the PPO recipe's packed passes, one row a micro-batch, switch ``sdpa``
+  models to :mod:`lightning_mem.packed_attention`, which runs each sequence alone.
 - every example's first label is ``-100``: the position before it is the previous example's last
   token, and an unpacked example never scores its first token either.
 

@@ -39,6 +39,7 @@ RUNS: dict[str, tuple[str, list[str]]] = {
                             "--checkpoint.every_n_train_steps=2", *SFT_SHORT]),
     "sft_fsdp2": ("sft", ["--config", "configs/sft/tiny_cpu_fsdp2.yaml", "--trainer.max_steps=2",
                           "--checkpoint.every_n_train_steps=2", *SFT_SHORT]),
+    "sft_packed": ("sft", ["--config", "configs/sft/tiny_cpu_packed.yaml", "--trainer.max_steps=2", *SFT_SHORT]),
     "qlora": ("qlora", ["--config", "configs/qlora/tiny_cpu.yaml", "--trainer.max_steps=2", *SFT_SHORT]),
     "ppo": ("ppo", ["--config", "configs/ppo/tiny_cpu.yaml", "--trainer.max_steps=8", f"--model.name_or_path={TINY_MODEL}",
                     "--data.batch_size=8", *SHORT]),
