@@ -63,6 +63,26 @@ def _trainer_threads_kept() -> Iterator[None]:
             os.sched_setaffinity(0, affinity)
 
 
+def _forget_stale_vllm_groups() -> None:
+    """Drop vLLM's record of process groups that no longer exist.
+
+    An engine that was never closed (a fit that ended in an exception: Lightning calls no
+    ``on_fit_end`` then) leaves vLLM's module-level world group behind after its torch process group
+    is gone; the next engine in the process would reuse the record and fail ("Process group ... is
+    not initialized in the world group map"). A trainer's own group is never touched: this runs
+    only when no torch group exists at all.
+    """
+    from vllm.distributed import parallel_state
+
+    if torch.distributed.is_initialized() or getattr(parallel_state, "_WORLD", None) is None:
+        return
+    # Their torch groups are gone, so vLLM's destroy functions would fail on them: forget the records
+    # (every module-level GroupCoordinator: world, tensor, pipeline, data... groups).
+    for name, value in list(vars(parallel_state).items()):
+        if isinstance(value, parallel_state.GroupCoordinator):
+            setattr(parallel_state, name, None)
+
+
 class VLLMRolloutEngine(RolloutEngine):
     """Sample with a colocated ``vllm.LLM`` whose weights follow the actor's.
 
@@ -102,6 +122,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self.synced_bytes = 0  # bytes handed over by the last weight sync
         self.largest_bucket_bytes = 0  # the largest bucket of that sync
         self._cpu_warned = False
+        self._owns_group = False
 
     # -- lifecycle ---------------------------------------------------------------------------
     @property
@@ -144,8 +165,12 @@ class VLLMRolloutEngine(RolloutEngine):
             # On CPU gpu_memory_utilization would reserve that fraction of host memory: size the
             # KV cache explicitly instead.
             kwargs["kv_cache_memory_bytes"] = cfg.cpu_kv_cache_space_gb << 30
+        _forget_stale_vllm_groups()
+        made_group = not torch.distributed.is_initialized()
         with _trainer_threads_kept():
             self.llm = LLM(**kwargs)
+        # vLLM made this process's (single-process) group: close() destroys it, with vLLM's record of it.
+        self._owns_group = made_group and torch.distributed.is_initialized()
         self.sleeping = 0
 
     def close(self) -> None:
@@ -157,6 +182,12 @@ class VLLMRolloutEngine(RolloutEngine):
             if core is not None:
                 core.shutdown()
             gc.collect()
+            if self._owns_group:
+                from vllm.distributed import parallel_state
+
+                parallel_state.destroy_model_parallel()
+                parallel_state.destroy_distributed_environment()
+                self._owns_group = False
         self.sleeping = 0
 
     @property

@@ -87,6 +87,31 @@ def test_greedy_responses_equal_hf_generate(engine):
     assert_same_responses(engine.generate(actor, ids, mask), theirs)
 
 
+def test_an_engine_starts_after_one_that_was_never_closed():
+    # A fit that ends in an exception gets no on_fit_end, so its engine is not closed; when its torch
+    # group is gone (here: destroyed behind vLLM's back, as a leaked engine's teardown does), vLLM
+    # still holds its record, and the next engine in the process failed on it.
+    from lightning_mem.rl.vllm_engine import VLLMRolloutEngine
+
+    def start():
+        eng = VLLMRolloutEngine(GREEDY, RolloutEngineConfig(name="vllm", max_num_seqs=32), model_path=str(TINY_MODEL),
+                                eos_token_ids=[EOS], pad_token_id=PAD)
+        eng.start()
+        return eng
+
+    leaked = start()
+    assert torch.distributed.is_initialized()
+    torch.distributed.destroy_process_group()
+    fresh = start()
+    try:
+        ids, mask = prompts(4)
+        assert fresh.generate(None, ids, mask).response_mask.sum() > 0
+    finally:
+        fresh.close()
+        leaked.llm = None
+    assert not torch.distributed.is_initialized()  # close() destroys the group vLLM made
+
+
 def test_starting_the_engine_leaves_the_trainers_threads_alone(engine):
     """vLLM's CPU worker cuts torch to one thread and makes ``torch.set_num_threads`` a no-op; the
     trainer shares the process, so its thread count, the function and the CPU affinity come back."""
