@@ -53,6 +53,21 @@ def check_model_splits(trainer: Any, name_or_path: str, *, trust_remote_code: bo
     check(AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code))
 
 
+def check_packing_splits(trainer: Any, *, packing_key: str) -> None:
+    """Packed rows and a strategy that splits models or sequences: refused before any model loads.
+    The split of a sequence across ranks reads its positions from the attention mask, and a packed
+    row has none (its restarting position ids would be lost)."""
+    strategy = trainer.strategy
+    splits = {key: size for key, size in (
+        ("tensor_parallel_size", int(getattr(strategy, "tensor_parallel_size", 1) or 1)),
+        ("context_parallel_size", context_parallel_size(trainer)),
+    ) if size > 1}
+    if splits:
+        named = " and ".join(f"`trainer.strategy.init_args.{key}: {size}`" for key, size in splits.items())
+        raise ValueError(f"`{packing_key}: true` with {named}: packed rows are not split by tensor or"
+                         " context parallelism yet; turn packing off, or the split")
+
+
 def sum_over_replicas(trainer: Any, value: Tensor) -> Tensor:
     """``value`` summed over the data-parallel replicas (once per replica, not once per rank: the
     ranks of a tensor- or context-parallel group hold the same samples, and a count or an unbiased

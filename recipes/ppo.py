@@ -51,7 +51,7 @@ from lightning_mem.models import check_model_source, load_causal_lm, load_tokeni
 from lightning_mem.dtypes import cast_trainable, resolve_dtype, trainer_dtypes
 from lightning_mem.optim import param_groups, warn_if_paged_on_cpu
 from lightning_mem.packed_attention import use_packed_sdpa
-from lightning_mem.ranks import check_model_splits, context_parallel_size, data_parallel, per_rank_budget, sum_over_replicas
+from lightning_mem.ranks import check_model_splits, check_packing_splits, data_parallel, per_rank_budget, sum_over_replicas
 from lightning_mem.schedules import build_lr_scheduler, check_schedule
 from lightning_mem.settings import settings_at
 from lightning_mem.step_io import step_io
@@ -338,20 +338,8 @@ class PPOModule(LightningModule):
             self.reward_fn.check_rows(train_set.rows, source=str(getattr(self.trainer.datamodule, "train_path", "data")))
 
     def _check_packing_splits(self) -> None:
-        """Packed rows and a strategy that splits models or sequences: refused before any model loads.
-        The split of a sequence across ranks reads its positions from the attention mask, and a
-        packed row has none (its restarting position ids would be lost)."""
-        if not self.ppo.packing:
-            return
-        strategy = self.trainer.strategy
-        splits = {key: size for key, size in (
-            ("tensor_parallel_size", int(getattr(strategy, "tensor_parallel_size", 1) or 1)),
-            ("context_parallel_size", context_parallel_size(self.trainer)),
-        ) if size > 1}
-        if splits:
-            named = " and ".join(f"`trainer.strategy.init_args.{key}: {size}`" for key, size in splits.items())
-            raise ValueError(f"`model.ppo.packing: true` with {named}: packed rows are not split by tensor or"
-                             " context parallelism yet; turn packing off, or the split")
+        if self.ppo.packing:
+            check_packing_splits(self.trainer, packing_key="model.ppo.packing")
 
     def configure_callbacks(self) -> list[Any]:
         return [TrainingDtypes()]  # one line at the start: the dtypes this run really has

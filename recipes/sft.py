@@ -46,7 +46,7 @@ from lightning_mem.lora import (
 from lightning_mem.models import check_model_source, load_causal_lm, load_tokenizer
 from lightning_mem.dtypes import cast_trainable, dtype_name, resolve_dtype, trainer_dtypes
 from lightning_mem.optim import param_groups, warn_if_paged_on_cpu
-from lightning_mem.ranks import check_model_splits, data_parallel
+from lightning_mem.ranks import check_model_splits, check_packing_splits, data_parallel
 from lightning_mem.schedules import build_lr_scheduler, check_schedule
 from lightning_mem.settings import settings_at
 
@@ -137,6 +137,7 @@ class SFTModule(FreesGradientsAfterStep, LightningModule):
         self.model_dtype()
         if getattr(self.trainer.datamodule, "packing", False):
             check_packing_attention(self.hparams.attn_implementation, key="model.attn_implementation", packing_key="data.packing")
+            check_packing_splits(self.trainer, packing_key="data.packing")
         # A model the strategy cannot split its way (heads vs tensor/context-parallel sizes) fails now.
         with settings_at("trainer.strategy.init_args"):
             check_model_splits(self.trainer, self.hparams.name_or_path, trust_remote_code=self.hparams.trust_remote_code)

@@ -246,3 +246,16 @@ def test_packing_needs_a_token_budget_and_an_isolating_attention():
     check_packing_attention("sdpa", key="model.attn_implementation", packing_key="data.packing")
     with pytest.raises(SettingError, match=r"`model.attn_implementation` \('paged_attention'\).*`data.packing: true`"):
         check_packing_attention("paged_attention", key="model.attn_implementation", packing_key="data.packing")
+
+
+@pytest.mark.parametrize("split", [dict(tensor_parallel_size=2), dict(context_parallel_size=2)])
+def test_packing_with_a_model_split_is_refused_naming_both_keys(split):
+    from types import SimpleNamespace
+
+    from lightning_mem.ranks import check_packing_splits
+
+    key = next(iter(split))
+    trainer = SimpleNamespace(strategy=SimpleNamespace(**split))
+    with pytest.raises(ValueError, match=rf"`data.packing: true` with `trainer.strategy.init_args.{key}: 2`"):
+        check_packing_splits(trainer, packing_key="data.packing")
+    check_packing_splits(SimpleNamespace(strategy=SimpleNamespace()), packing_key="data.packing")  # no split
