@@ -14,8 +14,13 @@ Optimizer state (``offload_optimizer_state``, ``optimizer_state_to_host``/``_to_
 - bitsandbytes 8-bit optimizers: ``state1``, ``state2``, ``absmax1/2`` move; the ``qmap``
   tables are shared by every parameter and by ``optimizer.name2qmap``, so they move once and
   every reference follows.
-- bitsandbytes paged optimizers: paged buffers are CUDA unified memory; they are not copied but
-  prefetched to the host (``prefetch_tensor(..., to_cpu=True)``) and back, in place.
+- bitsandbytes paged optimizers: paged buffers are CUDA managed memory; they are not copied but
+  their pages are prefetched to the host and back, in place, through
+  :func:`lightning_mem.paging.prefetch_paged` (never bitsandbytes' ``prefetch_tensor(...,
+  to_cpu=True)``, which ends the process). Where the GPU cannot page (no concurrent managed
+  access) nothing is prefetched: the buffer stays where the driver keeps it, the ledger does not
+  count it as moved, and a warning says so once. The recipes never get there: they run a paged
+  optimizer unpaged on such a GPU (:func:`lightning_mem.optim.page_where_supported`).
 - FSDP2: ``DTensor`` state moves its local shard; the sharding spec is kept.
 
 Modules (``offload_module``/``reload_module``/``module_offloaded``): parameters and buffers of a
@@ -31,7 +36,12 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Literal, Optional
 
 import torch
+from lightning.pytorch.utilities.rank_zero import WarningCache
 from torch import nn
+
+from lightning_mem.paging import no_paging_reason, paged_device
+
+_warning_cache = WarningCache()
 
 Location = Literal["device", "host"]
 
@@ -87,14 +97,17 @@ def _copy_to(tensor: torch.Tensor, device: torch.device, pin_memory: bool, non_b
 
 def _synchronize(devices: set[torch.device]) -> None:
     for device in devices:
-        if device.type == "cuda":
+        if device.type == "cuda" and torch.cuda.is_available():
             torch.cuda.synchronize(device)
 
 
-def _prefetch_paged(tensor: torch.Tensor, to_cpu: bool) -> None:
-    import bitsandbytes.functional as bnbf
+def _prefetch_paged(tensor: torch.Tensor, to_cpu: bool) -> bool:
+    """Whether the pages of a paged buffer were sent on their way (see :mod:`lightning_mem.paging`)."""
+    from lightning_mem import paging
 
-    bnbf.prefetch_tensor(tensor, to_cpu=to_cpu)
+    # NOTE: not bitsandbytes.functional.prefetch_tensor: towards the host it asks the CUDA runtime
+    # about device -1 and its C library calls exit(1) on the error.
+    return paging.prefetch_paged(tensor, to_host=to_cpu)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -107,7 +120,7 @@ class MovedTensor:
     slots: tuple[str, ...]  # e.g. ("state[3].exp_avg",) or ("state[0].qmap1", ..., "name2qmap.dynamic")
     nbytes: int  # bytes of the tensor (of the local shard for a DTensor)
     device: torch.device  # where it lives when on the device, and returns to
-    paged: bool  # a bitsandbytes paged buffer, prefetched in place instead of copied
+    paged: bool  # a bitsandbytes paged buffer, its pages prefetched in place instead of copied
     host: Optional[torch.Tensor] = field(default=None, repr=False)  # the host copy while offloaded
 
 
@@ -208,8 +221,13 @@ def optimizer_state_to_host(
         device = local_tensor(tensor).device
         paged = _is_paged(tensor)
         if paged:
-            _prefetch_paged(tensor, to_cpu=True)
-            host, device = tensor, torch.device("cuda", tensor.page_deviceid or 0)
+            if not _prefetch_paged(tensor, to_cpu=True):
+                _warning_cache.warn(
+                    f"offload_optimizer_state: {type(optimizer).__name__}'s paged state stays where the driver "
+                    f"keeps it: {no_paging_reason(paged_device(tensor))}"
+                )
+                continue
+            host, device = tensor, paged_device(tensor)
         else:
             host = _copy_to(tensor, torch.device("cpu"), _pin_default(pin_memory, device), non_blocking)
         for container, key, _ in slots:
@@ -244,7 +262,7 @@ def optimizer_state_to_device(optimizer: torch.optim.Optimizer, non_blocking: bo
             continue  # never moved, or replaced since (e.g. load_state_dict)
         if id(host) not in restored:
             if moved.paged:
-                _prefetch_paged(host, to_cpu=False)
+                _prefetch_paged(host, to_cpu=False)  # only moved where the GPU pages: it does here too
                 restored[id(host)] = host
             else:
                 restored[id(host)] = _copy_to(host, moved.device, False, non_blocking)

@@ -16,6 +16,7 @@ from lightning.pytorch.utilities.rank_zero import WarningCache
 from torch import nn
 
 from lightning_mem.offload import is_dtensor, local_tensor, optimizer_state_slots
+from lightning_mem.paging import PagingQuery, no_paging_reason, paging_supported
 
 _warning_cache = WarningCache()
 
@@ -75,22 +76,40 @@ def optimizer_state_bytes_by_dtype(optimizer: torch.optim.Optimizer, *, scalars:
     return totals
 
 
-def warn_if_paged_on_cpu(optimizer: torch.optim.Optimizer) -> bool:
-    """Warn (once per optimizer class) that a paged optimizer pages nothing without CUDA.
+def page_where_supported(
+    optimizer: torch.optim.Optimizer, key: str = "model.optimizer", query: Optional[PagingQuery] = None
+) -> bool:
+    """Decide, before the first step, whether a paged bitsandbytes optimizer pages its state.
 
-    bitsandbytes falls back to ordinary host tensors for CPU parameters. Returns whether the
-    optimizer is paged and runs without CUDA.
+    Where its parameters' device can page (:func:`lightning_mem.paging.paging_supported`, asked
+    through ``query`` or the module's hook) the optimizer stays as configured. Elsewhere it becomes
+    the non-paged optimizer (``PagedAdamW8bit`` runs as ``AdamW8bit``, every setting kept) and one
+    warning names ``key`` and the reason. bitsandbytes' paged and non-paged classes are one
+    implementation switched by the constructor flag ``is_paged``, read each time a state buffer is
+    made, so clearing it before any state exists gives exactly the non-paged optimizer. Returns
+    whether the optimizer pages; not paged to begin with, it is left alone.
+
+    Raises:
+        ValueError: the optimizer already holds paged state (decide before its first step).
     """
     if not getattr(optimizer, "is_paged", False):
         return False
-    devices = {local_tensor(p).device.type for g in optimizer.param_groups for p in g["params"]}
-    if torch.cuda.is_available() and "cuda" in devices:
-        return False
+    devices = {local_tensor(p).device for g in optimizer.param_groups for p in g["params"]}
+    refused = sorted((d for d in devices if not paging_supported(d, query)), key=str)
+    if not refused:
+        return True
+    if any(getattr(t, "is_paged", False) for s in optimizer.state.values() for t in s.values()):
+        raise ValueError(
+            f"{key}: {type(optimizer).__name__} already holds paged state on a device that cannot page; "
+            "page_where_supported must run before the optimizer's first step"
+        )
+    optimizer.is_paged = False
+    name = type(optimizer).__name__
     _warning_cache.warn(
-        f"{type(optimizer).__name__} is a paged optimizer, but paging needs CUDA: on "
-        f"{'/'.join(sorted(devices)) or 'this machine'} its state is ordinary memory and paging does nothing."
+        f"{key}: {name} runs without paging (as {name.removeprefix('Paged') or 'its non-paged twin'}, same "
+        f"settings): {no_paging_reason(refused[0])}."
     )
-    return True
+    return False
 
 
 # ---------------------------------------------------------------------------------------------

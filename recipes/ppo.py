@@ -49,7 +49,7 @@ from lightning_mem.logits import check_supported
 from lightning_mem.lora import LoraSettings, apply_lora, check_lora_targets, meta_model
 from lightning_mem.models import check_model_source, load_causal_lm, load_tokenizer
 from lightning_mem.dtypes import cast_trainable, resolve_dtype, trainer_dtypes
-from lightning_mem.optim import param_groups, warn_if_paged_on_cpu
+from lightning_mem.optim import param_groups, page_where_supported
 from lightning_mem.packed_attention import use_packed_sdpa
 from lightning_mem.ranks import check_model_splits, check_packing_splits, data_parallel, per_rank_budget, sum_over_replicas
 from lightning_mem.schedules import build_lr_scheduler, check_schedule
@@ -422,8 +422,8 @@ class PPOModule(LightningModule):
         optimizers = [self.optimizer_factory(actor_params)]
         if vf is not None and vf.has_own_optimizer:
             optimizers.append(self.critic_optimizer_factory(param_groups(vf.module, weight_decay=None)))
-        for optimizer in optimizers:
-            warn_if_paged_on_cpu(optimizer)
+        for optimizer, key in zip(optimizers, self.optimizer_config_keys):
+            page_where_supported(optimizer, key)  # before any state: a platform that cannot page runs it unpaged
         if self.lr_scheduler_factory is None:
             return optimizers
         return optimizers, [

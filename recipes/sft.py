@@ -45,7 +45,7 @@ from lightning_mem.lora import (
 )
 from lightning_mem.models import check_model_source, load_causal_lm, load_tokenizer
 from lightning_mem.dtypes import cast_trainable, dtype_name, resolve_dtype, trainer_dtypes
-from lightning_mem.optim import param_groups, warn_if_paged_on_cpu
+from lightning_mem.optim import param_groups, page_where_supported
 from lightning_mem.ranks import check_model_splits, check_packing_splits, data_parallel
 from lightning_mem.schedules import build_lr_scheduler, check_schedule
 from lightning_mem.settings import settings_at
@@ -231,7 +231,7 @@ class SFTModule(FreesGradientsAfterStep, LightningModule):
     def configure_optimizers(self) -> Any:
         # weight_decay=None: the decayed group keeps the optimizer's own (YAML) setting.
         optimizer = self.optimizer_factory(param_groups(self.model, weight_decay=None))
-        warn_if_paged_on_cpu(optimizer)
+        page_where_supported(optimizer, "model.optimizer")  # before any state: a platform that cannot page runs it unpaged
         if self.lr_scheduler_factory is None:
             return optimizer
         # total_steps left out of the YAML: the schedule spans the trainer's run.

@@ -1,4 +1,5 @@
-"""Optimizer helpers: parameter groups, exact state bytes per parameter, paged warning, step in backward."""
+"""Optimizer helpers: parameter groups, exact state bytes per parameter, step in backward, and whether a
+paged optimizer pages (the platform query replaced, both answers)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from memtest_utils import lm_loss, tiny_llama, token_batches
 from torch import nn
 
 from lightning_mem import optim as optim_module
-from lightning_mem.optim import StepInBackward, optimizer_state_bytes, param_groups, warn_if_paged_on_cpu
+from lightning_mem.optim import StepInBackward, optimizer_state_bytes, param_groups
 
 
 def _step_once(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -75,20 +76,6 @@ def test_bitsandbytes_8bit_state_is_at_most_2_1_bytes_per_parameter() -> None:
     assert state / numel <= 2.1
 
 
-def test_warn_if_paged_on_cpu_warns_once() -> None:
-    optim_module._warning_cache.clear()
-    plain = bnb.optim.AdamW8bit(nn.Linear(4, 4).parameters())
-    paged = bnb.optim.PagedAdamW8bit(nn.Linear(4, 4).parameters())
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert warn_if_paged_on_cpu(plain) is False
-        assert warn_if_paged_on_cpu(torch.optim.AdamW(nn.Linear(4, 4).parameters())) is False
-        assert warn_if_paged_on_cpu(paged) is True
-        assert warn_if_paged_on_cpu(paged) is True
-    messages = [str(w.message) for w in caught if "paging needs CUDA" in str(w.message)]
-    assert len(messages) == 1 and "PagedAdamW8bit" in messages[0]
-
-
 # -- step in backward --------------------------------------------------------------------------
 def test_step_in_backward_equals_adamw_and_frees_gradients() -> None:
     batches = token_batches(3)
@@ -132,3 +119,96 @@ def test_step_in_backward_refuses_optimizers_with_settings_outside_defaults() ->
         StepInBackward(model, bnb.optim.AdamW8bit(model.parameters()))
     with pytest.raises(ValueError, match="not in the module"):
         StepInBackward(model, torch.optim.AdamW([nn.Parameter(torch.zeros(2))]))
+
+
+# -- paging: the paged optimizer the platform supports ------------------------------------------
+# Everything below asks lightning_mem.paging's query, replaced here by both answers; the real query
+# (concurrent managed access through the CUDA runtime) runs in tests/test_offload.py on a GPU.
+from lightning_mem import paging  # noqa: E402
+from lightning_mem.optim import page_where_supported  # noqa: E402
+
+# Settings away from every default, so that a lost one changes the weights.
+_PAGED_SETTINGS = dict(lr=3e-3, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.05, min_8bit_size=64)
+
+
+def _paging_warnings(caught: list) -> list[str]:
+    return [str(w.message) for w in caught if "paging" in str(w.message) or "Paged" in str(w.message)]
+
+
+def _three_steps(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=generator)
+        optimizer.step()
+
+
+def test_paged_optimizer_runs_unpaged_with_the_same_settings_where_the_platform_cannot_page() -> None:
+    optim_module._warning_cache.clear()
+    torch.manual_seed(0)
+    model, reference = nn.Linear(64, 64), nn.Linear(64, 64)
+    reference.load_state_dict(model.state_dict())
+    asked = []
+    optimizer = bnb.optim.PagedAdamW8bit(model.parameters(), **_PAGED_SETTINGS)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pages = page_where_supported(optimizer, "model.optimizer", query=lambda d: asked.append(d) or False)
+        _three_steps(model, optimizer)
+    assert pages is False and optimizer.is_paged is False and asked == [torch.device("cpu")]
+    # One line, naming the key, the optimizer that runs and why; bitsandbytes' own CPU fallback
+    # warning no longer fires (the optimizer is not paged when its state is made).
+    assert _paging_warnings(caught) == [
+        "model.optimizer: PagedAdamW8bit runs without paging (as AdamW8bit, same settings): its parameters "
+        "are on cpu, and paging needs CUDA managed memory."
+    ]
+    # The same run as bitsandbytes' non-paged optimizer with every setting of the config.
+    _three_steps(reference, bnb.optim.AdamW8bit(reference.parameters(), **_PAGED_SETTINGS))
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p, q)
+    assert optimizer.args.min_8bit_size == 64
+
+
+def test_paged_optimizer_stays_paged_where_the_platform_pages(monkeypatch) -> None:
+    optim_module._warning_cache.clear()
+    asked = []
+    monkeypatch.setattr(paging, "paging_query", lambda device: asked.append(device) or True)  # the module's hook
+    optimizer = bnb.optim.PagedAdamW32bit(nn.Linear(4, 4).parameters())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert page_where_supported(optimizer, "model.critic_optimizer") is True
+    assert optimizer.is_paged is True and asked == [torch.device("cpu")]
+    assert not [m for m in _paging_warnings(caught) if "model." in m]
+
+
+def test_paging_decision_names_the_key_once_and_leaves_unpaged_optimizers_alone(monkeypatch) -> None:
+    optim_module._warning_cache.clear()
+    monkeypatch.setattr(paging, "paging_query", lambda device: pytest.fail("an unpaged optimizer asks nothing"))
+    assert page_where_supported(torch.optim.AdamW(nn.Linear(4, 4).parameters())) is False
+    assert page_where_supported(bnb.optim.AdamW8bit(nn.Linear(4, 4).parameters())) is False
+    monkeypatch.setattr(paging, "paging_query", lambda device: False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            assert page_where_supported(bnb.optim.PagedAdamW8bit(nn.Linear(4, 4).parameters()), "model.critic_optimizer") is False
+    messages = _paging_warnings(caught)
+    assert len(messages) == 1 and messages[0].startswith("model.critic_optimizer: PagedAdamW8bit runs without paging")
+
+
+def test_paging_decision_comes_before_any_paged_state() -> None:
+    model = nn.Linear(4, 4)
+    optimizer = bnb.optim.PagedAdamW8bit(model.parameters())
+    paged = torch.zeros(4, 4, dtype=torch.uint8)
+    paged.is_paged, paged.page_deviceid = True, 0  # what bitsandbytes' paged buffers carry
+    optimizer.state[model.weight]["state1"] = paged
+    with pytest.raises(ValueError, match=r"^model\.optimizer: PagedAdamW8bit already holds paged state.*first step"):
+        page_where_supported(optimizer, query=lambda d: False)
+
+
+def test_the_default_platform_query_says_no_without_cuda() -> None:
+    assert paging.paging_query is paging.concurrent_managed_access
+    assert paging.paging_supported("cpu") is False
+    if not torch.cuda.is_available():
+        assert paging.paging_supported("cuda:0") is False
+    assert paging.paging_supported("cpu", query=lambda d: True) is True
+    reason = paging.no_paging_reason(torch.device("cuda", 0))
+    assert "cuda:0 has no concurrent managed access" in reason and "cudaDevAttrConcurrentManagedAccess" in reason
