@@ -140,23 +140,24 @@ def prefetch_paged(tensor: torch.Tensor, to_host: bool, query: Optional[PagingQu
     if not paging_supported(device, query):
         return False
     nbytes = tensor.numel() * tensor.element_size()
-    _runtime_prefetch(tensor.data_ptr(), nbytes, None if to_host else device)
+    _runtime_prefetch(tensor.data_ptr(), nbytes, device, to_host)
     return True
 
 
-def _runtime_prefetch(pointer: int, nbytes: int, device: Optional[torch.device]) -> None:
-    """``cudaMemPrefetchAsync`` of ``nbytes`` at ``pointer`` to ``device`` (``None``: the host)."""
-    stream_device = device if device is not None else torch.device("cuda", torch.cuda.current_device())
-    stream = ctypes.c_void_p(torch.cuda.current_stream(stream_device).cuda_stream)
+def _runtime_prefetch(pointer: int, nbytes: int, device: torch.device, to_host: bool) -> None:
+    """``cudaMemPrefetchAsync`` of ``nbytes`` at ``pointer`` to the host or to ``device``, on
+    ``device``'s current stream."""
+    stream = ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
     lib = _runtime()
+    index = _cuda_index(device)
     # NOTE: CUDA 13 replaced the destination ordinal (cudaCpuDeviceId for the host) by a location
     # struct plus flags, under the same symbol; the loaded runtime's version picks the signature.
     if _runtime_version() >= 13000:
-        location = _MemLocation(_LOCATION_HOST, 0) if device is None else _MemLocation(_LOCATION_DEVICE, _cuda_index(device))
+        location = _MemLocation(_LOCATION_HOST, 0) if to_host else _MemLocation(_LOCATION_DEVICE, index)
         status = lib.cudaMemPrefetchAsync(
             ctypes.c_void_p(pointer), ctypes.c_size_t(nbytes), location, ctypes.c_uint(0), stream
         )
     else:
-        target = CPU_DEVICE_ID if device is None else _cuda_index(device)
+        target = CPU_DEVICE_ID if to_host else index
         status = lib.cudaMemPrefetchAsync(ctypes.c_void_p(pointer), ctypes.c_size_t(nbytes), ctypes.c_int(target), stream)
-    _check(status, f"cudaMemPrefetchAsync(to {'the host' if device is None else device})")
+    _check(status, f"cudaMemPrefetchAsync(to {'the host' if to_host else device})")

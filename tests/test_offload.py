@@ -239,20 +239,109 @@ def test_cuda_module_offload_frees_and_restores_the_weights() -> None:
     assert all(p.is_cuda and torch.equal(p.cpu(), weights[n]) for n, p in model.named_parameters())
 
 
+def _cannot_page_reason() -> str | None:
+    """Why the paged GPU tests skip here, or None: they ask the platform first."""
+    from lightning_mem import paging
+
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    if not paging.paging_supported("cuda:0"):
+        return paging.no_paging_reason("cuda:0")
+    free, _ = torch.cuda.mem_get_info()
+    if free < 256 * 2**20:  # managed memory beyond what the card has free can hang the GPU
+        return f"cuda:0 has {free} bytes free, under the 256 MiB this test keeps in reserve"
+    return None
+
+
 @pytest.mark.gpu
-def test_cuda_paged_state_is_prefetched_in_place() -> None:
-    model = nn.Linear(1024, 1024).cuda()  # > 1e5 elements: bitsandbytes pages its state
+def test_cuda_paged_state_is_prefetched_to_the_host_and_back_in_place() -> None:
+    reason = _cannot_page_reason()
+    if reason:
+        pytest.skip(f"paged state cannot page here: {reason}")
+    torch.manual_seed(0)
+    # 1024 x 1024 > 1e5 elements: bitsandbytes pages this state (2 MiB of uint8 managed memory).
+    model, reference = nn.Linear(1024, 1024).cuda(), nn.Linear(1024, 1024).cuda()
+    reference.load_state_dict(model.state_dict())
     optimizer = bnb.optim.PagedAdamW8bit(model.parameters(), lr=1e-3)
-    model.weight.grad = torch.randn_like(model.weight)
-    model.bias.grad = torch.randn_like(model.bias)
-    optimizer.step()
+    unpaged = bnb.optim.AdamW8bit(reference.parameters(), lr=1e-3)
+    grads = [[torch.randn_like(p) for p in model.parameters()] for _ in range(2)]
+
+    def step(m: nn.Module, opt: torch.optim.Optimizer, i: int) -> None:
+        for p, g in zip(m.parameters(), grads[i]):
+            p.grad = g.clone()
+        opt.step()
+
+    step(model, optimizer, 0)
+    step(reference, unpaged, 0)
     state1 = optimizer.state[model.weight]["state1"]
     assert getattr(state1, "is_paged", False)
     value = state1.clone()
     with offload_optimizer_state(optimizer) as ledger:
-        assert any(t.paged for t in ledger.moved)
-        assert optimizer.state[model.weight]["state1"] is state1  # same buffer, pages on the host
+        assert [t.paged for t in ledger.moved if "state[0].state1" in t.slots] == [True]
+        assert optimizer.state[model.weight]["state1"] is state1  # same buffer, its pages on the host
+        assert torch.equal(state1, value)  # the host reads it where it is
     assert torch.equal(optimizer.state[model.weight]["state1"], value)
+    step(model, optimizer, 1)  # the step after the round trip is the unpaged optimizer's
+    step(reference, unpaged, 1)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.gpu
+def test_cuda_paging_decision_follows_the_platform() -> None:
+    from lightning_mem import paging
+    from lightning_mem.optim import page_where_supported
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    optimizer = bnb.optim.PagedAdamW8bit(nn.Linear(8, 8).cuda().parameters())  # no state yet: no managed memory
+    can_page = paging.concurrent_managed_access("cuda:0")
+    assert page_where_supported(optimizer) is can_page and optimizer.is_paged is can_page
+
+
+# -- paged state on CPU, the platform query replaced: which path the offload takes -----------------
+def _optimizer_with_paged_state() -> tuple[torch.optim.Optimizer, torch.Tensor]:
+    """An optimizer holding a buffer that carries bitsandbytes' paged marks (bitsandbytes makes
+    none on CPU, so the marks are set by hand; the runtime call is replaced in the tests)."""
+    model = nn.Linear(16, 16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    paged = torch.arange(256, dtype=torch.float32).view(16, 16)
+    paged.is_paged, paged.page_deviceid = True, 0
+    optimizer.state[model.weight]["state1"] = paged
+    optimizer.state[model.bias]["momentum_buffer"] = torch.ones(16)
+    return optimizer, paged
+
+
+def test_paged_state_is_prefetched_in_place_where_the_platform_pages(monkeypatch) -> None:
+    from lightning_mem import paging
+
+    calls = []
+    monkeypatch.setattr(paging, "paging_query", lambda device: True)
+    monkeypatch.setattr(paging, "_runtime_prefetch", lambda pointer, nbytes, device, to_host: calls.append((pointer, nbytes, device, to_host)))
+    optimizer, paged = _optimizer_with_paged_state()
+    with offload_optimizer_state(optimizer) as ledger:
+        assert calls == [(paged.data_ptr(), 1024, torch.device("cuda", 0), True)]  # to the host, on its GPU's stream
+        [moved] = [t for t in ledger.moved if t.paged]
+        assert moved.slots == ("state[0].state1",) and moved.nbytes == 1024 and moved.device == torch.device("cuda", 0)
+        assert optimizer.state[optimizer.param_groups[0]["params"][0]]["state1"] is paged  # in place, not copied
+        assert ledger.bytes == 1024 + 64
+    assert calls[1:] == [(paged.data_ptr(), 1024, torch.device("cuda", 0), False)]  # back to its GPU
+    assert optimizer.state[optimizer.param_groups[0]["params"][0]]["state1"] is paged
+
+
+def test_paged_state_stays_with_the_driver_where_the_platform_cannot_page(monkeypatch) -> None:
+    from lightning_mem import offload, paging
+
+    offload._warning_cache.clear()
+    monkeypatch.setattr(paging, "paging_query", lambda device: False)
+    monkeypatch.setattr(paging, "_runtime_prefetch", lambda *args: pytest.fail("no prefetch where the GPU cannot page"))
+    optimizer, paged = _optimizer_with_paged_state()
+    with pytest.warns(UserWarning, match=r"SGD's paged state stays where the driver keeps it: cuda:0 has no concurrent"):
+        with offload_optimizer_state(optimizer) as ledger:
+            assert [t.slots for t in ledger.moved] == [("state[1].momentum_buffer",)]  # the rest still moves
+            assert ledger.bytes == 64  # nothing of the paged buffer counts as offloaded
+            assert optimizer.state[optimizer.param_groups[0]["params"][0]]["state1"] is paged
+    assert torch.equal(paged, torch.arange(256, dtype=torch.float32).view(16, 16))
 
 
 def test_optimizer_state_onto_moves_state_but_not_the_step_counters():

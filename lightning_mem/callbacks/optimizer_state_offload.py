@@ -26,7 +26,10 @@ class OptimizerStateOffload(Callback):
     automatic and manual optimization alike) and goes back to the host from the optimizer's own
     step post-hook, so every ``optimizer.step()`` is covered, also several per batch (PPO). A
     step the precision plugin skips (inf gradients under fp16) is caught at the end of the
-    batch. Results are unchanged: the round trip is bit-exact.
+    batch. Results are unchanged: the round trip is bit-exact. A paged optimizer's managed buffers
+    are not copied but their pages prefetched to the host and back, where the GPU can page
+    (:mod:`lightning_mem.paging`); where it cannot, they stay where the driver keeps them (the
+    recipes run a paged optimizer unpaged there: :func:`lightning_mem.optim.page_where_supported`).
 
     The ledger (:func:`lightning_mem.offload.optimizer_state_residency`) says where each
     optimizer's state is and what moved; on CPU, where placement shows nothing, that is what

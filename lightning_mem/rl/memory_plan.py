@@ -13,7 +13,9 @@ weight outside the train phase, and the reference and reward models are dead wei
 score phase. NeMo-Aligner moves the Adam state to the host around generation; verl and NeMo RL
 also park the frozen models on the host between their uses. :class:`PhaseMemoryPlan` declares
 such a plan in YAML; :class:`PhaseMemory` carries it out with the primitives of
-:mod:`lightning_mem.offload` and reports each phase to the ``MemoryMonitor``.
+:mod:`lightning_mem.offload` and reports each phase to the ``MemoryMonitor``. A paged optimizer's
+state (bitsandbytes' managed memory) goes to the host by a page prefetch where the GPU can page,
+and stays with the driver where it cannot (:mod:`lightning_mem.paging`).
 
 The plan also owns the rollout engine's residency when the engine holds weights of its own
 (vLLM, ``model.rollout_engine``): awake in the rollout, asleep at its ``sleep_level`` in the score
