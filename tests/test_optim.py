@@ -212,3 +212,28 @@ def test_the_default_platform_query_says_no_without_cuda() -> None:
     assert paging.paging_supported("cpu", query=lambda d: True) is True
     reason = paging.no_paging_reason(torch.device("cuda", 0))
     assert "cuda:0 has no concurrent managed access" in reason and "cudaDevAttrConcurrentManagedAccess" in reason
+
+
+@pytest.mark.parametrize("can_page", [False, True], ids=["cannot-page", "pages"])
+def test_ppo_decides_paging_for_both_optimizers_before_any_state(monkeypatch, can_page: bool) -> None:
+    """The recipe's configure_optimizers asks the platform for each optimizer, naming its own key."""
+    import recipes.ppo as ppo
+    from lightning_mem.rl.config import CriticConfig
+    from recipes.rewards import ArithmeticReward
+    from tests.helpers import TINY_MODEL
+
+    optim_module._warning_cache.clear()
+    monkeypatch.setattr(paging, "paging_query", lambda device: can_page)
+    module = ppo.PPOModule(
+        name_or_path=str(TINY_MODEL), reward=ArithmeticReward(), critic=CriticConfig(layout="separate"), export_dir=None,
+        optimizer=lambda params: bnb.optim.PagedAdamW8bit(params, lr=1e-5),
+        critic_optimizer=lambda params: bnb.optim.PagedAdamW32bit(params, lr=1e-5),
+    )
+    module.configure_model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        actor, critic = module.configure_optimizers()
+    assert (actor.is_paged, critic.is_paged) == (can_page, can_page)
+    assert sorted(m.split(":")[0] for m in _paging_warnings(caught) if m.startswith("model.")) == (
+        [] if can_page else ["model.critic_optimizer", "model.optimizer"]
+    )
