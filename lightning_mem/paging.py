@@ -60,8 +60,8 @@ def _runtime() -> ctypes.CDLL:
     major = (torch.version.cuda or "").split(".")[0]
     name = f"libcudart.so.{major}" if major else ctypes.util.find_library("cudart")
     if not name:
-        raise RuntimeError("lightning_mem.paging: no CUDA runtime library (libcudart) found")
-    return ctypes.CDLL(name)
+        raise OSError("lightning_mem.paging: no CUDA runtime library (libcudart) found")
+    return ctypes.CDLL(name)  # OSError where the loader cannot find it
 
 
 def _check(status: int, call: str) -> None:
@@ -91,8 +91,21 @@ def concurrent_managed_access(device: torch.device | str) -> bool:
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return False
+    torch.cuda.init()
     value = ctypes.c_int(0)
-    status = _runtime().cudaDeviceGetAttribute(ctypes.byref(value), CONCURRENT_MANAGED_ACCESS, _cuda_index(device))
+    try:
+        runtime = _runtime()
+    except OSError:
+        # NOTE: no runtime library to open (a build that links it statically): the driver API
+        # numbers this attribute the same (CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS), and
+        # torch has initialized the driver.
+        status = ctypes.CDLL("libcuda.so.1").cuDeviceGetAttribute(
+            ctypes.byref(value), CONCURRENT_MANAGED_ACCESS, _cuda_index(device)
+        )
+        if status != 0:
+            raise RuntimeError(f"cuDeviceGetAttribute(CONCURRENT_MANAGED_ACCESS) failed: CUresult {status}") from None
+        return bool(value.value)
+    status = runtime.cudaDeviceGetAttribute(ctypes.byref(value), CONCURRENT_MANAGED_ACCESS, _cuda_index(device))
     _check(status, "cudaDeviceGetAttribute(cudaDevAttrConcurrentManagedAccess)")
     return bool(value.value)
 
@@ -134,13 +147,17 @@ def prefetch_paged(tensor: torch.Tensor, to_host: bool, query: Optional[PagingQu
     In place and asynchronous, on the GPU's current stream, so it is ordered after the kernels
     that wrote the state; synchronize before relying on where the pages are. Returns whether a
     prefetch was issued: where the GPU cannot page (:func:`paging_supported`), none is, and the
-    pages stay where the driver keeps them. A failing runtime call raises ``RuntimeError``.
+    pages stay where the driver keeps them. A failing runtime call, or no runtime library to call,
+    raises ``RuntimeError`` (a Python error the run can report, where bitsandbytes exits).
     """
     device = paged_device(tensor)
     if not paging_supported(device, query):
         return False
     nbytes = tensor.numel() * tensor.element_size()
-    _runtime_prefetch(tensor.data_ptr(), nbytes, device, to_host)
+    try:
+        _runtime_prefetch(tensor.data_ptr(), nbytes, device, to_host)
+    except OSError as error:
+        raise RuntimeError(f"prefetch_paged: no CUDA runtime library to call cudaMemPrefetchAsync in ({error})") from error
     return True
 
 
