@@ -157,7 +157,7 @@ def prefetch_paged(tensor: torch.Tensor, to_host: bool, query: Optional[PagingQu
     try:
         _runtime_prefetch(tensor.data_ptr(), nbytes, device, to_host)
     except OSError as error:
-        raise RuntimeError(f"prefetch_paged: no CUDA runtime library to call cudaMemPrefetchAsync in ({error})") from error
+        raise RuntimeError(f"prefetch_paged: no CUDA runtime library for cudaMemPrefetchAsync ({error})") from error
     return True
 
 
@@ -176,5 +176,7 @@ def _runtime_prefetch(pointer: int, nbytes: int, device: torch.device, to_host: 
         )
     else:
         target = CPU_DEVICE_ID if to_host else index
-        status = lib.cudaMemPrefetchAsync(ctypes.c_void_p(pointer), ctypes.c_size_t(nbytes), ctypes.c_int(target), stream)
+        status = lib.cudaMemPrefetchAsync(
+            ctypes.c_void_p(pointer), ctypes.c_size_t(nbytes), ctypes.c_int(target), stream
+        )
     _check(status, f"cudaMemPrefetchAsync(to {'the host' if to_host else device})")

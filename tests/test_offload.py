@@ -317,7 +317,7 @@ def test_paged_state_is_prefetched_in_place_where_the_platform_pages(monkeypatch
 
     calls = []
     monkeypatch.setattr(paging, "paging_query", lambda device: True)
-    monkeypatch.setattr(paging, "_runtime_prefetch", lambda pointer, nbytes, device, to_host: calls.append((pointer, nbytes, device, to_host)))
+    monkeypatch.setattr(paging, "_runtime_prefetch", lambda *call: calls.append(call))  # (pointer, bytes, GPU, to host)
     optimizer, paged = _optimizer_with_paged_state()
     with offload_optimizer_state(optimizer) as ledger:
         assert calls == [(paged.data_ptr(), 1024, torch.device("cuda", 0), True)]  # to the host, on its GPU's stream

@@ -189,7 +189,8 @@ def test_paging_decision_names_the_key_once_and_leaves_unpaged_optimizers_alone(
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(2):
-            assert page_where_supported(bnb.optim.PagedAdamW8bit(nn.Linear(4, 4).parameters()), "model.critic_optimizer") is False
+            paged = bnb.optim.PagedAdamW8bit(nn.Linear(4, 4).parameters())
+            assert page_where_supported(paged, "model.critic_optimizer") is False
     messages = _paging_warnings(caught)
     assert len(messages) == 1 and messages[0].startswith("model.critic_optimizer: PagedAdamW8bit runs without paging")
 
