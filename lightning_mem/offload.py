@@ -18,8 +18,8 @@ Optimizer state (``offload_optimizer_state``, ``optimizer_state_to_host``/``_to_
   their pages are prefetched to the host and back, in place, through
   :func:`lightning_mem.paging.prefetch_paged` (never bitsandbytes' ``prefetch_tensor(...,
   to_cpu=True)``, which ends the process). Where the GPU cannot page (no concurrent managed
-  access) nothing is prefetched: the buffer stays where the driver keeps it, the ledger does not
-  count it as moved, and a warning says so once. The recipes never get there: they run a paged
+  access), or where the runtime refuses the prefetch, nothing moves: the buffer stays where the
+  driver keeps it, the ledger does not count it as moved, and a warning says why, once. The recipes never get there: they run a paged
   optimizer unpaged on such a GPU (:func:`lightning_mem.optim.page_where_supported`).
 - FSDP2: ``DTensor`` state moves its local shard; the sharding spec is kept.
 
@@ -101,13 +101,23 @@ def _synchronize(devices: set[torch.device]) -> None:
             torch.cuda.synchronize(device)
 
 
-def _prefetch_paged(tensor: torch.Tensor, to_cpu: bool) -> bool:
-    """Whether the pages of a paged buffer were sent on their way (see :mod:`lightning_mem.paging`)."""
+def _prefetch_paged(tensor: torch.Tensor, to_cpu: bool, owner: str) -> bool:
+    """Whether the pages of a paged buffer were sent on their way (see :mod:`lightning_mem.paging`);
+    if not, a warning (once) says why."""
     from lightning_mem import paging
 
     # NOTE: not bitsandbytes.functional.prefetch_tensor: towards the host it asks the CUDA runtime
     # about device -1 and its C library calls exit(1) on the error.
-    return paging.prefetch_paged(tensor, to_host=to_cpu)
+    try:
+        if paging.prefetch_paged(tensor, to_host=to_cpu):
+            return True
+        why = no_paging_reason(paged_device(tensor))
+    except RuntimeError as error:
+        # A prefetch only advises the driver: the pages stay valid where they are, and the GPU
+        # faults them in when it reads them, so training goes on without this one.
+        why = str(error)
+    _warning_cache.warn(f"offload_optimizer_state: {owner}'s paged state stays where the driver keeps it: {why}")
+    return False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -221,12 +231,8 @@ def optimizer_state_to_host(
         device = local_tensor(tensor).device
         paged = _is_paged(tensor)
         if paged:
-            if not _prefetch_paged(tensor, to_cpu=True):
-                _warning_cache.warn(
-                    f"offload_optimizer_state: {type(optimizer).__name__}'s paged state stays where the driver "
-                    f"keeps it: {no_paging_reason(paged_device(tensor))}"
-                )
-                continue
+            if not _prefetch_paged(tensor, to_cpu=True, owner=type(optimizer).__name__):
+                continue  # not moved: the ledger does not count it
             host, device = tensor, paged_device(tensor)
         else:
             host = _copy_to(tensor, torch.device("cpu"), _pin_default(pin_memory, device), non_blocking)
@@ -262,7 +268,7 @@ def optimizer_state_to_device(optimizer: torch.optim.Optimizer, non_blocking: bo
             continue  # never moved, or replaced since (e.g. load_state_dict)
         if id(host) not in restored:
             if moved.paged:
-                _prefetch_paged(host, to_cpu=False)  # only moved where the GPU pages: it does here too
+                _prefetch_paged(host, to_cpu=False, owner=type(optimizer).__name__)  # else faulted back on use
                 restored[id(host)] = host
             else:
                 restored[id(host)] = _copy_to(host, moved.device, False, non_blocking)

@@ -356,3 +356,19 @@ def test_optimizer_state_onto_moves_state_but_not_the_step_counters():
     for state in opt.state.values():
         assert state["exp_avg"].device == meta and state["exp_avg_sq"].device == meta
         assert state["step"].device.type == "cpu"  # torch steps the counter on the CPU
+
+
+def test_a_failing_prefetch_leaves_the_paged_state_with_the_driver_and_says_why(monkeypatch) -> None:
+    from lightning_mem import offload, paging
+
+    def failing(*call):
+        raise RuntimeError("cudaMemPrefetchAsync(to the host) failed: invalid argument (cudaError 1)")
+
+    offload._warning_cache.clear()
+    monkeypatch.setattr(paging, "paging_query", lambda device: True)
+    monkeypatch.setattr(paging, "_runtime_prefetch", failing)
+    optimizer, paged = _optimizer_with_paged_state()
+    with pytest.warns(UserWarning, match=r"SGD's paged state stays where the driver keeps it: cudaMemPrefetchAsync"):
+        with offload_optimizer_state(optimizer) as ledger:
+            assert ledger.bytes == 64 and optimizer.state[optimizer.param_groups[0]["params"][0]]["state1"] is paged
+    assert optimizer_state_location(optimizer) == "device"
