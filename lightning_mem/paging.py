@@ -5,7 +5,7 @@ the driver moves page by page between the GPU and the host when the GPU runs sho
 *concurrent managed access* (``cudaDevAttrConcurrentManagedAccess``): Linux on Pascal or newer,
 outside most virtualization. Windows, WSL2, Jetson and virtual GPUs without unified memory lack
 it; there managed memory cannot oversubscribe the GPU (paging saves nothing), and on a virtual GPU
-without unified memory a managed allocation fails.
+without unified memory a managed allocation can fail outright.
 
 Two things here:
 
@@ -14,8 +14,8 @@ Two things here:
   argument. Tests replace the hook to take either branch on a CPU-only machine.
 - :func:`prefetch_paged` moves a paged buffer's pages to the host or back to its GPU, in place,
   with the CUDA runtime's ``cudaMemPrefetchAsync``. It is the call
-  ``bitsandbytes.functional.prefetch_tensor(..., to_cpu=True)`` means to make, but that one (up
-  to bitsandbytes 0.50 at least) first asks ``cudaDeviceGetAttribute`` about device ``-1``, the
+  ``bitsandbytes.functional.prefetch_tensor(..., to_cpu=True)`` means to make, but that one
+  (bitsandbytes 0.50, and its main branch as of 2026-08) first asks ``cudaDeviceGetAttribute`` about device ``-1``, the
   host, which is no device ordinal: the C library prints ``Error invalid device ordinal at line
   568 in file .../pythonInterface.cpp`` and calls ``exit(1)``, on every platform. Its
   device-bound prefetch (a real device ordinal) is safe, and bitsandbytes' own step uses only that.
