@@ -185,7 +185,6 @@ class StepInBackward:
             self.optimizers[name].load_state_dict(opt_state)
 
 
-
 # ---------------------------------------------------------------------------------------------
 # bitsandbytes optimizers on sharded (DTensor) parameters
 # ---------------------------------------------------------------------------------------------
@@ -197,6 +196,8 @@ BNB_BLOCKSIZE = 256
 # quantization maps), and state with one value per block of the local shard.
 _SHARED_STATE = ("qmap1", "qmap2")
 _BLOCK_STATE = ("absmax1", "absmax2")
+# In ``state_dict()`` only: how many shards the blocks were cut from, checked on load.
+_SHARDS_KEY = "local_shards"
 
 
 class LocalShardStep:
@@ -280,8 +281,8 @@ class LocalShardStep:
         state_dict = super().state_dict()
         params = list(chain.from_iterable(g["params"] for g in self.param_groups))
         for index, entry in state_dict["state"].items():
-            if isinstance(entry, dict) and is_dtensor(params[index]):
-                _state_to_dtensors(entry, params[index])
+            if isinstance(entry, dict) and is_dtensor(params[index]) and _state_to_dtensors(entry, params[index]):
+                entry[_SHARDS_KEY] = _shard_count(params[index])
         return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any], move_to_device: bool = True) -> None:
@@ -292,6 +293,12 @@ class LocalShardStep:
             param = params.get(key)
             if isinstance(entry, dict) and param is not None and is_dtensor(param):
                 entry = _state_to_local(entry, param)
+                saved = entry.pop(_SHARDS_KEY, None)
+                if saved is not None and saved != _shard_count(param):
+                    raise ValueError(
+                        f"{type(self).__name__}: the 8-bit state of parameter {key} was saved cut into {int(saved)} shards"
+                        f" and this run cuts it into {_shard_count(param)}; bitsandbytes' blocks of {BNB_BLOCKSIZE} values"
+                        " would not line up. Resume on the same number of (data-parallel) ranks.")
             state[key] = entry
         super().load_state_dict({**state_dict, "state": state}, move_to_device=move_to_device)
         self._share_quantization_maps()
@@ -313,8 +320,12 @@ class LocalShardStep:
                     entry[key] = same
 
 
+def _shard_count(param: torch.Tensor) -> int:
+    return math.prod(param.device_mesh.size(i) for i, pl in enumerate(param.placements) if pl.is_shard())
+
+
 def _is_sharded(param: torch.Tensor) -> bool:
-    return any(pl.is_shard() and param.device_mesh.size(i) > 1 for i, pl in enumerate(param.placements))
+    return _shard_count(param) > 1
 
 
 def _max_local_numel(param: torch.Tensor) -> int:
@@ -337,14 +348,16 @@ def _dtensor(local: torch.Tensor, param: torch.Tensor, placements: tuple, shape:
     return DTensor(local, spec, requires_grad=False)
 
 
-def _state_to_dtensors(entry: dict, param: torch.Tensor) -> None:
-    """In place: ``entry``'s local-shard tensors as DTensors (see :class:`LocalShardStep`)."""
+def _state_to_dtensors(entry: dict, param: torch.Tensor) -> bool:
+    """In place: ``entry``'s local-shard tensors as DTensors (see :class:`LocalShardStep`).
+    Returns whether it holds block state (8-bit)."""
     from torch.distributed.tensor import Replicate, Shard
 
     local_shape = param._local_tensor.shape
+    blockwise = False
     for key, value in list(entry.items()):
         if isinstance(value, dict):  # bitsandbytes wraps its quantization state in a nested dict
-            _state_to_dtensors(value, param)
+            blockwise |= _state_to_dtensors(value, param)
         elif not isinstance(value, torch.Tensor) or is_dtensor(value) or key in _SHARED_STATE:
             continue
         elif key in _BLOCK_STATE:
@@ -352,7 +365,7 @@ def _state_to_dtensors(entry: dict, param: torch.Tensor) -> None:
             if value.shape[-1] > blocks:
                 raise RuntimeError(f"LocalShardStep: `{key}` has {value.shape[-1]} blocks, more than the {blocks} a shard of"
                                    f" {tuple(param.shape)} makes in blocks of {BNB_BLOCKSIZE}; bitsandbytes' block size changed?")
-            rows = math.prod(param.device_mesh.size(i) for i, pl in enumerate(param.placements) if pl.is_shard())
+            rows, blockwise = _shard_count(param), True
             padded = value.new_zeros((1, *value.shape[:-1], blocks))
             padded[0, ..., : value.shape[-1]] = value
             placements = [Shard(0) if pl.is_shard() else Replicate() for pl in param.placements]
@@ -365,6 +378,7 @@ def _state_to_dtensors(entry: dict, param: torch.Tensor) -> None:
                     raise NotImplementedError(f"LocalShardStep: `{key}` of shape {tuple(value.shape)} on {placements}")
                 placements = [Shard(pl.dim + lead) if pl.is_shard() else pl for pl in placements]
             entry[key] = _dtensor(value, param, placements, (*value.shape[:lead], *param.shape))
+    return blockwise
 
 
 def _state_to_local(entry: dict, param: torch.Tensor) -> dict:

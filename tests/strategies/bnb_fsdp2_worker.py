@@ -24,6 +24,7 @@ import bitsandbytes as bnb
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -45,6 +46,7 @@ from lightning_mem.optim import optimizer_state_bytes, step_local_shards
 SHAPES = {"aligned": (32, 256), "ragged": (33, 130), "small": (8, 33)}
 OPTIMIZERS = ("AdamW8bit", "PagedAdamW8bit", "PagedAdamW", "Adam8bit")
 LR, STEPS = 1e-2, 3
+MESHES: dict = {}
 
 
 class Leaf(nn.Module):
@@ -122,6 +124,7 @@ def main() -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     meshes = init_device_mesh("cpu", (world, 1), mesh_dim_names=("ranks", "alone"))
     meshes = {"fsdp1": meshes["alone"], "fsdp2": meshes["ranks"]}
+    MESHES.update(meshes)
     data = batches()
     out: dict = {"rank": rank}
     for name in OPTIMIZERS:
@@ -195,9 +198,18 @@ def checkpoint_round_trip(model, optimizer, mesh, cls, x, folder: Path) -> dict:
         a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b) for a, b in zip(before, after))
     steps_equal = all(optimizer.state[p]["step"] == fresh_opt.state[q]["step"]
                       for p, q in zip(model.parameters(), fresh.parameters()))
+    # Another shard count (each rank alone): other blocks, refused with a message.
+    alone = shard(make_net(), MESHES["fsdp1"])
+    alone_opt = step_local_shards(cls(alone.parameters(), lr=LR))
+    try:
+        load_sharded_checkpoint(alone, [alone_opt], folder, strict=True)
+        reshard_error = None
+    except (Exception, CheckpointException) as error:  # noqa: BLE001 - the test reads which error it was
+        reshard_error = f"{type(error).__name__}: {error}"
     train(model, optimizer, [x])
     train(fresh, fresh_opt, [x])
     return {
+        "reshard_error": reshard_error,
         "loaded_state_equal": state_equal,
         "loaded_steps_equal": steps_equal,
         "loaded_state_bytes": optimizer_state_bytes(fresh_opt),
