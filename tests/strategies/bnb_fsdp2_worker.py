@@ -41,9 +41,10 @@ from lightning_mem.optim import optimizer_state_bytes, step_local_shards
 
 #: Shapes chosen against bitsandbytes' blocks of 256 values and its min_8bit_size of 4,096:
 #: "aligned": 32 x 256, each of 2 shards is 16 whole blocks, the very blocks of the whole tensor;
-#: "ragged": 33 x 130 = 4,290 values, shards of 17 and 16 rows cut their blocks elsewhere (and
-#: the whole tensor gets 8-bit state although each shard is under 4,096); "small": 8 x 33, 32-bit.
-SHAPES = {"aligned": (32, 256), "ragged": (33, 130), "small": (8, 33)}
+#: "ragged": 33 x 128 = 4,224 values, shards of 17 and 16 rows (8.5 and 8 blocks) cut their blocks
+#: elsewhere, and the whole tensor gets 8-bit state although each shard is under 4,096 values;
+#: its checkpointed block scales pad rank 1's 8 to rank 0's 9. "small": 8 x 33, 32-bit state.
+SHAPES = {"aligned": (32, 256), "ragged": (33, 128), "small": (8, 33)}
 OPTIMIZERS = ("AdamW8bit", "PagedAdamW8bit", "PagedAdamW", "Adam8bit")
 LR, STEPS = 1e-2, 3
 MESHES: dict = {}
