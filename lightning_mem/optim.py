@@ -293,10 +293,10 @@ class LocalShardStep:
             param = params.get(key)
             if isinstance(entry, dict) and param is not None and is_dtensor(param):
                 entry = _state_to_local(entry, param)
-                saved = entry.pop(_SHARDS_KEY, None)
-                if saved is not None and saved != _shard_count(param):
+                saved_shards = entry.pop(_SHARDS_KEY, None)
+                if saved_shards is not None and saved_shards != _shard_count(param):
                     raise ValueError(
-                        f"{type(self).__name__}: the 8-bit state of parameter {key} was saved cut into {int(saved)} shards"
+                        f"{type(self).__name__}: the 8-bit state of parameter {key} was saved cut into {int(saved_shards)} shards"
                         f" and this run cuts it into {_shard_count(param)}; bitsandbytes' blocks of {BNB_BLOCKSIZE} values"
                         " would not line up. Resume on the same number of (data-parallel) ranks.")
             state[key] = entry

@@ -437,7 +437,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         )
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Step 7: make ``optimizer`` (built by ``configure_optimizers``) step sharded parameters.
+        """Step 6: make ``optimizer`` (built by ``configure_optimizers``) step sharded parameters.
 
         torch's optimizers step ``DTensor`` s themselves and are left as they are; bitsandbytes'
         (8-bit, 32-bit, paged) step each rank's local shard and keep their state for it
