@@ -238,3 +238,25 @@ def test_ppo_decides_paging_for_both_optimizers_before_any_state(monkeypatch, ca
     assert sorted(m.split(":")[0] for m in _paging_warnings(caught) if m.startswith("model.")) == (
         [] if can_page else ["model.critic_optimizer", "model.optimizer"]
     )
+# -- bitsandbytes optimizers on sharded parameters (the 2-rank runs: tests/strategies/test_bnb_fsdp2.py)
+def test_step_local_shards_keeps_the_object_and_plain_tensor_steps_unchanged() -> None:
+    from lightning_mem.optim import LocalShardStep, step_local_shards
+
+    torch_adamw = torch.optim.AdamW(nn.Linear(4, 4).parameters())
+    assert step_local_shards(torch_adamw) is torch_adamw and type(torch_adamw) is torch.optim.AdamW
+
+    torch.manual_seed(0)
+    plain, adapted = nn.Linear(256, 64), nn.Linear(256, 64)
+    adapted.load_state_dict(plain.state_dict())
+    ref = bnb.optim.PagedAdamW8bit(plain.parameters(), lr=1e-2)
+    opt = bnb.optim.PagedAdamW8bit(adapted.parameters(), lr=1e-2)
+    assert step_local_shards(opt) is opt and step_local_shards(opt) is opt  # idempotent
+    assert isinstance(opt, LocalShardStep) and isinstance(opt, bnb.optim.PagedAdamW8bit)
+    assert type(opt).__name__ == "PagedAdamW8bit"
+    for _ in range(2):
+        for model, optimizer in ((plain, ref), (adapted, opt)):
+            model(torch.ones(2, 256)).square().sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), adapted.parameters()))
+    assert optimizer_state_bytes(opt) == optimizer_state_bytes(ref)

@@ -11,7 +11,9 @@ written for the user: the LightningModule needs no ``configure_model`` and no
 3. shards any other module holding parameters (a value head) as a unit of its own,
 4. materializes what was created on the meta device: params on the host when offloading,
    on the device otherwise (``materialize``, ``initialize_weights``),
-5. moves what FSDP does not own (buffers) to the device and builds the optimizers.
+5. moves what FSDP does not own (buffers) to the device and builds the optimizers,
+6. lets each optimizer step sharded parameters (``prepare_optimizer``: bitsandbytes'
+   optimizers step each rank's local shard).
 
 Each step is a small method a subclass may override; see docs/fsdp2.md.
 """
@@ -46,6 +48,7 @@ from lightning_mem.context_parallel import SequenceLayout, attach_layout
 from lightning_mem.dtypes import resolve_dtype
 from lightning_mem.settings import SettingError, SettingNotSupported
 from lightning_mem.offload import optimizer_state_onto
+from lightning_mem.optim import step_local_shards
 from lightning_mem import activation_checkpointing, module_tree
 from lightning_mem.activation_checkpointing import POLICIES
 from lightning_mem.strategies import shard_plan, tensor_parallel
@@ -379,6 +382,8 @@ class FSDP2Strategy(ModelParallelStrategy):
 
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            for optimizer in self.optimizers:
+                self.prepare_optimizer(optimizer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING and not self._cpu_offload:
             # With offload the optimizer state must stay beside the (host) shards.
@@ -430,6 +435,15 @@ class FSDP2Strategy(ModelParallelStrategy):
             + (f", context_parallel_size={self._context_parallel_size}" if self._context_parallel_size > 1 else "")
             + "."
         )
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Step 6: make ``optimizer`` (built by ``configure_optimizers``) step sharded parameters.
+
+        torch's optimizers step ``DTensor`` s themselves and are left as they are; bitsandbytes'
+        (8-bit, 32-bit, paged) step each rank's local shard and keep their state for it
+        (:func:`lightning_mem.optim.step_local_shards`). Override to adapt optimizers of your own.
+        """
+        step_local_shards(optimizer)
 
     def _reshard_for(self, model: nn.Module) -> Union[bool, int]:
         # A model with nothing to train (a PPO reference or reward model) never runs a
