@@ -283,3 +283,26 @@ def test_new_objective_keys_are_named_from_the_cli(tmp_path, no_model_load):  # 
         _cli(tmp_path, "--model.advantage_estimator=remax", "--model.generation.do_sample=false")
     with pytest.raises(ValueError, match=r"^`model.ppo.policy_loss: geo_mean` with `model.advantage_estimator: gae`"):
         _cli(tmp_path, "--model.advantage_estimator=gae", "--model.ppo.policy_loss=geo_mean")
+
+
+def test_the_estimate_measures_remaxs_greedy_generation(monkeypatch):
+    """The estimator runs the recipe's rollout: in its measured step the greedy baseline's
+    ``generate`` runs beside the sampled one, both through the estimator's generation shortcut
+    (``model.generate`` replaced on the instance), so the rollout phase's figures include it."""
+    from lightning_mem.estimate import estimate
+    from lightning_mem.rl.rollout import RolloutEngine
+
+    calls = []
+    generate = RolloutEngine.generate
+
+    def recording(self, model, *args, **kwargs):
+        calls.append((self.config.do_sample, "generate" in vars(model)))
+        return generate(self, model, *args, **kwargs)
+
+    monkeypatch.setattr(RolloutEngine, "generate", recording)
+    est = estimate("configs/ppo/tiny_cpu_grpo.yaml", ["--model.advantage_estimator=remax",
+                                                      f"--model.name_or_path={TINY_MODEL}", "--data.batch_size=2"])
+    assert (True, True) in calls and (False, True) in calls  # sampled and greedy, both measured
+    assert len([c for c in calls if not c[0]]) == len([c for c in calls if c[0]])  # one greedy per sampled rollout
+    rollout = next(p for p in est.phases if p.phase == "rollout")
+    assert rollout.device_breakdown_bytes["kv_cache"] > 0  # the decode step's cache was measured
