@@ -4,15 +4,16 @@
 
 One training step is one PPO iteration on a batch of prompts:
 
-1. rollout:    the actor samples responses (KV cache on); under ReMax, one greedy answer per prompt too;
+1. rollout:    the actor samples responses (KV cache on); under ReMax also one greedy answer per prompt;
 2. score:      a reward rule or reward model judges each response;
 3.             old logprobs (actor), reference logprobs, values (critic), all without gradients;
 4. advantages: per-token rewards with a KL penalty and GAE, whitened; or a critic-free estimator
-               (GRPO's group-relative scores as they are, RLOO, REINFORCE++, ReMax, OPO, pass@k); the filters' loss
-               mask and the rollout correction's weights;
+               (GRPO's group-relative scores as they are, RLOO, REINFORCE++, ReMax, OPO, pass@k);
+               the filters' loss mask and the rollout correction's weights;
 5. update:     ``ppo_epochs`` over shuffled mini-batches of token-budget micro-batches: the policy
-               loss (clipped surrogate, GSPO, CISPO, Clip-/KL-Cov or GMPO), clipped value loss, entropy bonus, each
-               aggregated per ``ppo.loss_agg_mode`` over the whole mini-batch; gradient clipping;
+               loss (clipped surrogate, GSPO, CISPO, Clip-/KL-Cov or GMPO), clipped value loss,
+               entropy bonus, each aggregated per ``ppo.loss_agg_mode`` over the whole mini-batch;
+               gradient clipping;
 6. metrics.
 
 Where each model and optimizer state lives in each phase is the YAML's ``model.memory_plan``
