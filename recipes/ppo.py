@@ -4,15 +4,16 @@
 
 One training step is one PPO iteration on a batch of prompts:
 
-1. rollout:    the actor samples responses (KV cache on);
+1. rollout:    the actor samples responses (KV cache on); under ReMax also one greedy answer per prompt;
 2. score:      a reward rule or reward model judges each response;
 3.             old logprobs (actor), reference logprobs, values (critic), all without gradients;
 4. advantages: per-token rewards with a KL penalty and GAE, whitened; or a critic-free estimator
-               (GRPO's group-relative scores as they are, RLOO, REINFORCE++); the filters' loss
-               mask and the rollout correction's weights;
+               (GRPO's group-relative scores as they are, RLOO, REINFORCE++, ReMax, OPO, pass@k);
+               the filters' loss mask and the rollout correction's weights;
 5. update:     ``ppo_epochs`` over shuffled mini-batches of token-budget micro-batches: the policy
-               loss (clipped surrogate, GSPO or CISPO), clipped value loss, entropy bonus, each
-               aggregated per ``ppo.loss_agg_mode`` over the whole mini-batch; gradient clipping;
+               loss (clipped surrogate, GSPO, CISPO, Clip-/KL-Cov or GMPO), clipped value loss,
+               entropy bonus, each aggregated per ``ppo.loss_agg_mode`` over the whole mini-batch;
+               gradient clipping;
 6. metrics.
 
 Where each model and optimizer state lives in each phase is the YAML's ``model.memory_plan``
@@ -70,14 +71,18 @@ from lightning_mem.rl.advantages import (
     ADVANTAGE_ESTIMATORS,
     GROUPED,
     WITH_CRITIC,
+    GREEDY_BASELINE,
     AdvantageEstimator,
+    grpo_passk_advantages,
+    opo_advantages,
     reinforce_pp_advantages,
     reinforce_pp_baseline_advantages,
+    remax_advantages,
     rloo_advantages,
 )
 from lightning_mem.rl.config import CriticConfig, GRPOConfig, KLConfig, PPOConfig, RewardModelConfig
 from lightning_mem.rl.loss_aggregation import counts, denominator, token_weights, weighted_sum
-from lightning_mem.rl.policy_losses import policy_loss
+from lightning_mem.rl.policy_losses import SEQUENCE_LOSSES, policy_loss
 from lightning_mem.rl.rollout_correction import correction_weights, mismatch_kl
 from lightning_mem.rl.sample_filters import groups_filtered, overlong_penalty, truncated, varied_groups
 from lightning_mem.rl.engines import RolloutEngineConfig, logprob_mismatch
@@ -87,7 +92,7 @@ from lightning_mem.rl.microbatch import PackedBudget
 from lightning_mem.rl.reference import AdaptersOff, FrozenCopy, ReferenceMode, disable_dropout, reference_policy
 from lightning_mem.rl.reward import RewardFunction, RewardModel, load_reward_model
 from lightning_mem.rl.rng import SamplingRNG
-from lightning_mem.rl.rollout import Experience, GenerationConfig, RolloutEngine, policy_forward
+from lightning_mem.rl.rollout import Experience, GenerationConfig, RolloutEngine, greedy_rollout, policy_forward
 
 
 def _adamw(params: Any) -> torch.optim.Optimizer:
@@ -116,9 +121,12 @@ class PPOModule(LightningModule):
         critic_optimizer: the separate critic's optimizer.
         advantage_estimator: ``gae`` (PPO with a critic); or critic-free: ``grpo`` (group-relative),
             ``rloo`` (leave-one-out group baseline), ``reinforce_pp`` (REINFORCE++: batch-whitened
-            returns) or ``reinforce_pp_baseline`` (group mean subtracted, then batch-whitened)
+            returns), ``reinforce_pp_baseline`` (group mean subtracted, then batch-whitened), ``remax``
+            (a greedy answer's score as the baseline), ``opo`` (length-weighted group mean) or
+            ``grpo_passk`` (only each group's best answer, by its lead over the second)
             (:mod:`lightning_mem.rl.advantages`). The grouped ones (``grpo``, ``rloo``,
-            ``reinforce_pp_baseline``) sample ``grpo.group_size`` answers per prompt.
+            ``reinforce_pp_baseline``, ``opo``, ``grpo_passk``) sample ``grpo.group_size`` answers per
+            prompt; ``remax`` samples one and decodes one greedily.
         reward: a rule, ``class_path`` of a :class:`~lightning_mem.rl.reward.RewardFunction`.
         reward_model: a learned reward instead (:class:`~lightning_mem.rl.config.RewardModelConfig`).
         reference: ``auto`` (adapters off with LoRA, else a frozen copy), ``copy`` or
@@ -284,15 +292,19 @@ class PPOModule(LightningModule):
                 )
         if advantage_estimator in GROUPED and not generation.do_sample:
             raise ValueError(f"`model.generation.do_sample: false` with {estimator}: a group of greedy answers is all alike")
+        if advantage_estimator in GREEDY_BASELINE and not generation.do_sample:
+            raise ValueError(f"`model.generation.do_sample: false` with {estimator}: the sampled answer would be the"
+                             " greedy baseline itself, and every advantage 0")
         if ppo.filter_groups and advantage_estimator not in GROUPED:
             raise ValueError(
                 f"`model.ppo.filter_groups: true` with {estimator}: it drops groups of answers to one prompt that all"
                 f" scored alike, and only {GROUPED} sample groups"
             )
-        if ppo.policy_loss == "gspo" and advantage_estimator in WITH_CRITIC:
+        if ppo.policy_loss in SEQUENCE_LOSSES and advantage_estimator in WITH_CRITIC:
             raise ValueError(
-                f"`model.ppo.policy_loss: gspo` with {estimator}: GSPO weighs a whole response by one ratio and needs one"
-                " advantage per response; GAE's differ token by token (use a critic-free estimator, or `vanilla`)"
+                f"`model.ppo.policy_loss: {ppo.policy_loss}` with {estimator}: it weighs a whole response by one ratio"
+                " and needs one advantage per response; GAE's differ token by token (use a critic-free estimator, or"
+                " `vanilla`)"
             )
         if ppo.overlong.buffer is not None and ppo.overlong.buffer > generation.max_new_tokens:
             raise ValueError(
@@ -512,34 +524,46 @@ class PPOModule(LightningModule):
             prompt_ids = prompt_ids.repeat_interleave(group, dim=0)
             prompt_mask = prompt_mask.repeat_interleave(group, dim=0)
             rows = [row for row in rows for _ in range(group)]
+        synced = self.trainer.world_size > 1
         with step_io(self.trainer).generation(self.actor):
-            exp = self.rollout_engine.generate(self.actor, prompt_ids, prompt_mask, synced=self.trainer.world_size > 1)
+            exp = self.rollout_engine.generate(self.actor, prompt_ids, prompt_mask, synced=synced)
+            if self.advantage_estimator in GREEDY_BASELINE:  # ReMax: each prompt's greedy answer, the baseline
+                exp.baseline_responses = self._decode(greedy_rollout(self.rollout_engine, self.actor, prompt_ids,
+                                                                     prompt_mask, synced=synced))
         exp.group_ids = torch.arange(len(exp), device=self.device) // group
         exp.rows = rows
         exp.prompts = self.tokenizer.batch_decode(prompt_ids, skip_special_tokens=True)
-        exp.responses = [
-            self.tokenizer.decode(ids[: int(n)], skip_special_tokens=True)
-            for ids, n in zip(exp.response_ids, exp.response_lengths)
-        ]
+        exp.responses = self._decode(exp)
         return exp
+
+    def _decode(self, exp: Experience) -> list[str]:
+        return [self.tokenizer.decode(ids[: int(n)], skip_special_tokens=True)
+                for ids, n in zip(exp.response_ids, exp.response_lengths)]
 
     # 2. Score -----------------------------------------------------------------------------------
     def score(self, exp: Experience) -> None:
-        """Fills ``exp.scores``: the reward rule's or the reward model's score of each response."""
-        if self.reward_fn is not None:
-            scores = self.reward_fn(exp.prompts, exp.responses, exp.rows)
-        else:
-            messages = [row_to_prompt_messages(row) for row in exp.rows]
-            scores = self.reward_model(
-                messages, exp.responses, max_tokens=self.ppo.logprob_budget, agree_on_count=self.agree_on_count
-            )
-        exp.scores = scores.to(self.device)
+        """Fills ``exp.scores``: the reward rule's or the reward model's score of each response (and
+        ``exp.baseline_scores``, of the greedy answers, under ReMax)."""
+        exp.scores = self._scores(exp, exp.responses)
+        if exp.baseline_responses:
+            exp.baseline_scores = self._scores(exp, exp.baseline_responses)
+            exp.sample_stats["baseline_score"] = exp.baseline_scores.to(torch.float64).sum()
         overlong = self.ppo.overlong
         if overlong.buffer is not None:  # DAPO's soft penalty: the score the update learns from
             penalty = overlong_penalty(exp.response_lengths, max_new_tokens=self.generation.max_new_tokens,
                                        buffer=overlong.buffer, factor=overlong.penalty_factor).to(self.device)
             exp.scores = exp.scores + penalty.to(exp.scores.dtype)
             exp.sample_stats["overlong_penalty"] = penalty.to(torch.float64).sum()
+
+    def _scores(self, exp: Experience, responses: list[str]) -> Tensor:
+        if self.reward_fn is not None:
+            scores = self.reward_fn(exp.prompts, responses, exp.rows)
+        else:
+            messages = [row_to_prompt_messages(row) for row in exp.rows]
+            scores = self.reward_model(
+                messages, responses, max_tokens=self.ppo.logprob_budget, agree_on_count=self.agree_on_count
+            )
+        return scores.to(self.device)
 
     # 3. Logprobs and values ---------------------------------------------------------------------
     @property
@@ -617,6 +641,13 @@ class PPOModule(LightningModule):
         elif estimator == "reinforce_pp":  # the KL penalty (in the reward) is part of REINFORCE++'s return
             rewards = rewards_with_kl_penalty(exp.scores, kl, mask, penalty)
             advantages = reinforce_pp_advantages(rewards, mask, gamma=self.ppo.gamma, reduce=self._sum_over_ranks)
+        elif estimator == "remax":  # the return (KL penalty included) minus the greedy answer's score
+            rewards = rewards_with_kl_penalty(exp.scores, kl, mask, penalty)
+            advantages = remax_advantages(rewards, exp.baseline_scores, mask)
+        elif estimator == "opo":
+            advantages = opo_advantages(exp.scores, exp.group_ids, mask)
+        elif estimator == "grpo_passk":
+            advantages = grpo_passk_advantages(exp.scores, exp.group_ids, mask, scale=self.grpo.scale_rewards)
         else:
             advantages = reinforce_pp_baseline_advantages(exp.scores, exp.group_ids, mask, reduce=self._sum_over_ranks)
         exp.advantages = advantages
@@ -674,7 +705,7 @@ class PPOModule(LightningModule):
                 # sequences, per `loss_agg_mode`), whatever the split into micro-batches and ranks;
                 # the gradient average over the data-parallel replicas is undone by their count.
                 tokens, sequences = self._sum_over_ranks(counts(self._loss_mask(mini)))
-                total = denominator(self.ppo.loss_agg_mode, tokens, sequences, horizon=self.generation.max_new_tokens)
+                total = denominator(self.ppo.agg_mode, tokens, sequences, horizon=self.generation.max_new_tokens)
                 scale = (data_parallel(self.trainer)[0] / total).float()
                 for idx in io.micro_batches(
                     mini.sequence_lengths, self._budget(self.ppo.max_tokens_per_microbatch),
@@ -697,13 +728,14 @@ class PPOModule(LightningModule):
         :mod:`lightning_mem.rl.loss_aggregation`); and the terms for the metrics."""
         mask = mb.response_mask.float()
         loss_mask = self._loss_mask(mb).float()
-        weights = token_weights(loss_mask, self.ppo.loss_agg_mode)
+        weights = token_weights(loss_mask, self.ppo.agg_mode)
         # With no entropy bonus, the entropy is a metric: no gradient through a vocabulary-wide softmax.
         bonus = self.ppo.entropy_coef > 0
         out = self._policy(self.actor, mb, with_entropy=True, entropy_grad=bonus, with_hidden=self.reads_actor_hidden)
         old_logprobs = out.logprobs.detach() if mb.old_logprobs is None else mb.old_logprobs
         pg = policy_loss(self.ppo.policy_loss, out.logprobs, old_logprobs, mb.advantages, loss_mask,
-                         clip_low=self.ppo.clip_low, clip_high=self.ppo.clip_high, clip_c=self.ppo.clip_ratio_c)
+                         clip_low=self.ppo.clip_low, clip_high=self.ppo.clip_high, clip_c=self.ppo.clip_ratio_c,
+                         **self.ppo.loss_options)
         # The rollout correction reweighs the policy term only (the engine's drift is the actor's).
         pg_weights = weights if mb.correction_weights is None else weights * mb.correction_weights
         loss = weighted_sum(pg.loss, pg_weights)
@@ -782,6 +814,8 @@ class PPOModule(LightningModule):
             metrics["groups_filtered_frac"] = t["groups_filtered"] / t["groups"]
         if "truncated" in t:
             metrics["truncated_frac"] = t["truncated"] / samples
+        if "baseline_score" in t:  # ReMax: the greedy answers' mean score
+            metrics["baseline_reward_mean"] = t["baseline_score"] / samples
         if "overlong_penalty" in t:
             metrics["overlong_penalty"] = t["overlong_penalty"] / samples
         # The engine's drift over all response tokens, and the share the correction cut or dropped.

@@ -1,4 +1,6 @@
-"""Critic-free advantages beyond GRPO: RLOO, REINFORCE++ and REINFORCE++ with a group baseline.
+"""Critic-free advantages beyond GRPO: RLOO, REINFORCE++ and REINFORCE++ with a group baseline,
+ReMax (a greedy answer's score as baseline), OPO (a length-weighted group baseline) and GRPO's
+pass@k form.
 
 (GAE and GRPO live in :mod:`lightning_mem.rl.algorithms`.) Same conventions: ``scores`` ``[N]`` is
 each response's outcome score, ``group_ids`` ``[N]`` names the prompt it answers, ``mask``
@@ -15,12 +17,17 @@ from torch import Tensor
 
 from lightning_mem.rl.algorithms import Reduce, _identity, _masked, whiten
 
-AdvantageEstimator = Literal["gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
+AdvantageEstimator = Literal[
+    "gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "opo", "grpo_passk"
+]
 ADVANTAGE_ESTIMATORS: tuple[str, ...] = get_args(AdvantageEstimator)
 #: The estimators that learn a value function (the rest build no critic).
 WITH_CRITIC = ("gae",)
 #: The estimators that compare the answers to one prompt (they sample ``grpo.group_size`` per prompt).
-GROUPED = ("grpo", "rloo", "reinforce_pp_baseline")
+GROUPED = ("grpo", "rloo", "reinforce_pp_baseline", "opo", "grpo_passk")
+#: The estimators whose baseline is the score of one extra greedy answer per prompt (the rollout
+#: phase generates it, the score phase scores it).
+GREEDY_BASELINE = ("remax",)
 
 
 def group_sums(values: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -97,3 +104,66 @@ def reinforce_pp_baseline_advantages(
     centred = _per_token(scores.to(torch.float64) - total[inverse] / count[inverse], mask)
     # All alike: mean 0 and variance 0, so whitening gives (0 - 0) * rsqrt(0 + eps) = exactly 0.
     return whiten(centred, mask, reduce=reduce)
+
+
+def remax_advantages(token_rewards: Tensor, baseline_scores: Tensor, mask: Tensor) -> Tensor:
+    """ReMax (Li et al. 2023, "ReMax: A Simple, Effective, and Efficient Reinforcement Learning
+    Method for Aligning Large Language Models", arXiv 2310.10505):
+
+        A_i,t = sum_{s >= t} r_i,s  -  r(x_i, y~_i)
+
+    the return from token t (the score on the last token, minus the KL penalty on every token when
+    it is in the reward; undiscounted) minus the score of the *greedy* answer ``y~_i`` to the same
+    prompt (``baseline_scores`` ``[N]``): REINFORCE with a baseline that costs one greedy decode per
+    prompt and no critic. Same as verl's ``compute_remax_outcome_advantage`` (its
+    ``reward_baselines``); no whitening.
+    """
+    returns = discounted_returns(token_rewards, mask, gamma=1.0)
+    return _masked(returns - baseline_scores.to(returns.dtype).unsqueeze(1), mask)
+
+
+def opo_advantages(scores: Tensor, group_ids: Tensor, mask: Tensor) -> Tensor:
+    """OPO (Hao et al. 2025, "On-Policy RL with Optimal Reward Baseline", arXiv 2505.23585): the
+    group baseline that minimises the gradient's variance when the gradient norm grows with the
+    response length, the length-weighted mean score:
+
+        A_i = r_i - (sum_j |o_j| r_j) / (sum_j |o_j|)      (j over the answers to i's prompt)
+
+    ``|o_j|`` is the response's length (``mask``'s row sum). Same as verl's
+    ``compute_opo_outcome_advantage``, except that a group of one is an error here (verl gives it a
+    baseline of 0; the recipe samples ``grpo.group_size`` >= 2 answers per prompt).
+    """
+    lengths = mask.to(torch.float64).sum(dim=1)
+    weighted, _, inverse = group_sums(scores.to(torch.float64) * lengths, group_ids)
+    total_length, count, _ = group_sums(lengths, group_ids)
+    if bool((count < 2).any()):
+        raise ValueError("OPO needs at least two responses per prompt (`grpo.group_size` >= 2)")
+    baseline = weighted[inverse] / total_length[inverse].clamp(min=1)
+    return _per_token(scores.to(torch.float64) - baseline, mask)
+
+
+def grpo_passk_advantages(
+    scores: Tensor, group_ids: Tensor, mask: Tensor, *, eps: float = 1e-6, scale: bool = True
+) -> Tensor:
+    """GRPO for pass@k (Tang et al. 2025, "Optimizing Language Models for Inference Time Objectives
+    using Reinforcement Learning", arXiv 2503.19595): the group's objective is its best score, and
+    only the best answer gets credit, by how much it beat the runner-up:
+
+        A_i = (r_max - r_second) / (std_j r_j + eps)   for the best answer i of its group, 0 for the others
+
+    (the leave-one-out baseline of max: the group's max without i is the second best). ``scale=False``
+    skips the division by the group's (unbiased) standard deviation (``grpo.scale_rewards``, verl's
+    ``norm_adv_by_std_in_grpo``). A tie at the top gives every answer 0. Same as verl's
+    ``compute_grpo_passk_outcome_advantage``.
+    """
+    scores64 = scores.to(torch.float64)
+    adv = torch.zeros_like(scores64)
+    for gid in torch.unique(group_ids):
+        members = torch.nonzero(group_ids == gid).flatten()
+        group = scores64[members]
+        if group.numel() < 2:
+            raise ValueError("pass@k GRPO needs at least two responses per prompt (`grpo.group_size` >= 2)")
+        top, where = torch.topk(group, 2)
+        gap = top[0] - top[1]
+        adv[members[where[0]]] = gap / (group.std() + eps) if scale else gap
+    return _per_token(adv, mask)

@@ -9,8 +9,9 @@ several fields) in ``__post_init__``, naming the field (:mod:`lightning_mem.sett
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from jsonargparse.typing import (
     ClosedUnitInterval,
@@ -22,7 +23,7 @@ from jsonargparse.typing import (
 
 from lightning_mem.rl.algorithms import KLEstimator
 from lightning_mem.rl.loss_aggregation import LossAggMode
-from lightning_mem.rl.policy_losses import PolicyLoss
+from lightning_mem.rl.policy_losses import SEQUENCE_LOSSES, PolicyLoss
 from lightning_mem.rl.rollout_correction import CorrectionLevel, CorrectionMode
 from lightning_mem.settings import AtLeastTwo, SettingError, check_fields
 
@@ -80,6 +81,18 @@ class RolloutCorrectionConfig:
         return self.mode != "none"
 
 
+#: The keys of ``model.ppo`` that belong to one policy loss.
+_LOSS_KEYS = {"clip_cov": ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"), "kl_cov": ("kl_cov_ratio", "kl_cov_coef")}
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    # The CLI builds the group more than once (parsing, then the module): one warning per process.
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, UserWarning, stacklevel=3)
+
+
 @dataclass
 class PPOConfig:
     """The update (YAML ``model.ppo``).
@@ -93,11 +106,22 @@ class PPOConfig:
         clip_ratio_c: the dual clip's bound on the loss of a negative-advantage token, ``-A * c``
             (> 1; verl's default is 3); None: off. ``vanilla`` only.
         policy_loss: ``vanilla`` (PPO's clipped surrogate), ``gspo`` (one geometric-mean ratio per
-            response) or ``cispo`` (clipped, detached importance weight on REINFORCE's gradient)
+            response), ``cispo`` (clipped, detached importance weight on REINFORCE's gradient),
+            ``clip_cov`` / ``kl_cov`` (PPO without the gradient of, or with a KL penalty on, the few
+            tokens whose covariance of log-prob and advantage is largest: entropy control) or
+            ``geo_mean`` (GMPO: the clipped geometric mean of the token ratios)
             (:mod:`lightning_mem.rl.policy_losses`).
+        clip_cov_ratio, clip_cov_lb, clip_cov_ub: ``clip_cov``: the share of a micro-batch's tokens
+            taken out of the update, and the covariance range they are drawn from (None: verl's
+            2e-4, 1 and 5).
+        kl_cov_ratio, kl_cov_coef: ``kl_cov``: the share of tokens penalised and the penalty's
+            coefficient (None: verl's ``kl_cov_ratio`` 2e-4 and ``ppo_kl_coef`` 0.1).
         loss_agg_mode: how per-token losses are averaged: ``token-mean``, ``seq-mean-token-sum``,
             ``seq-mean-token-mean`` or ``seq-mean-token-sum-norm`` (divided by ``max_new_tokens``)
             (:mod:`lightning_mem.rl.loss_aggregation`). The same for the value, KL and entropy terms.
+            None (the default): ``seq-mean-token-mean`` for the sequence losses (``gspo``,
+            ``geo_mean``: verl always aggregates them so), ``token-mean`` for the rest. Another mode
+            with a sequence loss is allowed, with one warning that verl differs.
         filter_groups: drop groups whose answers all scored alike from the loss (DAPO's dynamic
             sampling condition); grouped estimators only.
         overlong: truncated responses (:class:`OverlongConfig`).
@@ -132,7 +156,12 @@ class PPOConfig:
     clip_ratio_high: PositiveFloat | None = None
     clip_ratio_c: PositiveFloat | None = None
     policy_loss: PolicyLoss = "vanilla"
-    loss_agg_mode: LossAggMode = "token-mean"
+    clip_cov_ratio: OpenUnitInterval | None = None
+    clip_cov_lb: float | None = None
+    clip_cov_ub: float | None = None
+    kl_cov_ratio: OpenUnitInterval | None = None
+    kl_cov_coef: NonNegativeFloat | None = None
+    loss_agg_mode: LossAggMode | None = None
     filter_groups: bool = False
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
@@ -162,6 +191,40 @@ class PPOConfig:
                 raise SettingError(
                     "clip_ratio_c", f" (the dual clip) is a term of `policy_loss: vanilla`, not of"
                     f" `policy_loss: {self.policy_loss}`", siblings=("policy_loss",))
+        for loss, keys in _LOSS_KEYS.items():
+            for key in keys:
+                if getattr(self, key) is not None and self.policy_loss != loss:
+                    raise SettingError(key, f" is a setting of `policy_loss: {loss}`, not of"
+                                       f" `policy_loss: {self.policy_loss}`", siblings=("policy_loss",))
+        lower, upper = self.loss_options.get("lower"), self.loss_options.get("upper")
+        if lower is not None and lower >= upper:
+            raise SettingError("clip_cov_lb", f" ({lower}) must be below `clip_cov_ub` ({upper}): no token's"
+                               " covariance can lie between them", siblings=("clip_cov_ub",))
+        if self.policy_loss in SEQUENCE_LOSSES and self.loss_agg_mode not in (None, "seq-mean-token-mean"):
+            _warn_once(
+                f"`model.ppo.loss_agg_mode: {self.loss_agg_mode}` with `policy_loss: {self.policy_loss}`: verl always"
+                f" aggregates {self.policy_loss} per response (`seq-mean-token-mean`, the paper's objective), so this"
+                " config trains a different objective than verl's. Leave `loss_agg_mode` unset to match it."
+            )
+
+    @property
+    def agg_mode(self) -> str:
+        """``loss_agg_mode``, or its default for ``policy_loss`` when unset."""
+        if self.loss_agg_mode is not None:
+            return self.loss_agg_mode
+        return "seq-mean-token-mean" if self.policy_loss in SEQUENCE_LOSSES else "token-mean"
+
+    @property
+    def loss_options(self) -> dict[str, Any]:
+        """The chosen policy loss's own settings, verl's defaults filled in (keyword arguments of
+        :func:`lightning_mem.rl.policy_losses.policy_loss`)."""
+        pick = lambda value, default: default if value is None else value  # noqa: E731
+        if self.policy_loss == "clip_cov":
+            return {"ratio": pick(self.clip_cov_ratio, 2e-4), "lower": pick(self.clip_cov_lb, 1.0),
+                    "upper": pick(self.clip_cov_ub, 5.0)}
+        if self.policy_loss == "kl_cov":
+            return {"ratio": pick(self.kl_cov_ratio, 2e-4), "coef": pick(self.kl_cov_coef, 0.1)}
+        return {}
 
     @property
     def clip_low(self) -> float:
@@ -210,11 +273,13 @@ class KLConfig:
 
 @dataclass
 class GRPOConfig:
-    """Group-relative advantages (YAML ``model.grpo``; used when ``advantage_estimator: grpo``).
+    """Group-relative advantages (YAML ``model.grpo``; used by the grouped estimators: ``grpo``,
+    ``rloo``, ``reinforce_pp_baseline``, ``opo``, ``grpo_passk``).
 
     Args:
         group_size: responses sampled per prompt; advantages compare each with its group.
-        scale_rewards: divide by the group's standard deviation (False: Dr. GRPO's centring only).
+        scale_rewards: ``grpo`` and ``grpo_passk``: divide by the group's standard deviation (False:
+            Dr. GRPO's centring only; verl's ``norm_adv_by_std_in_grpo``).
     """
 
     group_size: AtLeastTwo = 4  # a group of one has nothing to compare its answer with

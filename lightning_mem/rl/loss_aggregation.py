@@ -26,6 +26,10 @@ Two deliberate differences from verl's ``agg_loss``: ``seq-mean-token-sum-norm``
 with every micro-batch), and the counts are those of the whole mini-batch on all ranks, so that
 splitting it into micro-batches or over ranks never changes the gradient. A fully masked row
 (a filtered sample) contributes nothing and is not counted in ``B``.
+
+The sequence policy losses (GSPO, GMPO) put one loss per response on each of its tokens; verl
+aggregates them ``seq-mean-token-mean`` whatever its ``loss_agg_mode``, and so does the recipe
+unless ``model.ppo.loss_agg_mode`` says otherwise (:attr:`lightning_mem.rl.config.PPOConfig.agg_mode`).
 """
 
 from __future__ import annotations

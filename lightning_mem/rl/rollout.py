@@ -68,8 +68,10 @@ class Experience:
     rows: list[dict[str, Any]] = field(default_factory=list)  # the prompt's data row, per sample
     prompts: list[str] = field(default_factory=list)
     responses: list[str] = field(default_factory=list)
+    baseline_responses: list[str] = field(default_factory=list)  # ReMax: the greedy answer to each sample's prompt
     # Filled by the scoring phase.
     scores: Tensor | None = None  # [N]
+    baseline_scores: Tensor | None = None  # [N] ReMax: the greedy answer's score
     old_logprobs: Tensor | None = None  # [N, R]
     ref_logprobs: Tensor | None = None
     old_values: Tensor | None = None
@@ -347,3 +349,17 @@ class RolloutEngine:
         return experience_from_generation(
             prompt_ids, prompt_mask, sequences, eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id
         )
+
+
+def greedy_rollout(engine: Any, model: torch.nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, *,
+                   synced: bool = False) -> Experience:
+    """One greedy answer per row of ``prompt_ids`` from ``engine`` (ReMax's baseline, Li et al. 2023):
+    the engine's own ``generate`` with ``do_sample`` off for this call only. Every engine reads its
+    :class:`GenerationConfig` at each call (``generate`` here, vLLM's sampling parameters), so the
+    same engine, its KV cache and its memory plan serve both rollouts of the step."""
+    sampling = engine.config
+    engine.config = replace(sampling, do_sample=False)
+    try:
+        return engine.generate(model, prompt_ids, prompt_mask, synced=synced)
+    finally:
+        engine.config = sampling

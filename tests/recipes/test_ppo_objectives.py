@@ -26,6 +26,7 @@ from lightning_mem.rl.rollout import Experience, GenerationConfig
 from lightning_mem.step_io import StepIO
 from recipes.rewards import ArithmeticReward
 from tests.helpers import TINY_MODEL
+from tests.recipes.test_ppo import _cli, no_model_load  # noqa: F401  (a fixture)
 
 N, PROMPT, RESPONSE = 8, 5, 6  # 8 samples in 4 groups of 2; rank r holds groups 2r and 2r + 1
 
@@ -44,7 +45,14 @@ CASES = {
     "cispo": ("reinforce_pp_baseline", dict(policy_loss="cispo", loss_agg_mode="seq-mean-token-sum-norm",
                                             clip_ratio_low=1.0, clip_ratio_high=0.1),
               RolloutCorrectionConfig(mode="mis", level="token", upper=1.1, lower=0.9)),
+    # GMPO in its default (verl's) aggregation, unset here; pass@k advantages.
+    "geo_mean": ("grpo_passk", dict(policy_loss="geo_mean", clip_ratio_low=0.05, clip_ratio_high=0.05, filter_groups=True),
+                 RolloutCorrectionConfig(mode="tis", level="sequence", upper=1.05)),
+    # ReMax under the vanilla surrogate (OPO's wiring: test_new_estimators_reach_the_update).
+    "remax": ("remax", dict(loss_agg_mode="seq-mean-token-sum", clip_ratio=0.1), RolloutCorrectionConfig()),
 }
+# (Clip-Cov and KL-Cov are not here: as in verl, they choose their tokens among the micro-batch's,
+# so the split changes the update; lightning_mem.rl.policy_losses.clip_cov_loss says so.)
 SPLITS = (1, 2, 4)
 
 
@@ -111,6 +119,7 @@ def _experience() -> Experience:
         group_ids=torch.arange(N) // 2, scores=torch.tensor([1.0, 1.0, 1.0, 0.0, 0.5, 0.5, 0.0, 1.0]),
         old_logprobs=0.3 * torch.randn(N, RESPONSE, generator=g),  # + the actor's (added in _grads)
         engine_logprobs=0.1 * torch.randn(N, RESPONSE, generator=g),
+        baseline_scores=torch.tensor([0.5, 1.0, 0.0, 0.5, 1.0, 0.0, 0.5, 0.5]),  # ReMax's greedy answers
     )
 
 
@@ -218,3 +227,82 @@ def test_clip_filter_and_correction_counts(single_rank):
     assert overlong["truncated"] == 3 and overlong["tokens"] == 33 - 3 * 6  # rows 0, 3 and 7 reached 6 tokens
     _, mis = single_rank["cispo"][1]
     assert mis["tokens"] == 33 - mis["correction_affected"]  # MIS's dropped tokens left the loss
+
+
+# -- the new estimators in the recipe's own stages ---------------------------------------------
+
+
+def test_new_estimators_reach_the_update():
+    """``advantages`` fills what the library's estimator gives, for OPO and pass@k GRPO."""
+    from lightning_mem.rl.advantages import grpo_passk_advantages, opo_advantages
+
+    exp = _experience()
+    mask = exp.response_mask.float()
+    for estimator, expected in (("opo", opo_advantages(exp.scores, exp.group_ids, mask)),
+                                ("grpo_passk", grpo_passk_advantages(exp.scores, exp.group_ids, mask))):
+        module = ppo.PPOModule(name_or_path=str(TINY_MODEL), reward=ArithmeticReward(), advantage_estimator=estimator,
+                               grpo=GRPOConfig(group_size=2), kl=KLConfig(coef=0.0), export_dir=None)
+        got = exp.select(list(range(N)))
+        module.advantages(got)
+        torch.testing.assert_close(got.advantages, expected)
+        assert got.advantages.abs().sum() > 0
+
+
+def test_remax_rollout_decodes_and_scores_one_greedy_answer_per_prompt():
+    from lightning_mem.models import load_tokenizer
+    from lightning_mem.rl.rollout import RolloutEngine
+
+    module = _module("remax", world_size=1)
+    module.generation = GenerationConfig(max_new_tokens=4, temperature=1.5)
+    tok = module.tokenizer = load_tokenizer(str(TINY_MODEL))
+    module.eos_token_ids = [tok.eos_token_id]
+    module.rollout_engine = RolloutEngine(module.generation, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
+    rows = [{"prompt": "Compute 11 + 5.", "answer": "16"}, {"prompt": "What is 15 - 4?", "answer": "11"}]
+    prompts = tok([r["prompt"] for r in rows], padding=True, padding_side="left", return_tensors="pt")
+    torch.manual_seed(0)
+    exp = module.rollout({"input_ids": prompts["input_ids"], "attention_mask": prompts["attention_mask"], "rows": rows})
+    assert len(exp) == 2 and module.rollout_engine.config.do_sample  # one sample per prompt; sampling restored
+    with torch.no_grad():
+        greedy = module.actor.generate(**prompts, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id,
+                                       eos_token_id=[tok.eos_token_id])
+    expected = [tok.decode(ids, skip_special_tokens=True) for ids in greedy[:, prompts["input_ids"].shape[1]:]]
+    assert exp.baseline_responses == expected
+    module.score(exp)
+    torch.testing.assert_close(exp.baseline_scores, ArithmeticReward()(exp.prompts, expected, rows).to(exp.scores.dtype))
+    module.advantages(exp)  # no KL: the return at every token is the score
+    first = exp.advantages[:, 0]
+    torch.testing.assert_close(first, (exp.scores - exp.baseline_scores).float())
+
+
+def test_new_objective_keys_are_named_from_the_cli(tmp_path, no_model_load):  # noqa: F811
+    with pytest.raises(ValueError, match=r"^`model.ppo.clip_cov_ratio` is a setting of `model.ppo.policy_loss: clip_cov`"):
+        _cli(tmp_path, "--model.advantage_estimator=grpo", "--model.ppo.clip_cov_ratio=0.01")
+    with pytest.raises(ValueError, match=r"^`model.ppo.clip_cov_lb` \(5.0\) must be below `model.ppo.clip_cov_ub`"):
+        _cli(tmp_path, "--model.ppo.policy_loss=clip_cov", "--model.ppo.clip_cov_lb=5", "--model.ppo.clip_cov_ub=2")
+    with pytest.raises(ValueError, match=r"^`model.generation.do_sample: false` with `model.advantage_estimator: remax`"):
+        _cli(tmp_path, "--model.advantage_estimator=remax", "--model.generation.do_sample=false")
+    with pytest.raises(ValueError, match=r"^`model.ppo.policy_loss: geo_mean` with `model.advantage_estimator: gae`"):
+        _cli(tmp_path, "--model.advantage_estimator=gae", "--model.ppo.policy_loss=geo_mean")
+
+
+def test_the_estimate_measures_remaxs_greedy_generation(monkeypatch):
+    """The estimator runs the recipe's rollout: in its measured step the greedy baseline's
+    ``generate`` runs beside the sampled one, both through the estimator's generation shortcut
+    (``model.generate`` replaced on the instance), so the rollout phase's figures include it."""
+    from lightning_mem.estimate import estimate
+    from lightning_mem.rl.rollout import RolloutEngine
+
+    calls = []
+    generate = RolloutEngine.generate
+
+    def recording(self, model, *args, **kwargs):
+        calls.append((self.config.do_sample, "generate" in vars(model)))
+        return generate(self, model, *args, **kwargs)
+
+    monkeypatch.setattr(RolloutEngine, "generate", recording)
+    est = estimate("configs/ppo/tiny_cpu_grpo.yaml", ["--model.advantage_estimator=remax",
+                                                      f"--model.name_or_path={TINY_MODEL}", "--data.batch_size=2"])
+    assert (True, True) in calls and (False, True) in calls  # sampled and greedy, both measured
+    assert len([c for c in calls if not c[0]]) == len([c for c in calls if c[0]])  # one greedy per sampled rollout
+    rollout = next(p for p in est.phases if p.phase == "rollout")
+    assert rollout.device_breakdown_bytes["kv_cache"] > 0  # the decode step's cache was measured

@@ -50,6 +50,10 @@ RUNS: dict[str, tuple[str, list[str]]] = {
                          f"--model.name_or_path={TINY_MODEL}", "--data.batch_size=2", *SHORT]),
     "ppo_gspo": ("ppo", ["--config", "configs/ppo/tiny_cpu_gspo.yaml", "--trainer.max_steps=2",
                          f"--model.name_or_path={TINY_MODEL}", "--data.batch_size=2", *SHORT]),
+    "ppo_clip_cov": ("ppo", ["--config", "configs/ppo/tiny_cpu_clip_cov.yaml", "--trainer.max_steps=2",
+                             f"--model.name_or_path={TINY_MODEL}", "--data.batch_size=2", *SHORT]),
+    "ppo_geo_mean": ("ppo", ["--config", "configs/ppo/tiny_cpu_geo_mean.yaml", "--trainer.max_steps=2",
+                             f"--model.name_or_path={TINY_MODEL}", "--data.batch_size=2", *SHORT]),
 }  # fmt: skip
 
 

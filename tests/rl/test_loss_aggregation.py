@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_mem.rl.loss_aggregation import LOSS_AGG_MODES, aggregate, counts, denominator, token_weights
+from lightning_mem.rl.loss_aggregation import LOSS_AGG_MODES, aggregate, counts, denominator, token_weights, weighted_sum
 
 # Row 0: 3 tokens (1, 2, 3); row 1: 1 token (4); row 2: fully masked (a filtered sample, inf loss).
 LOSS = torch.tensor([[1.0, 2.0, 3.0], [4.0, 9.0, 9.0], [float("inf"), 5.0, 5.0]])
@@ -58,3 +58,32 @@ def test_bad_mode_and_missing_horizon():
         token_weights(MASK, "sum")
     with pytest.raises(ValueError, match="horizon"):
         denominator("seq-mean-token-sum-norm", 4, 2)
+
+
+def test_sequence_losses_split_into_micro_batches_give_verls_mean_over_responses():
+    """GSPO and GMPO per token, aggregated by their default mode over micro-batches of 2 rows, are
+    the mean of the per-response losses over the whole batch (verl's objective for both), and so is
+    the gradient; a fully masked row counts for nothing."""
+    from lightning_mem.rl.policy_losses import geo_mean_loss, gspo_loss
+
+    torch.manual_seed(1)
+    old = -torch.rand(6, 4, dtype=torch.float64)
+    logprobs = (old + 0.4 * torch.randn(6, 4, dtype=torch.float64)).requires_grad_()
+    adv = torch.randn(6, 1, dtype=torch.float64).expand(6, 4)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0], [1, 1, 1, 0], [1, 1, 0, 0]])
+    for loss_fn in (gspo_loss, geo_mean_loss):
+        whole = loss_fn(logprobs, old, adv, mask, clip_low=0.1, clip_high=0.1).loss
+        per_response = [whole[i, 0] for i in range(6) if mask[i].any()]
+        expected = sum((whole[i] * mask[i]).sum() / mask[i].sum() for i in range(6) if mask[i].any()) / 5
+        tokens, sequences = counts(mask)
+        denom = denominator("seq-mean-token-mean", tokens, sequences).to(torch.float64)
+        parts = 0.0
+        for i in range(0, 6, 2):
+            micro = loss_fn(logprobs[i:i + 2], old[i:i + 2], adv[i:i + 2], mask[i:i + 2], clip_low=0.1, clip_high=0.1)
+            parts = parts + weighted_sum(micro.loss, token_weights(mask[i:i + 2], "seq-mean-token-mean"))
+        (split_grad,) = torch.autograd.grad(parts / denom, logprobs)
+        (whole_grad,) = torch.autograd.grad(expected, logprobs)
+        torch.testing.assert_close(parts / denom, expected)
+        torch.testing.assert_close(split_grad, whole_grad)
+        if loss_fn is geo_mean_loss:  # one loss per response, the same on each of its tokens
+            torch.testing.assert_close(expected, sum(per_response) / 5)
