@@ -305,6 +305,22 @@ def test_twin_keeps_degrees_the_tiny_heads_allow_and_scales_lengths():
     assert _degree(8, 4) == 4 and _degree(3, 4) == 2 and _degree(4, 2) == 2
 
 
+def test_known_fault_marks_only_configs_with_its_combination(tmp_path):
+    config = {"trainer": {"devices": 1, "precision": "bf16-mixed", "gradient_clip_val": 1.0},
+              "model": {"name_or_path": "Qwen/Qwen2.5-1.5B",
+                        "optimizer": {"class_path": "torch.optim.AdamW", "init_args": {"fused": True}}},
+              "data": {"max_length": 4096, "max_tokens_per_batch": 8192}}
+    path = tmp_path / "sft" / "x_1x80gb.yaml"
+    path.parent.mkdir()
+    path.write_text(yaml.safe_dump(config))
+    twin = twin_of(path, TINY_MODEL)
+    assert "fused AdamW" in twin.xfail and twin.fault_output == r"does not allow for gradient clipping"
+    assert "--data.max_tokens_per_batch=128" in twin.overrides  # two rows of the config, two of the twin
+    config["model"]["optimizer"]["init_args"]["fused"] = False
+    path.write_text(yaml.safe_dump(config))
+    assert twin_of(path, TINY_MODEL).xfail is None
+
+
 def test_twin_refuses_a_config_it_has_no_rule_for(tmp_path):
     path = tmp_path / "sft" / "x_8x80gb.yaml"
     path.parent.mkdir()
