@@ -41,7 +41,9 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # `python tests/recipes/test_config_twins.py`
 
-from tests.helpers import REPO, TINY_MODEL, bf16_checkpoint_folder, csv_logger_args, read_metric, run_recipe  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    REPO, TINY_MODEL, bf16_checkpoint_folder, csv_logger_args, read_metric, run_recipe,
+)
 
 CONFIGS = sorted((REPO / "configs").glob("*/*.yaml"))
 GPU_CONFIGS = [p for p in CONFIGS if not p.name.startswith("tiny_")]
@@ -209,7 +211,8 @@ def twin_of(path: Path, model: Path) -> Twin:
     optimizer = _get(config, "model.optimizer.class_path", "") or ""
     if "Paged" in optimizer:
         gaps.append(f"{optimizer.rsplit('.', 1)[-1]}: paging (CUDA managed memory) is off on CPU, the 8-bit step runs")
-    callbacks = [c.get("class_path", "") if isinstance(c, dict) else str(c) for c in _get(config, "trainer.callbacks", []) or []]
+    callbacks = [c.get("class_path", "") if isinstance(c, dict) else str(c)
+                 for c in _get(config, "trainer.callbacks", []) or []]
     if any(c.endswith("FitCheck") for c in callbacks):
         gaps.append("FitCheck: estimates for the card on CUDA only, a no-op on CPU")
     if any(c.endswith("MemoryMonitor") for c in callbacks):
@@ -219,7 +222,12 @@ def twin_of(path: Path, model: Path) -> Twin:
     engine = _get(config, "model.rollout_engine.name", "hf")
     if engine == "vllm":
         out.append("--model.rollout_engine.name=hf")
-        gaps.append("rollout_engine vllm -> hf: vLLM is not in the main env (.venv-vllm tests it); sleep mode needs CUDA")
+        gaps.append("rollout_engine vllm -> hf: vLLM is not in the main env (.venv-vllm tests it);"
+                    " sleep mode needs CUDA")
+        if _get(config, "model.ppo.rollout_correction.mode", "none") != "none":
+            # The hf engine samples with the actor itself: no drift to correct, and the recipe refuses it.
+            out.append("--model.ppo.rollout_correction.mode=none")
+            gaps.append("ppo.rollout_correction: corrects the vLLM engine's drift, none with the hf engine")
     elif engine != "hf":
         raise NoTwinRule(f"{path}: no twin rule for model.rollout_engine.name={engine!r}")
 
@@ -321,6 +329,18 @@ def test_known_fault_marks_only_configs_with_its_combination(tmp_path):
     assert twin_of(path, TINY_MODEL).xfail is None
 
 
+def test_vllm_rollouts_become_hf_with_their_gap_said(tmp_path):
+    config = yaml.safe_load((REPO / "configs/ppo/qwen2.5-0.5b-instruct_1x24gb.yaml").read_text())
+    config["model"]["rollout_engine"] = {"name": "vllm", "sleep_level": 1}
+    config["model"]["ppo"]["rollout_correction"] = {"mode": "tis"}
+    path = tmp_path / "ppo" / "x_1x24gb.yaml"
+    path.parent.mkdir()
+    path.write_text(yaml.safe_dump(config))
+    twin = twin_of(path, TINY_MODEL)
+    assert {"--model.rollout_engine.name=hf", "--model.ppo.rollout_correction.mode=none"} <= set(twin.overrides)
+    assert any(gap.startswith("rollout_engine vllm -> hf") for gap in twin.cpu_gaps)
+
+
 def test_twin_refuses_a_config_it_has_no_rule_for(tmp_path):
     path = tmp_path / "sft" / "x_8x80gb.yaml"
     path.parent.mkdir()
@@ -352,7 +372,8 @@ def _param(path: Path) -> Any:
 def test_twin_trains_two_steps_on_cpu(path: Path, bf16_tiny: Path, tmp_path: Path, record_property):
     twin = twin_of(path, bf16_tiny)
     record_property("cpu_gaps", "; ".join(twin.cpu_gaps))
-    args = ["fit", "--config", str(path), *twin.overrides, f"--trainer.default_root_dir={tmp_path}", *csv_logger_args(tmp_path)]
+    args = ["fit", "--config", str(path), *twin.overrides, f"--trainer.default_root_dir={tmp_path}",
+            *csv_logger_args(tmp_path)]
     result = run_recipe(twin.recipe, *args, env=twin.env)
     output = result.stdout + result.stderr
     if result.returncode != 0 and twin.fault_output and re.search(twin.fault_output, output):
