@@ -30,6 +30,7 @@ The tiny configs (``tiny_*.yaml``) are the twins' own shape already: tests/recip
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 import sys
@@ -50,7 +51,9 @@ GPU_CONFIGS = [p for p in CONFIGS if not p.name.startswith("tiny_")]
 RECIPES = {"sft", "qlora", "ppo"}
 
 #: The tiny model's shape, which bounds the parallel degrees and lengths a twin can keep.
-TINY = {"heads": 8, "kv_heads": 4, "positions": 256}
+_TINY_CONFIG = json.loads((TINY_MODEL / "config.json").read_text())
+TINY = {"heads": _TINY_CONFIG["num_attention_heads"], "kv_heads": _TINY_CONFIG["num_key_value_heads"],
+        "positions": _TINY_CONFIG["max_position_embeddings"]}
 MAX_RANKS = 2  # two CPU cores in CI
 MAX_RANKS_MIXED = 4  # data parallel x a model-parallel degree: both dimensions kept
 SFT_LENGTH = 64  # tokens per row: the arithmetic rows are ~16 tokens
@@ -123,8 +126,8 @@ def _strategy(config: dict) -> tuple[str | None, dict]:
 
 
 def _fused_adamw_clipped_in_bf16(config: dict) -> bool:
-    # On CPU torch never picks the fused kernel by itself (on CUDA it may): only `fused: true` in
-    # the YAML brings this fault to a CPU twin.
+    # torch picks foreach, never fused, when the YAML says neither: only `fused: true` brings this
+    # fault to a twin.
     args = _get(config, "model.optimizer.init_args", {}) or {}
     return (args.get("fused") is True and str(_get(config, "trainer.precision", "")).startswith("bf16")
             and bool(_get(config, "trainer.gradient_clip_val")))
@@ -187,7 +190,8 @@ def twin_of(path: Path, model: Path) -> Twin:
                 kept = _degree(degree, model_ranks)
                 out.append(f"--trainer.strategy.init_args.{key}={kept}")
                 if kept != degree:
-                    gaps.append(f"{key}: {degree} -> {kept} ({ranks} CPU ranks, tiny model's 8/4 heads)")
+                    gaps.append(f"{key}: {degree} -> {kept} ({ranks} CPU ranks, tiny model's"
+                                f" {TINY['heads']}/{TINY['kv_heads']} heads)")
         out.append("--trainer.strategy.init_args.process_group_backend=gloo")
         if args.get("pin_memory"):
             gaps.append("pin_memory: page-locked host buffers need CUDA")
