@@ -1,7 +1,8 @@
 # Two commands on a fresh machine (each makes .venv and installs what it needs first):
 #   make demo   SFT of the tiny model on CPU (configs/sft/tiny_cpu.yaml), about 2 minutes on 2 cores
 #   make test   the test suite (CPU; `gpu`-marked tests run only where CUDA is present), then the
-#               memory estimator's gate over every GPU-tier config (`config_gate`-marked), then the
+#               memory estimator's gate over every GPU-tier config (`config_gate`-marked), then
+#               every GPU-tier config's tiny twin trained on CPU (`config_twin`-marked), then the
 #               vLLM rollout engine's tests (`vllm`-marked) in .venv-vllm
 PYTHON ?= python3
 VENV ?= .venv
@@ -10,7 +11,7 @@ PY := $(VENV)/bin/python
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 
-.PHONY: demo test test-gate test-vllm install vllm-install clean
+.PHONY: demo test test-gate test-twins test-vllm install vllm-install clean
 
 install: $(VENV)/.installed
 
@@ -43,12 +44,19 @@ demo: install
 test: install
 	HF_HUB_OFFLINE=1 $(PY) -m pytest
 	$(MAKE) test-gate
+	$(MAKE) test-twins
 	$(MAKE) test-vllm
 
 # The memory estimator's gate over every shipped GPU-tier config: a minute or two of fake-tensor
 # work per config, single-threaded Python, so it runs on two workers as a step of its own.
 test-gate: install
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -m "config_gate and not slow" -n 2 tests/estimate/test_config_gate.py
+
+# Every shipped GPU-tier config trains 2 steps on CPU as its tiny twin (the tiny model, lengths cut,
+# gloo ranks; strategy, optimizer, callbacks, memory plan and precision as shipped). Each twin is
+# a CLI process of one to four ranks, so they run on two workers as a step of their own.
+test-twins: install
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -m "config_twin and not slow" -n 2 tests/recipes/test_config_twins.py
 
 # The vLLM engine's tests only (in the main env they are skipped: vLLM is not installed there).
 test-vllm: vllm-install
