@@ -67,10 +67,6 @@ ZERO = "lightning_mem.strategies.deepspeed.ZeroStrategy"
 #: whose config has the combination is xfail(strict=True) on exactly that failure: any other
 #: failure fails, and the fix flips it to XPASS (strict: a failure), so the mark goes with the fix.
 KNOWN_FAULTS: list[tuple[str, Any, str]] = [
-    ("FSDP2 + bitsandbytes 8-bit optimizer: its step gets DTensor parameters"
-     " (`optimizer_update_8bit_blockwise got mixed torch.Tensor and DTensor`; issue #36 item 2)",
-     lambda c: _strategy(c)[0] == FSDP2 and "bitsandbytes" in (_get(c, "model.optimizer.class_path") or ""),
-     r"got mixed torch\.Tensor and DTensor"),
     ("Lightning refuses gradient clipping for a fused AdamW under bf16 precision (issue #36)",
      lambda c: _fused_adamw_clipped_in_bf16(c),
      r"does not allow for gradient clipping"),
