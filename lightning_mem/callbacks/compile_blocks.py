@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
@@ -70,7 +71,10 @@ class CompileBlocks(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        # Before configure_model: a run that cannot compile fails before any weight loads.
+        # Before configure_model: a run that cannot compile fails before any weight loads. The
+        # memory estimate's CPU fit (under its dispatch mode) compiles nothing, so needs no compiler.
+        if torch.utils._python_dispatch._get_current_dispatch_mode() is not None:
+            return
         try:
             check_compile_settings(self.settings["backend"], self.settings["mode"],
                                    device_type=trainer.strategy.root_device.type)

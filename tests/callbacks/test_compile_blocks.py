@@ -12,7 +12,9 @@ from lightning_mem.callbacks import CompileBlocks
 from tests.helpers import REPO, read_metric, run_recipe, short_fit_args
 
 CONFIG = str(REPO / "configs" / "sft" / "tiny_cpu.yaml")
-COMPILE = {"class_path": "lightning_mem.callbacks.CompileBlocks"}
+# dynamic: one graph for the token-budget batches' varying lengths (the default compiles a static graph
+# first, then a dynamic one: a second compile, which on the loaded 2-core box is minutes).
+COMPILE = {"class_path": "lightning_mem.callbacks.CompileBlocks", "init_args": {"dynamic": True}}
 CHECKPOINT = {"class_path": "lightning_mem.callbacks.ActivationCheckpointing", "init_args": {"every": 2}}
 
 
