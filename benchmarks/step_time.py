@@ -59,7 +59,9 @@ class Setup:
     precision: str = "32-true"
     fused: bool = False  # torch's fused AdamW (CUDA and CPU)
     lr: float = 1e-3
-    chunk_size: int | None = 512  # the recipe's model.logits_chunk_size (and the bare loop's, with --bare-loss chunked)
+    #: The recipe's ``model.logits_chunk_size`` and the chunked bare loop's; None: the recipe's default
+    #: (and an unchunked bare loop).
+    chunk_size: int | None = 512
     warmup: int = WARMUP
     sync: bool = False  # torch.cuda.synchronize() before each clock reading
 
@@ -161,8 +163,11 @@ def recipe_steps(data: list[dict[str, torch.Tensor]], setup: Setup | None = None
             self.marks.append(setup.now())
             self.peak = _peak_since_reset(setup)
 
+    if "compile" in options:  # graphs compiled for another model would make this one's shapes dynamic
+        torch._dynamo.reset()
     seed_everything(0, verbose=False)
-    module = SFTModule(setup.model, optimizer=setup.optimizer, export_dir=None, logits_chunk_size=setup.chunk_size)
+    chunking = {} if setup.chunk_size is None else {"logits_chunk_size": setup.chunk_size}
+    module = SFTModule(setup.model, optimizer=setup.optimizer, export_dir=None, **chunking)
     clock = Clock()
     trainer = Trainer(accelerator=setup.device, devices=1, precision=setup.precision, max_steps=len(data),
                       gradient_clip_val=1.0, logger=False, enable_checkpointing=False, enable_progress_bar=False,

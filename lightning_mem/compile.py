@@ -38,7 +38,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from lightning_mem.module_tree import default_block_classes, find_blocks
+from lightning_mem.module_tree import default_block_classes, outermost
 from lightning_mem.settings import SettingError
 
 _MARK = "_lightning_mem_compiled"
@@ -104,7 +104,10 @@ def compile_blocks(model: nn.Module, block_classes: Iterable[str] | None = None,
         ValueError: ``model`` has no module of the block classes.
     """
     classes = list(block_classes or default_block_classes(model))
-    blocks = find_blocks(model, classes)
+    # By the class or a base class: FSDP2's fully_shard turns a block into a subclass of its own
+    # (FSDPLlamaDecoderLayer), and blocks may be compiled after sharding.
+    wanted = set(classes)
+    blocks = [block for _, block in outermost(model, lambda m: bool(wanted & {c.__name__ for c in type(m).__mro__}))]
     if not blocks:
         raise ValueError(f"`{type(model).__name__}` has no module of class {sorted(classes)} to compile")
     if getattr(getattr(model, "config", None), "use_cache", False):

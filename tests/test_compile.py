@@ -121,3 +121,11 @@ def test_inductor_on_a_cpu_needs_a_cpp_compiler(monkeypatch):
         check_compile_settings("inductor", device_type="cpu")
     check_compile_settings("inductor", device_type="cuda")  # Triton on a GPU: no C++ compiler needed
     check_compile_settings("aot_eager", device_type="cpu")
+
+
+def test_blocks_are_found_by_a_base_class_as_after_fully_shard():
+    model = h.tiny_llama(seed=0, layers=2)
+    for layer in model.model.layers:  # what FSDP2's fully_shard does to a block's class
+        layer.__class__ = type("FSDPLlamaDecoderLayer", (type(layer),), {})
+    assert compile_blocks(model, backend="eager") == (2, 2)
+    assert all(is_compiled(layer) for layer in model.model.layers)

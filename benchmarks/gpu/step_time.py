@@ -110,8 +110,9 @@ def measure(models: list[str], options: list[str], *, rows: int, tokens: int, st
         folder = model_folder(name)
         data = cpu_bench.synthetic_batches(warmup + steps, rows, tokens, cpu_bench.vocab_size_of(folder))
         data_of[name] = (folder, [{k: v.to(device) for k, v in b.items()} for b in data])
+    # chunk_size None: the recipe's own logits chunking, whatever its default is.
     setup = cpu_bench.Setup(device=device, precision=precision, fused=fused, warmup=warmup, sync=device == "cuda",
-                            lr=1e-5)
+                            lr=1e-5, chunk_size=None)
     optimizer = "AdamW fused" if fused else "AdamW (torch's default)"
     bare: dict[str, dict[str, Any]] = {}
     for option in option_order(options):
