@@ -58,5 +58,11 @@ if (( run_tests )); then
   tail -n 5 "$OUT/gpu_tests.txt"
 fi
 
+# -- GPU step time (issue #37, helper "compile"): the recipe's SFT step against a bare loop at the
+# Qwen2.5-0.5B/1.5B architectures, plain and with compile/Liger -> $OUT/gpu_step_time.{md,json,csv}.
+# Stopped after 5 minutes at most; rows are written as they finish. Without CUDA it stops at once.
+echo "== python -m benchmarks.gpu.step_time"
+timeout 300 "$PYTHON" -m benchmarks.gpu.step_time --out "$OUT" || echo "benchmarks.gpu.step_time: exit $?"
+
 echo "== python -m benchmarks.gpu.tiers"
 exec "$PYTHON" -m benchmarks.gpu.tiers --out "$OUT" "${tier_args[@]}"

@@ -9,7 +9,9 @@ Each is a thin wrapper over a primitive a recipe can also call directly:
 from lightning_mem.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_mem.activation_offload import ActivationOffloader, ActivationOffloadStats
 from lightning_mem.callbacks.activation_offload import ActivationOffload
+from lightning_mem.callbacks.compile_blocks import CompileBlocks
 from lightning_mem.callbacks.fit_check import FitCheck
+from lightning_mem.callbacks.liger_kernels import LigerKernels
 from lightning_mem.callbacks.memory_monitor import MemoryMonitor, PhaseObserver, memory_phase
 from lightning_mem.callbacks.optimizer_in_backward import OptimizerInBackward
 from lightning_mem.callbacks.optimizer_state_offload import OptimizerStateOffload
@@ -21,8 +23,10 @@ __all__ = [
     "ActivationOffload",
     "ActivationOffloadStats",
     "ActivationOffloader",
+    "CompileBlocks",
     "DtypeReport",
     "FitCheck",
+    "LigerKernels",
     "MemoryMonitor",
     "OptimizerInBackward",
     "OptimizerStateOffload",

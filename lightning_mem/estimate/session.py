@@ -1260,7 +1260,10 @@ def _is_technique(callback: Any) -> bool:
 
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    return not isinstance(callback, (MemoryMonitor, ModelCheckpoint)) and type(callback).__name__ != "FitCheck"
+    # A callback that cannot run in this CPU fit (runs_in_estimate = False: Liger's CUDA kernels) is
+    # left out; its estimate_note says how that changes the figures.
+    return (not isinstance(callback, (MemoryMonitor, ModelCheckpoint)) and type(callback).__name__ != "FitCheck"
+            and getattr(callback, "runs_in_estimate", True))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1457,6 +1460,8 @@ def estimate(
                         if run.sharding.gathered_units else "")
                      + ("; gradients stay whole on the device until backward leaves their unit"
                         if run.sharding.unit_gradients else ""))
+    # Techniques the fake-tensor fit runs differently from the real one (compiled blocks run eager).
+    notes += [cb.estimate_note for cb in init.trainer.callbacks or [] if getattr(cb, "estimate_note", None)]
     tp, cp = run.sharding.tensor_parallel, run.sharding.context_parallel
     if tp * cp > 1:
         split = "activations" + (f" 1/{cp * tp}" if run.sharding.sequence_parallel else f" 1/{cp}")
