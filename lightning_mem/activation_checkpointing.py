@@ -100,11 +100,22 @@ def checkpoint_block(block: nn.Module, policy: Policy = "full", offloader: Any =
     return True
 
 
-def _offloads_now(block: nn.Module) -> bool:
+def recomputing(block: nn.Module) -> bool:
+    """Whether ``block`` (checkpointed by :func:`checkpoint_block`) is running its recompute in backward.
+
+    The recompute calls the block again, forward pre-hooks included: a hook that changes the
+    block's input (sequence parallelism's slicing of the first block's input) would change it a
+    second time. Composable ``checkpoint`` disables its own hook while it recomputes; that flag
+    is the signal (False for a block that is not checkpointed).
+    """
     from torch.distributed._composable import checkpoint
 
+    return is_checkpointed(block) and not checkpoint.state(block).enable_hook
+
+
+def _offloads_now(block: nn.Module) -> bool:
     # In backward, checkpoint re-runs the forward with its hook disabled: nothing to offload then.
-    return torch.is_grad_enabled() and checkpoint.state(block).enable_hook
+    return torch.is_grad_enabled() and not recomputing(block)
 
 
 def _enter_offload(offloader: Any, block: nn.Module, args: Any) -> None:

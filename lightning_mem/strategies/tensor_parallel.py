@@ -52,6 +52,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from lightning_mem.activation_checkpointing import recomputing
 from lightning_mem.module_tree import default_block_classes, find_blocks
 from lightning_mem.settings import SettingError, SettingNotSupported
 
@@ -237,6 +238,12 @@ class SequenceBoundary(ParallelStyle):
     scoring pass) keeps none. Such a forward runs as plain tensor parallelism (``"enter"`` and
     ``"gather"`` pass the sequence through, ``"reduce"`` all-reduces), and a recomputation in
     backward (activation checkpointing) records, so it splits exactly as the forward did.
+
+    Activation checkpointing: the ``"enter"`` hook runs before the checkpoint's own pre-hook (it is
+    prepended), so a checkpointed first block saves its input's slice; in the block's recompute,
+    which calls the block again with that saved slice, ``"enter"`` passes it through. The
+    ``"gather"`` and ``"reduce"`` hooks sit inside the block and run again in the recompute (one
+    more all-gather and reduce-scatter per region), as the forward did.
     """
 
     def __init__(self, kind: str) -> None:
@@ -249,7 +256,10 @@ class SequenceBoundary(ParallelStyle):
         if self.kind == "reduce" or getattr(self, "on_output", False):
             module.register_forward_hook(partial(self._on_output, device_mesh))
         else:
-            module.register_forward_pre_hook(partial(self._on_input, device_mesh), with_kwargs=True)
+            # Prepended: an "enter" slices before activation checkpointing's own pre-hook (whichever
+            # was applied first), so a checkpointed first block keeps its input's slice, not the whole.
+            module.register_forward_pre_hook(partial(self._on_input, device_mesh), with_kwargs=True,
+                                             prepend=self.kind == "enter")
         return module
 
     def relayout(self, x: Tensor, mesh: DeviceMesh) -> Tensor:
@@ -269,7 +279,11 @@ class SequenceBoundary(ParallelStyle):
         dt = x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
         return dt.redistribute(placements=[Replicate()]).to_local()
 
-    def _on_input(self, mesh: DeviceMesh, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def _on_input(self, mesh: DeviceMesh, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if self.kind == "enter" and recomputing(module):
+            # Activation checkpointing recomputes the first block from the input it saved, which
+            # this hook sliced already in the forward: slicing it again would halve it twice.
+            return None
         return _with_hidden_states(args, kwargs, self.relayout(_hidden_states(args, kwargs), mesh))
 
     def _on_output(self, mesh: DeviceMesh, module: nn.Module, args: tuple, output: Any) -> Any:

@@ -70,13 +70,6 @@ KNOWN_FAULTS: list[tuple[str, Any, str]] = [
     ("Lightning refuses gradient clipping for a fused AdamW under bf16 precision (issue #36)",
      lambda c: _fused_adamw_clipped_in_bf16(c),
      r"does not allow for gradient clipping"),
-    ("FSDP2Strategy: sequence_parallel + activation_checkpointing: the first block's recompute in backward"
-     " re-runs SequenceBoundary('enter') on its saved, already sliced input and slices it again"
-     " (q has half the positions of the rotary cos/sin); tiny_cpu_tp2.yaml with activation_checkpointing: true"
-     " fails the same way",
-     lambda c: _strategy(c)[0] == FSDP2 and _strategy(c)[1].get("sequence_parallel")
-     and _strategy(c)[1].get("tensor_parallel_size", 1) > 1 and bool(_strategy(c)[1].get("activation_checkpointing")),
-     r"The size of tensor a \(\d+\) must match the size of tensor b \(\d+\)"),
 ]  # fmt: skip
 
 
