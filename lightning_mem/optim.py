@@ -158,6 +158,8 @@ def _rebuild_arguments(optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
             kwargs.update({k: v for k, v in settings.items() if k in signature})
             carried |= set(settings)
         attributes["is_paged"] = optimizer.is_paged
+        # One set of quantization maps for all, as in the one optimizer (not 2 KiB per parameter).
+        attributes["name2qmap"] = optimizer.name2qmap
         carried |= {"is_paged", *_BNB_UNREAD}
     missing = [n for n, p in signature.items() if n != "params" and p.kind is not p.VAR_KEYWORD and n not in carried]
     if missing:

@@ -77,3 +77,19 @@ def test_limits_fail_early_with_the_key_to_change(tmp_path, trainer_kwargs: dict
     module = TinyLM()
     with pytest.raises(ValueError, match=message):
         fit(module, tmp_path, callbacks=[OptimizerInBackward()], **trainer_kwargs)
+
+
+def test_the_estimate_counts_the_per_parameter_state_as_optimizer_state_and_no_gradients_at_the_step() -> None:
+    from pathlib import Path
+
+    from lightning_mem.estimate import estimate
+
+    config = Path(__file__).resolve().parents[2] / "configs" / "sft" / "tiny_cpu.yaml"
+    args = ["--trainer.gradient_clip_val=null", "--model.optimizer=bitsandbytes.optim.PagedAdamW8bit"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        after = estimate(config, args, world_size=1).phases[0].device_breakdown_bytes
+        fused = estimate(config, [*args, "--trainer.callbacks+=lightning_mem.callbacks.OptimizerInBackward"],
+                         world_size=1).phases[0].device_breakdown_bytes
+    assert fused["optimizer_state"] == after["optimizer_state"] > 0  # the same bitsandbytes state, tagged as such
+    assert fused["gradients"] < after["gradients"]  # one gradient at a time instead of all at the step
