@@ -83,6 +83,36 @@ _TORCHAO_GAPS = ("settings assumed (the README names only model, data, full bf16
                  " 1,304 tokens; its figures come from torchtune's logger, which divides by 2^30 (read as GiB)")
 
 
+#: torchtune's single-device ladder (README on main, read 2026-11-26, "Optimization flags"): Llama 3.2 3B, batch 2,
+#: max seq len 4,096, bf16, one A100, full_finetune_single_device, each lever added to the one before;
+#: its figure is "Peak Memory Active" (the allocator's peak of active bytes). From "+ Packed Dataset" on
+#: every row trains on 2 x 4,096 packed tokens; its unpacked baseline (25.5 GiB) pads Alpaca rows to the
+#: longest in the batch, a length the README does not give, so it has no row here. Each rung is
+#: configs/sft/llama-3.2-3b_1x80gb_ladder.yaml (the top rung) with the overrides in its header.
+TORCHTUNE_LADDER = ("torchtune README, https://github.com/pytorch/torchtune/blob/main/README.md, table \"Optimization"
+                    " flags\" (Llama 3.2 3B, batch 2 x 4,096 packed tokens, bf16, 1x A100, \"Peak Memory Active\"), row")
+_LADDER_ADAMW = ["--model.optimizer=torch.optim.AdamW", "--model.optimizer.init_args.lr=2.0e-5"]
+_LADDER_AC = '{"class_path": "lightning_mem.callbacks.ActivationCheckpointing"}'
+_LADDER_OIB = '{"class_path": "lightning_mem.callbacks.OptimizerInBackward"}'
+_LADDER_GAPS = "torchtune's own Llama modules; packed sequences (ours: two rows of 4,096 tokens, the same tokens)"
+_LADDER_COMPILE = "; torch.compile from this rung on (60.0 GiB before it, 51.0 after): the recipes do not compile"
+_LADDER = [
+    ("packed", "+ Packed Dataset", "60.0 GiB", ["--model.logits_chunk_size=null", *_LADDER_ADAMW, "--trainer.callbacks=[]"], ""),
+    ("chunked-ce", "+ Chunked Cross Entropy", "42.9 GiB", [*_LADDER_ADAMW, "--trainer.callbacks=[]"],
+     f"{_LADDER_COMPILE}; the gap over 10 % is compile's: it took 15 % off the rung before, and 0.85 x this estimate"
+     " is 0.96 of the figure"),
+    ("activation-checkpointing", "+ Activation Checkpointing", "24.9 GiB",
+     [*_LADDER_ADAMW, f"--trainer.callbacks=[{_LADDER_AC}]"], _LADDER_COMPILE),
+    ("optimizer-in-backward", "+ Fuse optimizer step into backward", "23.1 GiB",
+     [*_LADDER_ADAMW, f"--trainer.callbacks=[{_LADDER_AC}, {_LADDER_OIB}]"], _LADDER_COMPILE),
+    ("activation-offload", "+ Activation Offloading", "21.8 GiB", _LADDER_ADAMW, _LADDER_COMPILE),
+    ("adamw8bit", "+ 8-bit AdamW", "17.6 GiB", [],
+     f"{_LADDER_COMPILE}; the gap over 10 % is not explained here: bf16 AdamW state (12.0 GiB) to 8-bit (6.0 GiB)"
+     " takes 5.9 GiB off our estimate and 4.2 GiB off torchtune's figure; torchtune's docs offer bitsandbytes' and"
+     " torchao's 8-bit AdamW and the row does not say which (ours: bitsandbytes' AdamW8bit, not paged). A GPU run"
+     " of this config (issue #34, item 4) would tell"),
+]
+
 @dataclass
 class Setup:
     """One published figure and the config that expresses its run."""
@@ -122,14 +152,9 @@ SETUPS = [
           ["--model.name_or_path=meta-llama/Llama-2-13b-hf", "--model.quantization.double_quant=true", *_LITGPT_QLORA],
           _LITGPT_NF4_GAPS),
     Setup("torchtune-llama3.1-8b-full", f"{TORCHTUNE} \"Llama 3.1 8B, Full finetune, 1x 4090\"", "18.9 GiB",
-          int(18.9 * GiB), "configs/sft/llama-3.1-8b_1x24gb.yaml",
-          ["--trainer.strategy=auto", *_TORCHTUNE,
-           '--trainer.callbacks=[{"class_path": "lightning_mem.callbacks.ActivationCheckpointing"}]',
-           "--model.optimizer=bitsandbytes.optim.PagedAdamW8bit", "--model.optimizer.init_args.lr=0.00002"],
-          f"{_TORCHTUNE_GAPS}; config llama3_1/8B_full_single_device steps its paged 8-bit AdamW in backward, so"
-          " one gradient at a time is alive: `OptimizerInBackward` cannot (it rebuilds each parameter's optimizer"
-          " from torch's `defaults`, and refuses bitsandbytes' optimizers, whose 8-bit settings are not there), so"
-          " here the step follows backward and every bf16 gradient (15.0 GiB) is alive at it", paged_state=True),
+          int(18.9 * GiB), "configs/sft/llama-3.1-8b_1x24gb_optimizer_in_backward.yaml", [],
+          f"{_TORCHTUNE_GAPS}; config llama3_1/8B_full_single_device (paged 8-bit AdamW stepped in backward, as the"
+          " shipped config here: `OptimizerInBackward`, one gradient alive at a time)", paged_state=True),
     Setup("torchtune-llama3.1-8b-lora", f"{TORCHTUNE} \"Llama 3.1 8B, LoRA, 1x 4090\"", "16.2 GiB", int(16.2 * GiB),
           "configs/sft/llama-3.1-8b_lora_1x24gb.yaml",
           [*_TORCHTUNE, "--model.lora.r=8", "--model.lora.lora_alpha=16", "--model.lora.lora_dropout=0.0",
@@ -143,6 +168,9 @@ SETUPS = [
            "--model.activation_checkpointing=true", "--model.optimizer=torch.optim.AdamW"],
           f"{_TORCHTUNE_GAPS}; config llama3_1/8B_qlora_single_device (LoRA r=8 on q, k, v, o and the MLP);"
           " torchao's NF4 tensors (block 64, scales quantized in blocks of 256) where ours are bitsandbytes'"),
+    *(Setup(f"torchtune-llama3.2-3b-ladder-{rung}", f"{TORCHTUNE_LADDER} \"{row}\"", published, int(float(published.split()[0]) * GiB),
+            "configs/sft/llama-3.2-3b_1x80gb_ladder.yaml", overrides, f"{_LADDER_GAPS}{extra}")
+      for rung, row, published, overrides, extra in _LADDER),
     Setup("torchao-llama2-7b-adamw", f"{TORCHAO} \"PyTorch (fused)\"", "51.6 GiB (written \"GB\")", int(51.6 * GiB),
           "configs/sft/llama-3.1-8b_1x24gb.yaml", [*_TORCHAO, "--model.optimizer=torch.optim.AdamW"],
           f"{_TORCHAO_GAPS}; fused AdamW (ours: foreach)"),
@@ -204,26 +232,62 @@ def markdown(rows: list[dict], setups: dict[str, Setup], *, date: str, versions:
         " what the config could not match |",
         "|---|---|---|---|---|---|---|",
     ]
-    for row in rows:
-        setup = setups[row["name"]]
-        if "error" in row:
-            lines.append(f"| `{row['name']}` | {setup.published} | error: {row['error']} | n/a | n/a | {setup.source} |"
-                         f" {setup.unmatched} |")
-            continue
-        ratio = f"{row['ratio']:.2f}"
-        if row["bound"]:
-            ratio += " (fits with the estimator's margin)" if row["fits_bound"] else " (does not fit with the margin)"
-        paged = "not paged"
-        if "paged_bytes" in row:
-            paged = (f"{_figure(row['comparable_bytes'], setup.published)} ({row['comparable_ratio']:.2f}) without"
-                     f" {_figure(row['paged_bytes'], setup.published)} of paged state")
-        lines.append(f"| `{row['name']}` | {setup.published} | {_figure(row['estimated_bytes'], setup.published)} |"
-                     f" {ratio} | {paged} | {setup.source} | {setup.unmatched} |")
+    lines += [_row_line(row, setups[row["name"]]) for row in rows]
     lines += ["", "Each setup, as `python -m lightning_mem.estimate --config <config> <overrides>` runs it:", ""]
-    for row in rows:
-        setup = setups[row["name"]]
-        lines.append(f"- `{setup.name}`: `{setup.config}` `{' '.join(setup.overrides)}`")
+    lines += [_bullet(setups[row["name"]]) for row in rows]
     return "\n".join(lines) + "\n"
+
+
+def _row_line(row: dict, setup: Setup, date: str = "") -> str:
+    # ``date``: set where the row was estimated on another day than the rest of the table.
+    when = f" ({date})" if date else ""
+    if "error" in row:
+        return (f"| `{row['name']}` | {setup.published} | error{when}: {row['error']} | n/a | n/a | {setup.source} |"
+                f" {setup.unmatched} |")
+    ratio = f"{row['ratio']:.2f}"
+    if row["bound"]:
+        ratio += " (fits with the estimator's margin)" if row["fits_bound"] else " (does not fit with the margin)"
+    paged = "not paged"
+    if "paged_bytes" in row:
+        paged = (f"{_figure(row['comparable_bytes'], setup.published)} ({row['comparable_ratio']:.2f}) without"
+                 f" {_figure(row['paged_bytes'], setup.published)} of paged state")
+    return (f"| `{row['name']}` | {setup.published} | {_figure(row['estimated_bytes'], setup.published)}{when} |"
+            f" {ratio} | {paged} | {setup.source} | {setup.unmatched} |")
+
+
+def _bullet(setup: Setup) -> str:
+    overrides = f"`{' '.join(setup.overrides)}`" if setup.overrides else "(as shipped)"
+    return f"- `{setup.name}`: `{setup.config}` {overrides}"
+
+
+def merge_into(doc: Path, rows: list[dict], *, date: str) -> None:
+    """Replace (or add, in the order of ``SETUPS``) the lines of ``rows`` in the table of ``doc``.
+
+    For re-estimating a few setups without the hours the whole table takes: a row estimated on
+    another day than the table's header says carries its date beside its estimate.
+    """
+    text = doc.read_text()
+    head, rest = text.split(BEGIN, 1)
+    body, tail = rest.split(END, 1)
+    lines = body.split("\n")
+    header_date = next((ln.split()[1] for ln in lines if ln.startswith("Estimated ")), "")
+    order = [s.name for s in SETUPS]
+    setups = {s.name: s for s in SETUPS}
+
+    def place(prefix: str, name: str, new: str) -> None:
+        at = next((i for i, ln in enumerate(lines) if ln.startswith(prefix.format(name))), None)
+        if at is not None:
+            lines[at] = new
+            return
+        before = [n for n in order[: order.index(name)]]
+        spots = [i for i, ln in enumerate(lines) for n in before if ln.startswith(prefix.format(n))]
+        lines.insert(max(spots) + 1, new)
+
+    for row in rows:
+        name = row["name"]
+        place("| `{}` |", name, _row_line(row, setups[name], "" if date == header_date else date))
+        place("- `{}`:", name, _bullet(setups[name]))
+    doc.write_text(f"{head}{BEGIN}{chr(10).join(lines)}{END}{tail}")
 
 
 def write_into(doc: Path, table: str) -> None:
@@ -248,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python benchmarks/published_figures.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", action="append", default=[], help="setups whose name contains this (repeatable)")
     parser.add_argument("--write", action="store_true", help=f"write the table into {DOC.relative_to(ROOT)}")
+    parser.add_argument("--merge", action="store_true",
+                        help=f"replace (or add) only the chosen setups' rows in {DOC.relative_to(ROOT)}, dated where the day differs")
     parser.add_argument("--json", type=Path, help="also write the rows (with per-phase breakdowns) to this file")
     parser.add_argument("--rows", type=Path, help="render rows saved by --json (same date and versions) instead of estimating")
     args = parser.parse_args(argv)
@@ -278,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps({"date": date, "versions": versions, "rows": rows}, indent=1))
     if args.write:
         write_into(DOC, table)
+    if args.merge:
+        merge_into(DOC, rows, date=date)
     return 0
 
 

@@ -125,40 +125,105 @@ def _group_hyperparameters(group: dict) -> dict:
     return {k: v for k, v in group.items() if k != "params"}
 
 
+# Constructor arguments of bitsandbytes' optimizers that their step never reads: validated (Adam8bit
+# and AdamW8bit refuse amsgrad=True) and dropped, so the constructor's default rebuilds the same
+# optimizer.
+_BNB_UNREAD = ("amsgrad",)
+
+
+def _rebuild_arguments(optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """Constructor keyword arguments and attributes that rebuild ``optimizer``'s class, every setting kept.
+
+    torch's optimizers keep every constructor argument in ``defaults``. bitsandbytes' keep the
+    per-group ones there and the rest in ``optimizer.args`` (optim_bits, min_8bit_size, max_unorm,
+    skip_zeros: the object their constructors document as ``args`` and use instead of those
+    arguments when given) and ``optimizer.is_paged`` (an attribute, read whenever a state buffer is
+    made: set before the first step it is the constructor's flag, and it carries the paging decision
+    of :func:`page_where_supported`).
+
+    Raises:
+        ValueError: a constructor argument is kept nowhere, so rebuilding would lose it.
+    """
+    cls = type(optimizer)
+    signature = inspect.signature(cls).parameters
+    kwargs = {k: v for k, v in optimizer.defaults.items() if k in signature}
+    attributes: dict[str, Any] = {}
+    carried = set(kwargs)
+    if is_bitsandbytes_optimizer(optimizer):
+        settings = vars(optimizer.args)
+        if "args" in signature:
+            kwargs["args"] = optimizer.args
+            carried |= {"args", *settings}
+        else:  # e.g. AdEMAMix: the settings are plain arguments
+            kwargs.update({k: v for k, v in settings.items() if k in signature})
+            carried |= set(settings)
+        attributes["is_paged"] = optimizer.is_paged
+        # One set of quantization maps for all, as in the one optimizer (not 2 KiB per parameter).
+        attributes["name2qmap"] = optimizer.name2qmap
+        carried |= {"is_paged", *_BNB_UNREAD}
+    missing = [n for n, p in signature.items() if n != "params" and p.kind is not p.VAR_KEYWORD and n not in carried]
+    if missing:
+        raise ValueError(
+            f"StepInBackward rebuilds {cls.__name__} per parameter from `optimizer.defaults` (and bitsandbytes'"
+            f" `optimizer.args`), which lack {missing}: those settings would be lost. Use torch.optim.AdamW or"
+            " bitsandbytes' AdamW8bit, PagedAdamW8bit or PagedAdamW."
+        )
+    return kwargs, attributes
+
+
+def _refuse_bnb_overrides(optimizer: torch.optim.Optimizer) -> None:
+    # bitsandbytes' per-parameter overrides (GlobalOptimManager) are also looked up by the position
+    # (group, index) in the optimizer, which differs in a one-parameter optimizer.
+    manager = getattr(optimizer, "mng", None)
+    if manager is None:
+        return
+    params = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    overridden = params & (set(manager.pid2config) | {id(getattr(m, a)) for m, a, _ in manager.module_weight_config_triple})
+    if overridden:
+        raise ValueError(
+            "StepInBackward: bitsandbytes' GlobalOptimManager overrides settings of some parameters; they are"
+            " keyed by the parameter's position in the optimizer, which the per-parameter optimizers change."
+            " Drop the overrides or step after backward (remove OptimizerInBackward)."
+        )
+
+
 class StepInBackward:
     """Step each parameter as soon as its gradient is complete, then free that gradient.
 
-    One optimizer of the same class per parameter is built from ``optimizer`` (its constructor
-    defaults and the hyperparameters of the parameter's group) and stepped from the parameter's
-    post-accumulate-grad hook. At most one parameter's gradient is alive at a time, instead of
-    all of them between backward and ``optimizer.step()``. ``optimizer`` itself keeps no state:
-    its parameters never have a gradient when it steps, so stepping it does nothing. Learning
+    One optimizer of the same class per parameter is built from ``optimizer`` (every constructor
+    setting, see below, and the hyperparameters of the parameter's group) and stepped from the
+    parameter's post-accumulate-grad hook. At most one parameter's gradient is alive at a time,
+    instead of all of them between backward and ``optimizer.step()``. ``optimizer`` itself keeps no
+    state: its parameters never have a gradient when it steps, so stepping it does nothing. Learning
     rate changes on ``optimizer`` (schedulers) are copied to the per-parameter optimizers before
     every step.
 
+    Every optimizer whose state is per parameter gives the same weights this way as stepping after
+    backward: torch's (Adam, AdamW, ...; the settings are in ``optimizer.defaults``) and
+    bitsandbytes' (AdamW8bit, PagedAdamW8bit, PagedAdamW, ...; the 8-bit settings are in
+    ``optimizer.args``, passed to the constructor as its ``args``, and paging in
+    ``optimizer.is_paged``, copied, so a paged optimizer that :func:`page_where_supported` made run
+    unpaged stays unpaged). bitsandbytes' state is one set of tensors per parameter either way (a
+    parameter under ``min_8bit_size`` elements gets 32-bit state in both).
+
     Limits, by construction: no gradient accumulation (each backward steps), no clipping by the
-    global gradient norm (no moment where all gradients exist), a single device (no reduction of
-    gradients across ranks before the step).
+    global gradient norm (no moment where all gradients exist; bitsandbytes' ``max_unorm`` clips
+    each parameter's update by its own norm and is kept), a single device (no reduction of
+    gradients across ranks before the step; FSDP2's sharded DTensor parameters are refused).
 
     Args:
         module: the model whose parameters ``optimizer`` holds (names key the state dict).
-        optimizer: the optimizer as configured; its class must take every constructor argument
-            from ``optimizer.defaults`` (torch.optim optimizers do).
+        optimizer: the optimizer as configured, before its first step.
+
+    Raises:
+        ValueError: a constructor setting of ``optimizer`` cannot be recovered, a parameter is
+            sharded (DTensor) or not in ``module``, or bitsandbytes overrides a parameter's settings.
     """
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         cls = type(optimizer)
-        signature = inspect.signature(cls)
-        missing = [
-            n for n, p in signature.parameters.items()
-            if n != "params" and p.kind is not p.VAR_KEYWORD and n not in optimizer.defaults
-        ]
-        if missing:
-            raise ValueError(
-                f"StepInBackward rebuilds {cls.__name__} per parameter from `optimizer.defaults`, which lacks "
-                f"{missing}: those settings would be lost. Use a torch.optim optimizer (e.g. torch.optim.AdamW)."
-            )
-        kwargs = {k: v for k, v in optimizer.defaults.items() if k in signature.parameters}
+        kwargs, attributes = _rebuild_arguments(optimizer)
+        _refuse_bnb_overrides(optimizer)
         names = {id(p): n for n, p in module.named_parameters()}
         self._template = optimizer
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
@@ -175,6 +240,8 @@ class StepInBackward:
                 if id(param) not in names:
                     raise ValueError("StepInBackward: the optimizer holds a parameter that is not in the module")
                 per_param = cls([{"params": [param], **_group_hyperparameters(group)}], **kwargs)
+                for attribute, value in attributes.items():  # before any state exists
+                    setattr(per_param, attribute, value)
                 self.optimizers[names[id(param)]] = per_param
                 self._handles.append(param.register_post_accumulate_grad_hook(self._hook(per_param, group)))
 

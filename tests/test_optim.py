@@ -113,12 +113,113 @@ def test_step_in_backward_equals_adamw_and_frees_gradients() -> None:
     assert all(p.grad is not None for p in model.parameters())  # hooks gone: normal accumulation
 
 
-def test_step_in_backward_refuses_optimizers_with_settings_outside_defaults() -> None:
+def test_step_in_backward_refuses_parameters_outside_the_module() -> None:
     model = nn.Linear(4, 4)
-    with pytest.raises(ValueError, match="min_8bit_size"):
-        StepInBackward(model, bnb.optim.AdamW8bit(model.parameters()))
     with pytest.raises(ValueError, match="not in the module"):
         StepInBackward(model, torch.optim.AdamW([nn.Parameter(torch.zeros(2))]))
+
+
+# -- step in backward with bitsandbytes' optimizers ----------------------------------------------
+# min_8bit_size=40,000 splits the tiny Llama: q/o projections, MLP and embeddings (65,536 values and
+# more) get 8-bit state; k/v projections (32,768) and norms get 32-bit state, in both runs.
+_BNB_IN_BACKWARD = {
+    "AdamW8bit": lambda params: bnb.optim.AdamW8bit(params, lr=2e-3, betas=(0.8, 0.99), eps=1e-6, min_8bit_size=40_000),
+    "PagedAdamW8bit": lambda params: bnb.optim.PagedAdamW8bit(params, lr=2e-3, betas=(0.8, 0.99), min_8bit_size=40_000),
+    "PagedAdamW": lambda params: bnb.optim.PagedAdamW(params, lr=2e-3, weight_decay=0.1),
+}
+
+
+def _bnb_after_backward(make, batches):
+    model = tiny_llama(layers=2)
+    optimizer = make(param_groups(model, 0.05))
+    page_where_supported(optimizer)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
+    for ids in batches:
+        lm_loss(model, ids).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+    return model, optimizer
+
+
+@pytest.mark.parametrize("name", sorted(_BNB_IN_BACKWARD))
+def test_step_in_backward_with_bitsandbytes_equals_its_step_after_backward(name: str) -> None:
+    batches = token_batches(3, seq=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # paged on CPU: runs unpaged, said once
+        reference, reference_optimizer = _bnb_after_backward(_BNB_IN_BACKWARD[name], batches)
+        model = tiny_llama(layers=2)
+        template = _BNB_IN_BACKWARD[name](param_groups(model, 0.05))
+        page_where_supported(template)  # the recipe's order: the paging decision, then the stepper
+        schedule = torch.optim.lr_scheduler.LambdaLR(template, lambda step: 1.0 / (step + 1))
+        stepper = StepInBackward(model, template)
+        for ids in batches:
+            lm_loss(model, ids).backward()
+            assert all(p.grad is None for p in model.parameters())
+            template.step()
+            schedule.step()
+    assert not template.state
+    # Every setting reached the per-parameter optimizers: class, args, paging decision, group values.
+    for opt in stepper.optimizers.values():
+        assert type(opt) is type(template) and opt.is_paged is False
+        assert vars(opt.args) == vars(template.args)
+        assert opt.param_groups[0]["betas"] == template.param_groups[0]["betas"]
+    # bitsandbytes' state is per parameter: the same tensors whether one optimizer holds them all or not.
+    by_name = dict(reference.named_parameters())
+    dtypes = set()
+    for pname, opt in stepper.optimizers.items():
+        (state,) = opt.state.values()
+        expected = reference_optimizer.state[by_name[pname]]
+        assert state.keys() == expected.keys() and state["step"] == expected["step"] == 3
+        for key in ("state1", "state2", "absmax1", "absmax2"):
+            if key in state:
+                torch.testing.assert_close(state[key], expected[key], rtol=0, atol=1 if key.startswith("state") and state[key].dtype == torch.uint8 else 1e-6)
+        dtypes.add(state["state1"].dtype)
+    assert dtypes == ({torch.uint8, torch.float32} if name.endswith("8bit") else {torch.float32})
+    for pname, param in model.named_parameters():
+        torch.testing.assert_close(param, by_name[pname], rtol=1e-5, atol=1e-6, msg=pname)
+
+
+def test_step_in_backward_carries_the_paging_decision() -> None:
+    model = nn.Linear(4, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        stepper = StepInBackward(model, bnb.optim.PagedAdamW8bit(model.parameters()))
+        unpaged = bnb.optim.PagedAdamW8bit(model.parameters())
+        page_where_supported(unpaged)  # no CUDA here: runs unpaged
+        assert all(o.is_paged for o in stepper.optimizers.values())
+        stepper.remove()
+        assert not any(o.is_paged for o in StepInBackward(model, unpaged).optimizers.values())
+
+
+def test_step_in_backward_keeps_one_gradient_alive_at_a_time() -> None:
+    model = tiny_llama(layers=2)
+    params = list(model.parameters())
+    alive: list[tuple[int, int]] = []  # (bytes of every live gradient, bytes of this parameter's gradient)
+
+    def count(param: torch.Tensor) -> None:
+        alive.append((sum(p.grad.nbytes for p in params if p.grad is not None), param.numel() * param.element_size()))
+
+    for param in params:  # registered first: runs before the step's hook, with the gradient alive
+        param.register_post_accumulate_grad_hook(count)
+    StepInBackward(model, bnb.optim.AdamW8bit(param_groups(model, 0.0)))
+    lm_loss(model, token_batches(1, seq=16)[0]).backward()
+    assert len(alive) == len(params)
+    assert all(live == own for live, own in alive)
+    assert max(live for live, _ in alive) == max(p.numel() * 4 for p in params)  # the embedding's fp32 gradient
+
+
+def test_step_in_backward_refuses_what_it_would_lose() -> None:
+    model = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="bias_correction"):  # LAMB keeps these nowhere
+        StepInBackward(model, bnb.optim.LAMB8bit(model.parameters()))
+    manager = bnb.optim.GlobalOptimManager.get_instance()
+    manager.pid2config[id(model.weight)] = {"optim_bits": 32}
+    try:
+        with pytest.raises(ValueError, match="GlobalOptimManager"):
+            StepInBackward(model, bnb.optim.AdamW8bit(model.parameters()))
+    finally:
+        del manager.pid2config[id(model.weight)]
 
 
 # -- paging: the paged optimizer the platform supports ------------------------------------------

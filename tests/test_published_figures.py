@@ -66,3 +66,21 @@ def test_the_table_is_written_between_the_markers(tmp_path):
     pf.write_into(doc, table)
     assert doc.read_text() == f"before\n{pf.BEGIN}\n{table}{pf.END}\nafter\n"
     assert pf.BEGIN in pf.DOC.read_text() and pf.END in pf.DOC.read_text()  # the doc keeps its markers
+
+
+def test_merging_rows_replaces_or_adds_them_in_setup_order_dated_where_the_day_differs(tmp_path):
+    setups = {s.name: s for s in pf.SETUPS}
+    table = pf.markdown([_row("litgpt-llama2-7b-lora", 0.96), _row("qlora-paper-llama-65b", 0.94, fits_bound=True)],
+                        setups, date="2026-01-01", versions="v")
+    doc = tmp_path / "doc.md"
+    doc.write_text(f"before\n{pf.BEGIN}\n{table}{pf.END}\nafter\n")
+    pf.merge_into(doc, [_row("torchtune-llama3.1-8b-full", 1.01), _row("litgpt-llama2-7b-lora", 0.5)], date="2026-01-02")
+    pf.merge_into(doc, [_row("qlora-paper-llama-65b", 0.9, fits_bound=True)], date="2026-01-01")
+    text = doc.read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    assert [r.split("`")[1] for r in rows] == ["litgpt-llama2-7b-lora", "torchtune-llama3.1-8b-full", "qlora-paper-llama-65b"]
+    assert "| 10.65 GB (2026-01-02) | 0.50 |" in rows[0] and "(2026-01-02) | 1.01 |" in rows[1]
+    assert "GiB | 0.90 (fits" in rows[2] and "2026-01" not in rows[2]
+    bullets = [line.split("`")[1] for line in text.splitlines() if line.startswith("- `")]
+    assert bullets == ["litgpt-llama2-7b-lora", "torchtune-llama3.1-8b-full", "qlora-paper-llama-65b"]
+    assert text.startswith(f"before\n{pf.BEGIN}\nEstimated 2026-01-01") and text.endswith(f"{pf.END}\nafter\n")

@@ -17,14 +17,22 @@ class OptimizerInBackward(Callback):
     """Step every parameter from its post-accumulate-grad hook (single-device full fine-tuning).
 
     The optimizer configured by the module (``configure_optimizers``) is used as the template:
-    each trainable parameter gets its own optimizer of the same class and hyperparameters (see
+    each trainable parameter gets its own optimizer of the same class and settings (see
     :class:`lightning_mem.optim.StepInBackward`), and each gradient is freed right after its
     parameter's step. Lightning still calls the configured optimizer, which then has no
-    gradients and does nothing; LR schedulers attached to it keep working.
+    gradients and does nothing; LR schedulers attached to it keep working. torch's optimizers and
+    bitsandbytes' (``AdamW8bit``, ``PagedAdamW8bit``, ``PagedAdamW``: every 8-bit setting and the
+    paging decision the recipe made for the platform are kept) give the weights of the step after
+    backward.
+
+    Gradient clipping: none. Clipping by the global norm needs every gradient at once, which is
+    what this callback avoids (torchtune's rule too), so ``trainer.gradient_clip_val`` is refused;
+    bitsandbytes' ``max_unorm`` (each parameter's update clipped by its own norm) is kept.
 
     Checked at setup, with an error naming the key to change: ``accumulate_grad_batches`` must be
-    1, ``gradient_clip_val`` unset, a single device, no fp16 gradient scaler, one optimizer. In
-    manual optimization, call ``manual_backward`` once per optimizer step.
+    1, ``gradient_clip_val`` unset, a single device (``trainer.strategy``: not FSDP2, whose sharded
+    gradients are reduced across ranks before any step), no fp16 gradient scaler, one optimizer.
+    In manual optimization, call ``manual_backward`` once per optimizer step.
 
     The per-parameter optimizer states go into Lightning checkpoints through this callback's
     ``state_dict``.
@@ -55,12 +63,12 @@ class OptimizerInBackward(Callback):
         if trainer.gradient_clip_val:
             problems.append(
                 f"trainer.gradient_clip_val={trainer.gradient_clip_val}: gradients are freed one by one, so "
-                "there is never a global norm to clip by; set it to null"
+                "there is never a global norm to clip by; set it to null (no clipping with the step in backward)"
             )
         if trainer.world_size > 1 or not isinstance(trainer.strategy, SingleDeviceStrategy):
             problems.append(
-                f"strategy {type(trainer.strategy).__name__} on {trainer.world_size} process(es): gradients "
-                "would need reducing across ranks before the step; use a single device"
+                f"trainer.strategy={type(trainer.strategy).__name__} on {trainer.world_size} process(es): "
+                "gradients would need reducing across ranks before the step; use a single device (strategy: auto)"
             )
         if getattr(trainer.precision_plugin, "scaler", None) is not None:
             problems.append(

@@ -529,6 +529,7 @@ class PhaseRecorder(Callback):
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         self.module = pl_module
         self.optimizers = list(trainer.strategy.optimizers)
+        self._callbacks = list(trainer.callbacks)
         for opt in self.optimizers:
             opt.register_step_post_hook(lambda o, *_: self._stepped(o))
         for p in pl_module.parameters():
@@ -626,8 +627,16 @@ class PhaseRecorder(Callback):
                 ledger.retag(t, "weights")
             if isinstance(t, nn.Parameter) and t.grad is not None and ledger.category_of(t.grad) != HOST:
                 ledger.retag(t.grad, "gradients")
-        for opt in self.optimizers:
+        for opt in [*self.optimizers, *self._in_backward_optimizers()]:
             self._retag_optimizer(opt)
+
+    def _in_backward_optimizers(self) -> list:
+        # OptimizerInBackward steps one optimizer per parameter (built in its on_fit_start, stepped in
+        # backward, not by Lightning): their state is optimizer state too.
+        from lightning_mem.callbacks.optimizer_in_backward import OptimizerInBackward
+
+        return [opt for cb in getattr(self, "_callbacks", ()) if isinstance(cb, OptimizerInBackward) and cb.stepper
+                for opt in cb.stepper.optimizers.values()]
 
     def _retag_optimizer(self, opt: Any) -> None:
         for state in opt.state.values():

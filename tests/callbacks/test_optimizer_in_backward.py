@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import warnings
+
+import bitsandbytes as bnb
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
@@ -28,6 +31,23 @@ def test_same_weights_as_adamw_and_no_gradient_survives_backward(tmp_path) -> No
     assert probe.alive == [0, 0, 0]
 
 
+def _paged_adamw8bit(params):
+    return bnb.optim.PagedAdamW8bit(params, lr=1e-3, weight_decay=0.01, min_8bit_size=40_000)
+
+
+def test_bitsandbytes_paged_8bit_adamw_gives_the_weights_of_its_step_after_backward(tmp_path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # paged on CPU: bitsandbytes runs it unpaged and says so
+        baseline = TinyLM(optimizer=_paged_adamw8bit)
+        fit(baseline, tmp_path / "baseline")
+        module, probe, callback = TinyLM(optimizer=_paged_adamw8bit), _GradsAfterBackward(), OptimizerInBackward()
+        fit(module, tmp_path / "in_backward", callbacks=[callback, probe])
+    assert probe.alive == [0, 0, 0]
+    assert all(type(o) is bnb.optim.PagedAdamW8bit for o in callback.stepper.optimizers.values())
+    for (name, p), q in zip(module.named_parameters(), baseline.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_checkpoint_carries_the_per_parameter_state(tmp_path) -> None:
     first = OptimizerInBackward()
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
@@ -49,7 +69,7 @@ def test_checkpoint_carries_the_per_parameter_state(tmp_path) -> None:
     [
         (dict(accumulate_grad_batches=2), "accumulate_grad_batches=2"),
         (dict(gradient_clip_val=1.0), "gradient_clip_val=1.0"),
-        (dict(strategy="ddp"), "DDPStrategy on 1 process"),
+        (dict(strategy="ddp"), "trainer.strategy=DDPStrategy on 1 process"),
     ],
     ids=["accumulation", "clipping", "ddp"],
 )
@@ -57,3 +77,19 @@ def test_limits_fail_early_with_the_key_to_change(tmp_path, trainer_kwargs: dict
     module = TinyLM()
     with pytest.raises(ValueError, match=message):
         fit(module, tmp_path, callbacks=[OptimizerInBackward()], **trainer_kwargs)
+
+
+def test_the_estimate_counts_the_per_parameter_state_as_optimizer_state_and_no_gradients_at_the_step() -> None:
+    from pathlib import Path
+
+    from lightning_mem.estimate import estimate
+
+    config = Path(__file__).resolve().parents[2] / "configs" / "sft" / "tiny_cpu.yaml"
+    args = ["--trainer.gradient_clip_val=null", "--model.optimizer=bitsandbytes.optim.PagedAdamW8bit"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        after = estimate(config, args, world_size=1).phases[0].device_breakdown_bytes
+        fused = estimate(config, [*args, "--trainer.callbacks+=lightning_mem.callbacks.OptimizerInBackward"],
+                         world_size=1).phases[0].device_breakdown_bytes
+    assert fused["optimizer_state"] == after["optimizer_state"] > 0  # the same bitsandbytes state, tagged as such
+    assert fused["gradients"] < after["gradients"]  # one gradient at a time instead of all at the step
