@@ -48,6 +48,7 @@ from typing_extensions import override
 
 from lightning_mem.assets import ASSETS, HUB_ASSETS
 from lightning_mem.estimate.tracker import HOST, MemoryLedger, TrackingMode
+from lightning_mem.offload import local_tensor
 from lightning_mem.step_io import StepIO
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
@@ -327,6 +328,31 @@ def sharding_of(strategy: Any) -> Sharding:
     return Sharding(name)
 
 
+#: bitsandbytes' state buffers that a paged optimizer makes in CUDA managed memory, and the size from
+#: which it does (``Optimizer8bit.get_state_buffer``: smaller tensors get ordinary device buffers).
+PAGED_STATE_KEYS = ("state1", "state2")
+PAGED_MIN_NUMEL = 100_000
+
+
+def pages_on_a_gpu(optimizer: Any) -> bool:
+    """Whether ``optimizer`` keeps paged state on the GPU tier the estimate is for.
+
+    The estimate runs on a CPU, where :func:`lightning_mem.optim.page_where_supported` runs a paged
+    optimizer unpaged (``is_paged`` cleared); the class still says what the config asked for. A GPU
+    tier is taken to page (Linux on a data-centre GPU has concurrent managed access); where it does
+    not, the run goes unpaged and holds the state on the device, which the estimate then understates
+    by the paged bytes its notes give.
+    """
+    if getattr(optimizer, "is_paged", False):
+        return True
+    cls = type(optimizer)
+    return cls.__module__.startswith("bitsandbytes") and cls.__name__.startswith("Paged")
+
+
+def is_paged_buffer(param: torch.Tensor, key: str) -> bool:
+    return key in PAGED_STATE_KEYS and param.numel() >= PAGED_MIN_NUMEL
+
+
 def shard_per_rank(breakdown: dict[str, int], host: int, sharding: Sharding, world_size: int,
                    unit_bytes: tuple[int, int], grad_element_size: int = 4, *, gathered: bool = True,
                    in_flight: tuple[int, int] | None = None,
@@ -515,6 +541,10 @@ class PhaseRecorder(Callback):
         self._depth = 0  # open phases: nested ones (an engine's sleep inside the rollout) are part of theirs
         self._shape = ""
         self._phase: str | None = None  # the phase a step reported, while it runs
+        #: Paged optimizer state (bitsandbytes' managed buffers) per parameter, and the largest one:
+        #: the pages the update of one parameter needs on the device (see :func:`pages_on_a_gpu`).
+        self.paged_bytes: dict[int, int] = {}
+        self.paged_working_set = 0
 
     @property
     def phases(self) -> list[PhaseEstimate]:
@@ -591,6 +621,11 @@ class PhaseRecorder(Callback):
             breakdown, host = shard_per_rank(ledger.peak_breakdown, ledger.peak_host_bytes, self.sharding,
                                              self.world_size, self._units, self._grad_size,
                                              generating=name == "rollout")
+        if name == "train" and self.paged_working_set:
+            # The parameter being updated has its paged state on the device (bitsandbytes prefetches
+            # it before the update); one parameter's, whole or this rank's shard of it.
+            share = self.world_size if "optimizer_state" in self.sharding.shard else 1
+            breakdown = {**breakdown, "optimizer_state": breakdown["optimizer_state"] + math.ceil(self.paged_working_set / share)}
         new = PhaseEstimate(name, sum(breakdown.values()), breakdown, host, shape)
         old = self.peaks.get(name)
         if old is None or new.device_peak_bytes > old.device_peak_bytes:
@@ -639,10 +674,23 @@ class PhaseRecorder(Callback):
                 for opt in cb.stepper.optimizers.values()]
 
     def _retag_optimizer(self, opt: Any) -> None:
-        for state in opt.state.values():
-            for value in state.values():
-                if isinstance(value, torch.Tensor) and self.ledger.category_of(value) != HOST:
+        paged = pages_on_a_gpu(opt)
+        for param, state in opt.state.items():
+            managed = 0
+            for key, value in state.items():
+                if not isinstance(value, torch.Tensor) or self.ledger.category_of(value) == HOST:
+                    continue
+                if paged and is_paged_buffer(param, key):
+                    # CUDA managed memory: outside the caching allocator's count, and the driver moves
+                    # its pages to the host when the card runs short. Counted on the host (its worst
+                    # case); what must be resident is one parameter's pages at its update, below.
+                    self.ledger.retag(value, HOST)
+                    managed += local_tensor(value).untyped_storage().nbytes()
+                else:
                     self.ledger.retag(value, "optimizer_state")
+            if paged:
+                self.paged_bytes[id(param)] = managed
+                self.paged_working_set = max(self.paged_working_set, managed)
 
     def unit_bytes(self) -> tuple[int, int]:
         """(largest decoder block, everything outside the blocks) parameter bytes, over all models."""
@@ -1471,6 +1519,11 @@ def estimate(
                         if run.sharding.unit_gradients else ""))
     # Techniques the fake-tensor fit runs differently from the real one (compiled blocks run eager).
     notes += [cb.estimate_note for cb in init.trainer.callbacks or [] if getattr(cb, "estimate_note", None)]
+    if run.paged_bytes:
+        notes.append(f"paged optimizer state: {sum(run.paged_bytes.values()) / 2**30:.2f} GiB in CUDA managed memory, "
+                     "counted on the host (the driver moves its pages there when the card runs short; "
+                     "max_memory_allocated does not count it); the train phase counts the largest parameter's "
+                     f"{run.paged_working_set / 2**30:.2f} GiB on the device, its pages at its update")
     tp, cp = run.sharding.tensor_parallel, run.sharding.context_parallel
     if tp * cp > 1:
         split = "activations" + (f" 1/{cp * tp}" if run.sharding.sequence_parallel else f" 1/{cp}")
