@@ -212,8 +212,10 @@ class _FusedScores(torch.autograd.Function):
       entropy bonus): the logits are recomputed in vocabulary slices over all rows from the saved
       compute-dtype weight and log-sum-exp, and each slice of the weight gradient is written once.
 
-    Either way the weight is cast once and its gradient is materialized once (no per-chunk cast of
-    a ``[vocab, hidden]`` gradient, no per-chunk fp32 add into ``.grad``).
+    Either way the weight is cast once per call, and in one chunk (or recomputed) its gradient
+    is materialized once: no per-chunk cast of a ``[vocab, hidden]`` gradient, no per-chunk fp32
+    add into ``.grad``. (Forced ``eager`` over several chunks accumulates one fp32 buffer, one
+    add per chunk; :func:`fused_logprobs` does not choose that by itself.)
     """
 
     @staticmethod
@@ -364,11 +366,14 @@ def fused_logprobs(hidden: Tensor, targets: Tensor, weight: Tensor, bias: Tensor
     """:func:`chunked_logprobs` on an output layer's ``weight`` (and ``bias``) directly.
 
     ``grad_in_forward``: compute the gradients of ``sum(logprobs)`` in the forward (see
-    :class:`_FusedScores`); None: when no entropy is asked for (a cross-entropy loss).
+    :class:`_FusedScores`). None (the default) does so when no entropy is asked for (a
+    cross-entropy loss, whose upstream gradient is uniform) and the positions are one chunk;
+    with several chunks the weight gradient would be accumulated once per chunk, and measured on
+    CPU that costs more than the backward's extra logits product (docs/benchmarks.md).
     """
     rows = rows_per_chunk(chunk_size, hidden.shape[0], weight.shape[0])
     if grad_in_forward is None:
-        grad_in_forward = not with_entropy
+        grad_in_forward = not with_entropy and rows >= hidden.shape[0]
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (hidden, weight, bias))
     logprobs, entropy = _FusedScores.apply(hidden, weight, bias, targets, temperature, rows, with_entropy,
