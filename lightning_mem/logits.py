@@ -169,9 +169,11 @@ def fusable(output_layer: nn.Module) -> bool:
     if output_layer._forward_hooks or output_layer._forward_pre_hooks or output_layer._backward_hooks:
         return False
     for p in output_layer.parameters():
-        if type(p) not in (nn.Parameter, torch.Tensor) or type(p.data) is not torch.Tensor and not _is_fake(p.data):
-            return False
         if hasattr(p, "ds_id"):  # a DeepSpeed ZeRO-3 partition
+            return False
+        if _is_fake(p):  # the estimator's fake tensors stand for plain ones
+            continue
+        if type(p) not in (nn.Parameter, torch.Tensor) or type(p.data) is not torch.Tensor:
             return False
     return True
 
