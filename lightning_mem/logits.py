@@ -8,24 +8,34 @@ logits *inside the model's forward*, chunk by chunk:
 
 - only the **scored positions** (label tokens in SFT, response tokens in PPO) reach the output
   layer: their final hidden states are gathered (``[n, hidden]``) and everything else is skipped;
-- the output layer runs on ``chunk_size`` positions at a time; each chunk's logits are upcast to
-  fp32, divided by the temperature in place, reduced to a log-prob of the target (and optionally
-  the entropy), and freed before the next chunk;
-- with gradients, each chunk is a non-reentrant activation checkpoint: backward **recomputes** that
-  chunk's logits instead of keeping them, so at most one chunk's logits are alive in forward or in
-  backward.
+- the positions run ``chunk_size`` at a time (``"auto"``: from the vocabulary and the number of
+  positions, :func:`rows_per_chunk`); each chunk's logits are upcast to fp32, divided by the
+  temperature, reduced to a log-prob of the target (and optionally the entropy), and freed before
+  the next chunk.
+
+Two ways through the output layer:
+
+- **fused** (:func:`fused_logprobs`), for a plain ``nn.Linear`` head: its weight is read directly,
+  cast to the compute dtype (autocast's) **once per call**, whatever the chunk count, and its
+  gradient is written once. With one chunk and no entropy (SFT's cross-entropy) the gradients are
+  computed in the forward and backward only scales them; otherwise backward recomputes the logits
+  in vocabulary slices from the saved compute-dtype weight. Lightning's bf16-mixed autocast runs
+  with its cast cache off, so calling the head per chunk (and again per recompute) cast the fp32
+  weight twice per chunk and its gradient once per chunk, plus an fp32 add per chunk.
+- **module call**, for any other head (LoRA-wrapped, 4-bit, a DTensor or ZeRO-3 partition, a
+  separately FSDP-sharded layer, a layer with hooks): the layer is called as a module for every
+  chunk, each chunk a non-reentrant activation checkpoint, so whatever a strategy hangs on it
+  works unchanged (ZeRO-3 gathers the weight around each call).
 
 How it reaches inside the forward: the model's output layer (``get_output_embeddings()``) is
 swapped, for the length of one call, for a :class:`ScoredOutputLayer` that returns these per-token
-results in place of logits. The output layer is still *called* as a module for every chunk, so
-whatever a strategy hangs on it works unchanged: FSDP2 has the root unit's parameters (embeddings,
-final norm, output layer) gathered during the forward and gathers them again before the backward
-that reaches them; DeepSpeed ZeRO-3 gathers the layer's weight around each call; a LoRA-wrapped or
-4-bit model keeps its own (possibly adapted) output layer. Because the results are the model's
-forward output, a strategy's backward hooks on that output fire as they would for logits.
+results in place of logits. FSDP2 has the root unit's parameters (embeddings, final norm, output
+layer) unsharded plain tensors during the forward and gathers them again before the backward that
+reaches them, so the fused path reads them there. Because the results are the model's forward
+output, a strategy's backward hooks on that output fire as they would for logits.
 
-``chunk_size=None`` (or 0) runs all scored positions as one chunk with ordinary autograd (the
-logits of the scored positions are kept for backward): the unchunked reference path.
+``chunk_size=None`` (or 0) runs all scored positions as one chunk: the unchunked path (through a
+module call, plain autograd with the logits kept for backward).
 """
 
 from __future__ import annotations
