@@ -366,8 +366,10 @@ def _recomputed_grads(hidden, w, bias, targets, lse, entropy, g_lp, g_ent, tempe
             grad = grad.to(dtype)
             if gh is not None:
                 gh.add_(grad @ w[start:stop])
-            if gw is not None:
-                gw[start:stop] = grad.T @ h
+            if gw is not None and gw.dtype == dtype:
+                torch.mm(grad.T, h, out=gw[start:stop])  # straight into the gradient: no copy
+            elif gw is not None:
+                gw[start:stop] = grad.T @ h  # the slice's share of the one cast to the weight's dtype
             del grad
     return (gh.to(hidden.dtype) if gh is not None else None), gw, gb
 
