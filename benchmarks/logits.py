@@ -118,7 +118,8 @@ def sft_tokens_per_second(chunk_size: int | None, steps: int, device: str) -> fl
     return tokens / sum(times)
 
 
-def step_times(tokens: int, chunks: list[int], rounds: int, steps: int, layers: int | None = None) -> dict[str, float]:
+def step_times(tokens: int, chunks: list[int], rounds: int, steps: int, layers: int | None = None,
+               cpu_time: bool = False) -> dict[str, float]:
     """Median seconds per forward + backward for each variant (see the module's docstring)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -154,16 +155,17 @@ def step_times(tokens: int, chunks: list[int], rounds: int, steps: int, layers: 
         label = f"{-(-tokens // rows)} chunk{'s' if rows < tokens else ''} of {rows}"
         variants[f"fused, {label}"] = lambda c=chunk: scored(c)
         variants[f"module call, {label}"] = lambda c=chunk: module_call(c)
+    clock = time.process_time if cpu_time else time.perf_counter
     times: dict[str, list[float]] = {name: [] for name in variants}
     for index in range(rounds):
         for name, run in variants.items():
-            for step in range(steps + 1):
+            for step in range(steps + (index == 0)):
                 model.zero_grad(set_to_none=True)
-                start = time.perf_counter()
+                start = clock()
                 with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):  # Lightning's bf16-mixed
                     run()
-                if step:  # the first of each round is a warm-up
-                    times[name].append(time.perf_counter() - start)
+                if index or step:  # each variant's first step is a warm-up
+                    times[name].append(clock() - start)
         print(f"round {index + 1}/{rounds}: " + ", ".join(f"{k} {statistics.median(v):.2f} s" for k, v in times.items()),
               file=sys.stderr, flush=True)
     return {name: statistics.median(v) for name, v in times.items()}
@@ -180,13 +182,21 @@ def main() -> None:
     parser.add_argument("--chunks", default="0,32,16", help="chunk sizes for --step (0: unchunked)")
     parser.add_argument("--step-repeats", type=int, default=2, help="timed steps per variant and round for --step")
     parser.add_argument("--layers", type=int, default=None, help="decoder blocks for --step (default: the config's 24)")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="--step times the process's CPU time (steadier than wall time on a loaded machine;"
+                             " use with --threads 1)")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.step:
         medians = step_times(args.tokens, [int(c) for c in args.chunks.split(",")], args.rounds, args.step_repeats,
-                             args.layers)
+                             args.layers, args.cpu_time)
         bare = medians["bare loop (full logits)"]
         blocks = f", {args.layers} of 24 blocks" if args.layers else ""
-        print(f"| Qwen2.5-0.5B arch.{blocks}, {args.tokens} tokens, bf16 autocast | forward + backward | vs bare loop |"
+        what = "CPU time" if args.cpu_time else "wall time"
+        print(f"| Qwen2.5-0.5B arch.{blocks}, {args.tokens} tokens, bf16 autocast | forward + backward ({what}) |"
+              " vs bare loop |"
               "\n|---|---|---|")
         for name, seconds in medians.items():
             print(f"| {name} | {seconds:.2f} s | {seconds / bare:.3f} |")
