@@ -217,9 +217,11 @@ class _FusedScores(torch.autograd.Function):
 
     - **in the forward** (``eager``): each chunk's gradient of ``sum(logprobs)`` w.r.t. its hidden
       rows and the weight is computed while its logits exist. That is the gradient whenever the
-      upstream gradient is the same for every token (a sum or a mean, as in SFT's loss): backward
-      checks that structurally (a gradient expanded from a scalar has stride 0, no host sync) and
-      only scales the stored gradients by it. No chunk runs twice.
+      upstream gradient is the same for every token (a sum times a scale, as in SFT's loss):
+      backward checks that structurally (a gradient expanded from a scalar has stride 0, no host
+      sync; ``mean()``'s backward divides it into a new tensor and is not recognized) and only
+      scales the stored gradients by it. No chunk runs twice. Anything else falls back to the
+      recompute below: always the exact gradient, at worst one logits product more.
     - **recomputed in the backward** otherwise (per-token upstream gradients: PPO's ratio, an
       entropy bonus): the logits are recomputed in vocabulary slices over all rows from the saved
       compute-dtype weight and log-sum-exp, and each slice of the weight gradient is written once.
