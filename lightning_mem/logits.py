@@ -245,11 +245,9 @@ class _FusedScores(torch.autograd.Function):
             want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
             want_b = bias is not None and ctx.needs_input_grad[2]
             eager = eager and n > 0 and (want_h or want_w or want_b)
-            dh = dw = db = None
+            dh = dw = db = dl = None
             if eager:
                 dh = hidden.new_empty(hidden.shape, dtype=dtype) if want_h else None
-                # One chunk: the compute-dtype product itself (cast to the weight's dtype in
-                # backward, as F.linear's gradient would be); several: one fp32 accumulator.
                 multi = n > rows
                 db = weight.new_zeros(vocab, dtype=torch.float32) if want_b else None
             for start in range(0, n, rows):
@@ -277,18 +275,23 @@ class _FusedScores(torch.autograd.Function):
                 grad = grad.to(dtype)
                 if dh is not None:
                     torch.mm(grad, w, out=dh[start:stop])
-                if want_w:
+                if want_w and not multi:
+                    # One chunk: its (compute-dtype) logits gradient is kept, and backward makes the
+                    # weight gradient from it with the upstream scale folded into the small hidden
+                    # rows: one product written once in the weight's dtype, as F.linear's backward.
+                    dl = grad
+                elif want_w:
                     part = grad.T @ h
                     if dw is None:
-                        dw = part.float() if multi else part  # several chunks: one fp32 accumulator
+                        dw = part.float()  # forced over several chunks: one fp32 accumulator
                     else:
-                        dw.add_(part)  # accumulated in fp32 by the add itself: no cast pass of its own
+                        dw.add_(part)
                 del grad, p
         if not with_entropy or not entropy_grad:
             ctx.mark_non_differentiable(entropy)
         ctx.temperature, ctx.dtype = temperature, dtype
         ctx.entropy_grad = with_entropy and entropy_grad
-        ctx.eager = (dh, dw, db) if eager else None
+        ctx.eager = (dh, dw, db, dl) if eager else None
         # The compute-dtype copy is kept only for a backward that recomputes (when eager, a
         # non-uniform upstream gradient casts the weight again: correct, if slower).
         saved_w = None if eager else (w if w is not weight else None)
@@ -305,9 +308,14 @@ class _FusedScores(torch.autograd.Function):
             g_ent = None  # a metric (or not asked for): zeros at most
         if eager is not None and g_ent is None and _uniform(g_lp):
             scale = g_lp.reshape(-1)[0]
-            dh, dw, db = eager
+            dh, dw, db, dl = eager
             gh = torch.mul(dh, scale).to(hidden.dtype) if want_h else None
-            gw = _scaled(dw, scale, weight.dtype) if want_w else None
+            gw = None
+            if want_w and dl is not None:
+                with torch.autocast(weight.device.type, enabled=False):
+                    gw = (dl.T @ torch.mul(hidden, scale).to(ctx.dtype)).to(weight.dtype)
+            elif want_w:
+                gw = _scaled(dw, scale, weight.dtype)
             gb = _scaled(db, scale, bias.dtype) if want_b else None
             return gh, gw, gb, None, None, None, None, None, None
         del eager
