@@ -215,8 +215,10 @@ class _FusedScores(torch.autograd.Function):
 
     Forward runs token chunks from one compute-dtype copy of the weight. Two ways to the gradients:
 
-    - **in the forward** (``eager``): each chunk's gradient of ``sum(logprobs)`` w.r.t. its hidden
-      rows and the weight is computed while its logits exist. That is the gradient whenever the
+    - **in the forward** (``eager``): the gradient of ``sum(logprobs)`` w.r.t. the logits and the
+      hidden rows is computed while the logits exist; the logits gradient (one chunk, compute
+      dtype) is kept, and backward makes the weight's from it in one product, the upstream scale
+      folded into the hidden rows. That is the gradient whenever the
       upstream gradient is the same for every token (a sum times a scale, as in SFT's loss):
       backward checks that structurally (a gradient expanded from a scalar has stride 0, no host
       sync; ``mean()``'s backward divides it into a new tensor and is not recognized) and only
