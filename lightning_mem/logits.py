@@ -8,24 +8,34 @@ logits *inside the model's forward*, chunk by chunk:
 
 - only the **scored positions** (label tokens in SFT, response tokens in PPO) reach the output
   layer: their final hidden states are gathered (``[n, hidden]``) and everything else is skipped;
-- the output layer runs on ``chunk_size`` positions at a time; each chunk's logits are upcast to
-  fp32, divided by the temperature in place, reduced to a log-prob of the target (and optionally
-  the entropy), and freed before the next chunk;
-- with gradients, each chunk is a non-reentrant activation checkpoint: backward **recomputes** that
-  chunk's logits instead of keeping them, so at most one chunk's logits are alive in forward or in
-  backward.
+- the positions run ``chunk_size`` at a time (``"auto"``: from the vocabulary and the number of
+  positions, :func:`rows_per_chunk`); each chunk's logits are upcast to fp32, divided by the
+  temperature, reduced to a log-prob of the target (and optionally the entropy), and freed before
+  the next chunk.
+
+Two ways through the output layer:
+
+- **fused** (:func:`fused_logprobs`), for a plain ``nn.Linear`` head: its weight is read directly,
+  cast to the compute dtype (autocast's) **once per call**, whatever the chunk count, and its
+  gradient is written once. With one chunk and no entropy (SFT's cross-entropy) the gradients are
+  computed in the forward and backward only scales them; otherwise backward recomputes the logits
+  in vocabulary slices from the saved compute-dtype weight. Lightning's bf16-mixed autocast runs
+  with its cast cache off, so calling the head per chunk (and again per recompute) cast the fp32
+  weight twice per chunk and its gradient once per chunk, plus an fp32 add per chunk.
+- **module call**, for any other head (LoRA-wrapped, 4-bit, a DTensor or ZeRO-3 partition, a
+  separately FSDP-sharded layer, a layer with hooks): the layer is called as a module for every
+  chunk, each chunk a non-reentrant activation checkpoint, so whatever a strategy hangs on it
+  works unchanged (ZeRO-3 gathers the weight around each call).
 
 How it reaches inside the forward: the model's output layer (``get_output_embeddings()``) is
 swapped, for the length of one call, for a :class:`ScoredOutputLayer` that returns these per-token
-results in place of logits. The output layer is still *called* as a module for every chunk, so
-whatever a strategy hangs on it works unchanged: FSDP2 has the root unit's parameters (embeddings,
-final norm, output layer) gathered during the forward and gathers them again before the backward
-that reaches them; DeepSpeed ZeRO-3 gathers the layer's weight around each call; a LoRA-wrapped or
-4-bit model keeps its own (possibly adapted) output layer. Because the results are the model's
-forward output, a strategy's backward hooks on that output fire as they would for logits.
+results in place of logits. FSDP2 has the root unit's parameters (embeddings, final norm, output
+layer) unsharded plain tensors during the forward and gathers them again before the backward that
+reaches them, so the fused path reads them there. Because the results are the model's forward
+output, a strategy's backward hooks on that output fire as they would for logits.
 
-``chunk_size=None`` (or 0) runs all scored positions as one chunk with ordinary autograd (the
-logits of the scored positions are kept for backward): the unchunked reference path.
+``chunk_size=None`` (or 0) runs all scored positions as one chunk: the unchunked path (through a
+module call, plain autograd with the logits kept for backward).
 """
 
 from __future__ import annotations
@@ -59,22 +69,33 @@ def chunked_logprobs(
     targets: Tensor,
     output_layer: nn.Module,
     *,
-    chunk_size: int | None = 512,
+    chunk_size: int | str | None = "auto",
     temperature: float = 1.0,
     with_entropy: bool = False,
     entropy_grad: bool = True,
+    grad_in_forward: bool | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """``(logprobs [n], entropy [n] or None)`` of ``targets`` given final hidden states ``[n, H]``.
 
     ``entropy_grad=False`` computes the entropy outside the autograd graph (a metric).
+    ``chunk_size``: see :func:`rows_per_chunk`. A plain ``nn.Linear`` output layer takes the fused
+    path (:func:`fused_logprobs`, ``grad_in_forward`` as there); any other is called as a module,
+    a chunk at a time, each chunk an activation checkpoint.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    if fusable(output_layer):
+        return fused_logprobs(hidden, targets, output_layer.weight, output_layer.bias, chunk_size=chunk_size,
+                              temperature=temperature, with_entropy=with_entropy, entropy_grad=entropy_grad,
+                              grad_in_forward=grad_in_forward)
     n = hidden.shape[0]
-    step = n if not chunk_size else int(chunk_size)
+    vocab = getattr(output_layer, "out_features", None)
+    if chunk_size == "auto" and not vocab:
+        chunk_size = 512  # a layer that does not say its width: the old default
+    step = rows_per_chunk(chunk_size, n, vocab or 1)
     recompute = bool(chunk_size) and torch.is_grad_enabled() and (hidden.requires_grad or _has_trainable(output_layer))
     logprobs, entropies = [], []
-    for start in range(0, n, max(step, 1)):
+    for start in range(0, n, step):
         h, t = hidden[start : start + step], targets[start : start + step]
         if recompute:
             lp, ent = checkpoint(
@@ -121,6 +142,272 @@ def _score_chunk(
 
 
 # ---------------------------------------------------------------------------------------------
+# The fused path: the output layer's weight once per step
+# ---------------------------------------------------------------------------------------------
+
+#: Logit elements per ``[rows, vocab]`` slice that ``chunk_size="auto"`` allows (256 MiB in fp32;
+#: 441 rows at a 151,936-token vocabulary, the whole micro-batch below 2**26 / vocab rows).
+AUTO_CHUNK_ELEMENTS = 2**26
+
+
+def rows_per_chunk(chunk_size: int | str | None, rows: int, vocab: int) -> int:
+    """Rows per chunk for ``rows`` scored positions at ``vocab`` (at least 1).
+
+    ``None`` or 0: all rows at once (unchunked). A number: that many rows. ``"auto"``: as few
+    chunks as keep each chunk's logits within :data:`AUTO_CHUNK_ELEMENTS`, evened out over the
+    rows, so a problem that fits that budget is one chunk.
+    """
+    if chunk_size == "auto":
+        chunks = max(1, -(-rows * vocab // AUTO_CHUNK_ELEMENTS))
+        return max(1, -(-rows // chunks))
+    if isinstance(chunk_size, str):
+        raise ValueError(f"chunk_size must be a positive number, 0, None or 'auto', got {chunk_size!r}")
+    return max(1, rows if not chunk_size else int(chunk_size))
+
+
+def fusable(output_layer: nn.Module) -> bool:
+    """Whether the fused path may read ``output_layer``'s weight directly instead of calling it.
+
+    Only a plain ``nn.Linear`` (not a subclass: FSDP2 turns a separately sharded layer into
+    ``FSDPLinear``, peft into ``lora.Linear``, bitsandbytes into ``Linear4bit``) with no hooks of
+    its own (DeepSpeed ZeRO-3 and tensor parallelism gather or redistribute around the call) and
+    plain-tensor parameters (not a DTensor shard, not a ZeRO-3 partition). Under FSDP2 the root
+    unit's output layer qualifies: its parameters are unsharded plain tensors during the forward.
+    """
+    if type(output_layer) is not nn.Linear:
+        return False
+    if output_layer._forward_hooks or output_layer._forward_pre_hooks or output_layer._backward_hooks:
+        return False
+    for p in output_layer.parameters():
+        if hasattr(p, "ds_id"):  # a DeepSpeed ZeRO-3 partition
+            return False
+        if _is_fake(p):  # the estimator's fake tensors stand for plain ones
+            continue
+        if type(p) not in (nn.Parameter, torch.Tensor) or type(p.data) is not torch.Tensor:
+            return False
+    return True
+
+
+def _is_fake(t: Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def _compute_dtype(weight: Tensor) -> torch.dtype:
+    # What F.linear would multiply in: autocast's dtype when autocast is on for this device.
+    device = weight.device.type
+    if weight.is_floating_point() and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return weight.dtype
+
+
+def _logits(h: Tensor, w: Tensor, b: Tensor | None, temperature: float) -> Tensor:
+    """fp32 logits of one slice, divided by the temperature; ``h``/``w``/``b`` in the compute dtype."""
+    z = (h @ w.T if b is None else torch.addmm(b, h, w.T)).float()
+    if temperature != 1.0:
+        z.div_(temperature)
+    return z
+
+
+class _FusedScores(torch.autograd.Function):
+    """``(logprobs [n], entropy [n])`` of ``targets`` under ``softmax(hidden @ weight.T + bias) / T``.
+
+    Forward runs token chunks from one compute-dtype copy of the weight. Two ways to the gradients:
+
+    - **in the forward** (``eager``): the gradient of ``sum(logprobs)`` w.r.t. the logits and the
+      hidden rows is computed while the logits exist; the logits gradient (one chunk, compute
+      dtype) is kept, and backward makes the weight's from it in one product, the upstream scale
+      folded into the hidden rows. That is the gradient whenever the
+      upstream gradient is the same for every token (a sum times a scale, as in SFT's loss):
+      backward checks that structurally (a gradient expanded from a scalar has stride 0, no host
+      sync; ``mean()``'s backward divides it into a new tensor and is not recognized) and only
+      scales the stored gradients by it. No chunk runs twice. Anything else falls back to the
+      recompute below: always the exact gradient, at worst one logits product more.
+    - **recomputed in the backward** otherwise (per-token upstream gradients: PPO's ratio, an
+      entropy bonus): the logits are recomputed in vocabulary slices over all rows from the saved
+      compute-dtype weight and log-sum-exp, and each slice of the weight gradient is written once.
+
+    Either way the weight is cast once per call, and in one chunk (or recomputed) its gradient
+    is materialized once: no per-chunk cast of a ``[vocab, hidden]`` gradient, no per-chunk fp32
+    add into ``.grad``. (Forced ``eager`` over several chunks accumulates one fp32 buffer, one
+    add per chunk; :func:`fused_logprobs` does not choose that by itself.)
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, rows, with_entropy, entropy_grad, eager):
+        dtype = _compute_dtype(weight)
+        with torch.autocast(weight.device.type, enabled=False):
+            w = weight.to(dtype)  # the one cast of the step (a no-op when the weight is in it already)
+            b = bias.to(dtype) if bias is not None else None
+            n, vocab = hidden.shape[0], weight.shape[0]
+            logprobs = hidden.new_empty(n, dtype=torch.float32)
+            lse = hidden.new_empty(n, dtype=torch.float32)
+            entropy = hidden.new_empty(n if with_entropy else 0, dtype=torch.float32)
+            want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+            want_b = bias is not None and ctx.needs_input_grad[2]
+            eager = eager and n > 0 and (want_h or want_w or want_b)
+            dh = dw = db = dl = None
+            if eager:
+                dh = hidden.new_empty(hidden.shape, dtype=dtype) if want_h else None
+                multi = n > rows
+                db = weight.new_zeros(vocab, dtype=torch.float32) if want_b else None
+            for start in range(0, n, rows):
+                stop = min(start + rows, n)
+                h = hidden[start:stop].to(dtype)
+                t = targets[start:stop]
+                logp = _logits(h, w, b, temperature)
+                chunk_lse = torch.logsumexp(logp, dim=-1)
+                lse[start:stop] = chunk_lse
+                logp.sub_(chunk_lse.unsqueeze(-1))
+                logprobs[start:stop] = logp.gather(-1, t.unsqueeze(-1)).squeeze(-1)
+                p = logp.exp_() if not with_entropy else logp.exp()
+                if with_entropy:
+                    entropy[start:stop] = -torch.linalg.vecdot(p, logp)
+                del logp
+                if not eager:
+                    continue
+                # d sum(logprobs) / d logits = (onehot(target) - p) / T, rows of this chunk.
+                grad = p.neg_()
+                grad.scatter_add_(-1, t.unsqueeze(-1), grad.new_ones(stop - start, 1))
+                if temperature != 1.0:
+                    grad.div_(temperature)
+                if db is not None:
+                    db.add_(grad.sum(0))
+                grad = grad.to(dtype)
+                if dh is not None:
+                    torch.mm(grad, w, out=dh[start:stop])
+                if want_w and not multi:
+                    # One chunk: its (compute-dtype) logits gradient is kept, and backward makes the
+                    # weight gradient from it with the upstream scale folded into the small hidden
+                    # rows: one product written once in the weight's dtype, as F.linear's backward.
+                    dl = grad
+                elif want_w:
+                    part = grad.T @ h
+                    if dw is None:
+                        dw = part.float()  # forced over several chunks: one fp32 accumulator
+                    else:
+                        dw.add_(part)
+                del grad, p
+        if not with_entropy or not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
+        ctx.temperature, ctx.dtype = temperature, dtype
+        ctx.entropy_grad = with_entropy and entropy_grad
+        ctx.eager = (dh, dw, db, dl) if eager else None
+        # The compute-dtype copy is kept only for a backward that recomputes (when eager, a
+        # non-uniform upstream gradient casts the weight again: correct, if slower).
+        saved_w = None if eager else (w if w is not weight else None)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy if with_entropy else None, saved_w)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        hidden, weight, bias, targets, lse, entropy, w = ctx.saved_tensors
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        want_b = bias is not None and ctx.needs_input_grad[2]
+        eager, ctx.eager = ctx.eager, None
+        if not ctx.entropy_grad:
+            g_ent = None  # a metric (or not asked for): zeros at most
+        if eager is not None and g_ent is None and _uniform(g_lp):
+            scale = g_lp.reshape(-1)[0]
+            dh, dw, db, dl = eager
+            gh = torch.mul(dh, scale).to(hidden.dtype) if want_h else None
+            gw = None
+            if want_w and dl is not None:
+                with torch.autocast(weight.device.type, enabled=False):
+                    gw = (dl.T @ torch.mul(hidden, scale).to(ctx.dtype)).to(weight.dtype)
+            elif want_w:
+                gw = _scaled(dw, scale, weight.dtype)
+            gb = _scaled(db, scale, bias.dtype) if want_b else None
+            return gh, gw, gb, None, None, None, None, None, None
+        del eager
+        if w is None:
+            with torch.autocast(weight.device.type, enabled=False):
+                w = weight.to(ctx.dtype)
+        return (*_recomputed_grads(hidden, w, bias, targets, lse, entropy, g_lp, g_ent, ctx.temperature,
+                                   ctx.dtype, weight.dtype, (want_h, want_w, want_b)),
+                None, None, None, None, None, None)
+
+
+def _uniform(g: Tensor) -> bool:
+    # The gradient of a sum or mean reaches here expanded from a scalar: stride 0 (or one row).
+    return g.dim() == 1 and g.numel() > 0 and (g.numel() == 1 or g.stride(0) == 0)
+
+
+def _scaled(grad: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    if grad.dtype == dtype:
+        return grad.mul_(scale)
+    out = torch.empty(grad.shape, dtype=dtype, device=grad.device)
+    return torch.mul(grad, scale, out=out)  # scaled and cast in one pass
+
+
+def _recomputed_grads(hidden, w, bias, targets, lse, entropy, g_lp, g_ent, temperature, dtype, weight_dtype, wants):
+    """Gradients w.r.t. hidden, weight and bias for per-token upstream gradients, in vocabulary
+    slices over all rows: each slice's logits are made again from the compute-dtype weight, and
+    each slice of the weight gradient is written once (no accumulation over chunks)."""
+    want_h, want_w, want_b = wants
+    n, vocab = hidden.shape[0], w.shape[0]
+    with torch.autocast(w.device.type, enabled=False):
+        h = hidden.to(dtype)
+        b = bias.to(dtype) if bias is not None else None
+        gh = hidden.new_zeros(hidden.shape, dtype=torch.float32) if want_h else None
+        gw = torch.empty(w.shape, dtype=weight_dtype, device=w.device) if want_w else None
+        gb = torch.empty(vocab, dtype=bias.dtype, device=w.device) if want_b else None
+        width = max(1, min(vocab, AUTO_CHUNK_ELEMENTS // max(n, 1)))
+        g_lp = g_lp.float().unsqueeze(-1)
+        for start in range(0, vocab, width):
+            stop = min(start + width, vocab)
+            logp = _logits(h, w[start:stop], None if b is None else b[start:stop], temperature)
+            logp.sub_(lse.unsqueeze(-1))
+            p = logp.exp()
+            if g_ent is not None:
+                # dH/dz = -p (log p + H), H the entropy; z the tempered logits.
+                grad = logp.add_(entropy.unsqueeze(-1)).mul_(p).mul_(-g_ent.float().unsqueeze(-1))
+                grad.sub_(p.mul_(g_lp))
+            else:
+                grad = p.mul_(-g_lp)
+            del logp, p
+            inside = (targets >= start) & (targets < stop)
+            # d logp_t / dz = onehot(t) - p: the onehot part of the rows whose target is in this slice
+            grad.scatter_add_(-1, (targets - start).clamp(0, stop - start - 1).unsqueeze(-1),
+                              g_lp * inside.unsqueeze(-1))
+            if temperature != 1.0:
+                grad.div_(temperature)
+            if gb is not None:
+                gb[start:stop] = grad.sum(0)
+            grad = grad.to(dtype)
+            if gh is not None:
+                gh.add_(grad @ w[start:stop])
+            if gw is not None and gw.dtype == dtype:
+                torch.mm(grad.T, h, out=gw[start:stop])  # straight into the gradient: no copy
+            elif gw is not None:
+                gw[start:stop] = grad.T @ h  # the slice's share of the one cast to the weight's dtype
+            del grad
+    return (gh.to(hidden.dtype) if gh is not None else None), gw, gb
+
+
+def fused_logprobs(hidden: Tensor, targets: Tensor, weight: Tensor, bias: Tensor | None = None, *,
+                   chunk_size: int | str | None = "auto", temperature: float = 1.0, with_entropy: bool = False,
+                   entropy_grad: bool = True, grad_in_forward: bool | None = None) -> tuple[Tensor, Tensor | None]:
+    """:func:`chunked_logprobs` on an output layer's ``weight`` (and ``bias``) directly.
+
+    ``grad_in_forward``: compute the gradients of ``sum(logprobs)`` in the forward (see
+    :class:`_FusedScores`). None (the default) does so when no entropy is asked for (a
+    cross-entropy loss, whose upstream gradient is uniform) and the positions are one chunk;
+    with several chunks the weight gradient would be accumulated once per chunk, and measured on
+    CPU that costs more than the backward's extra logits product (docs/benchmarks.md).
+    """
+    rows = rows_per_chunk(chunk_size, hidden.shape[0], weight.shape[0])
+    if grad_in_forward is None:
+        grad_in_forward = not with_entropy and rows >= hidden.shape[0]
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (hidden, weight, bias))
+    logprobs, entropy = _FusedScores.apply(hidden, weight, bias, targets, temperature, rows, with_entropy,
+                                           entropy_grad, grad_in_forward and needs_grad)
+    return logprobs, (entropy if with_entropy else None)
+
+
+# ---------------------------------------------------------------------------------------------
 # Inside the model's forward
 # ---------------------------------------------------------------------------------------------
 
@@ -139,7 +426,7 @@ class ScoredOutputLayer(nn.Module):
         positions: Tensor,
         targets: Tensor,
         *,
-        chunk_size: int | None,
+        chunk_size: int | str | None,
         temperature: float,
         with_entropy: bool,
         entropy_grad: bool,
@@ -218,7 +505,7 @@ def score_tokens(
     positions: Tensor,
     targets: Tensor,
     *,
-    chunk_size: int | None = 512,
+    chunk_size: int | str | None = "auto",
     temperature: float = 1.0,
     with_entropy: bool = False,
     entropy_grad: bool = True,
@@ -236,7 +523,9 @@ def score_tokens(
         positions: ``[n]`` flat indices ``b * T + t`` of the positions whose output predicts a
             target (for next-token prediction, the position *before* the target token).
         targets: ``[n]`` the token ids scored at those positions.
-        chunk_size: positions per chunk through the output layer; None or 0: one chunk, no
+        chunk_size: positions per chunk through the output layer (:func:`rows_per_chunk`):
+            ``"auto"`` picks it from the vocabulary and the number of positions (one chunk when
+            their logits fit :data:`AUTO_CHUNK_ELEMENTS`); None or 0: one chunk, no
             recomputation (the unchunked path).
         temperature: logits are divided by it before the softmax (PPO scores the sampling
             distribution).

@@ -248,3 +248,206 @@ def test_ppo_train_micro_batch_peak():
 
     ratio = _tracked_peak_above_weights(train)
     assert ratio <= 1.5, ratio  # measured 1.24 (unchunked: 6.4)
+
+
+# -- the fused path: one weight cast and one weight-gradient write per step -------------------------
+
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from lightning_mem.logits import chunked_logprobs, fusable, fused_logprobs, rows_per_chunk  # noqa: E402
+
+N_ROWS, HID = 45, 24
+
+
+class WeightTraffic(TorchDispatchMode):
+    """Counts, per step, the elements of the output layer's ``[vocab, hidden]`` weight cast to another
+    dtype, and the elements of ``[vocab, hidden]`` gradients written in the weight's dtype by an
+    elementwise op (a cast, an add into an accumulator, a copy, a scale) outside the matmuls. (At
+    these sizes the recomputing backward's vocabulary slice is the whole vocabulary.)"""
+
+    CASTS = {"_to_copy", "copy_"}
+    WRITES = {"_to_copy", "copy_", "add", "add_", "mul", "mul_"}
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight, self.shape = weight, tuple(weight.shape)
+        self.weight_casts = self.gradient_writes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        result = out if isinstance(out, torch.Tensor) else None
+        if result is None or result.dim() != 2 or result.shape[1] != self.shape[1]:
+            return out
+        source = args[-1] if name == "copy_" else args[0]
+        from_weight = isinstance(source, torch.Tensor) and source.data_ptr() == self.weight.data_ptr()
+        if name in self.CASTS and from_weight and result.dtype != self.weight.dtype:
+            self.weight_casts += result.numel()
+        elif (name in self.WRITES and result.dtype == self.weight.dtype and tuple(result.shape) == self.shape
+              and result.data_ptr() != self.weight.data_ptr()):
+            self.gradient_writes += result.numel()
+        return out
+
+
+def _head(vocab: int = VOCAB, bias: bool = False, seed: int = 0):
+    torch.manual_seed(seed)
+    layer = nn.Linear(HID, vocab, bias=bias)
+    hidden = torch.randn(N_ROWS, HID, requires_grad=True)
+    targets = torch.randint(0, vocab, (N_ROWS,))
+    return layer, hidden, targets
+
+
+def _bf16(on: bool):
+    # Lightning's bf16-mixed: autocast with its cast cache off.
+    return torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False) if on else torch.autocast("cpu", enabled=False)
+
+
+@pytest.mark.parametrize("loss", ["sft", "ppo"])
+@pytest.mark.parametrize("autocast", [True, False])
+@pytest.mark.parametrize("chunk_size", [None, 16, 4, "auto"])
+def test_the_fused_path_casts_the_weight_once_and_writes_its_gradient_once(chunk_size, autocast, loss):
+    layer, hidden, targets = _head()
+    assert fusable(layer)
+    counter = WeightTraffic(layer.weight)
+    with counter:
+        with _bf16(autocast):
+            lp, ent = chunked_logprobs(hidden, targets, layer, chunk_size=chunk_size, with_entropy=loss == "ppo",
+                                       temperature=0.8)
+            advantages = torch.linspace(-1, 1, N_ROWS)
+            total = (-lp.sum() / N_ROWS if loss == "sft"
+                     else -(torch.exp(lp - lp.detach()) * advantages).sum() - 0.01 * ent.sum())
+        total.backward()
+    weight = layer.weight.numel()
+    # bf16: one cast of the weight, whatever the chunk count; fp32: none (the weight is used as it is).
+    assert counter.weight_casts == (weight if autocast else 0)
+    # The gradient: one pass that writes it (its cast to fp32), not one per chunk; in fp32 the matmul
+    # that makes it writes it directly (none), as in a bare loop.
+    assert counter.gradient_writes == (weight if autocast else 0)
+    assert layer.weight.grad.dtype == torch.float32 and layer.weight.grad.shape == layer.weight.shape
+
+
+@pytest.mark.parametrize("autocast", [True, False])
+def test_the_module_call_path_it_replaces_did_that_once_per_chunk(autocast):
+    """The same counter on the old path (a hooked layer is called as a module, chunk by chunk with a
+    recompute): two weight casts and one gradient cast plus one add per chunk under bf16 autocast."""
+    layer, hidden, targets = _head()
+    layer.register_forward_hook(lambda *_: None)
+    assert not fusable(layer)
+    chunks = -(-N_ROWS // 16)
+    counter = WeightTraffic(layer.weight)
+    with counter:
+        with _bf16(autocast):
+            lp, _ = chunked_logprobs(hidden, targets, layer, chunk_size=16)
+        (-lp.sum()).backward()
+    weight = layer.weight.numel()
+    assert counter.weight_casts == (2 * chunks * weight if autocast else 0)
+    assert counter.gradient_writes == ((2 * chunks - 1) if autocast else (chunks - 1)) * weight
+
+
+def _reference_scores(layer, hidden, targets, temperature, autocast):
+    """Plain autograd on the full logits (under the same autocast): the textbook computation."""
+    with _bf16(autocast):
+        logits = layer(hidden)
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+
+def _losses(kind: str, lp, ent):
+    advantages = torch.linspace(-1.5, 1, lp.shape[0])
+    if kind == "sft":  # a sum with a known scale
+        return -lp.sum() * 0.37
+    if kind == "ppo":  # clipped ratio: per-token, non-linear in the log-prob
+        ratio = torch.exp(lp - lp.detach() + 0.1 * advantages)
+        return -torch.minimum(ratio * advantages, ratio.clamp(0.8, 1.2) * advantages).mean()
+    if kind == "ppo_entropy_bonus":
+        return -(lp * advantages).mean() - 0.05 * ent.mean()
+    return (lp * advantages).sum()  # "metric": entropy without gradient beside per-token log-probs
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+@pytest.mark.parametrize("kind", ["sft", "ppo", "ppo_entropy_bonus", "metric"])
+@pytest.mark.parametrize("chunk_size", [None, 7, "auto"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_scores_and_gradients_equal_plain_autograd(autocast, kind, chunk_size, bias):
+    temperature = 0.7
+    layer, hidden, targets = _head(bias=bias)
+    want_lp, want_ent = _reference_scores(layer, hidden, targets, temperature, autocast)
+    _losses(kind, want_lp, want_ent).backward()
+    params = [hidden, layer.weight] + ([layer.bias] if bias else [])
+    want = [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    with_entropy = kind != "sft"
+    with _bf16(autocast):
+        lp, ent = chunked_logprobs(hidden, targets, layer, chunk_size=chunk_size, temperature=temperature,
+                                   with_entropy=with_entropy, entropy_grad=kind == "ppo_entropy_bonus")
+    tol = dict(rtol=2e-2, atol=2e-2) if autocast else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lp, want_lp, **tol)
+    if with_entropy:
+        assert ent.requires_grad == (kind == "ppo_entropy_bonus")
+        torch.testing.assert_close(ent, want_ent if ent.requires_grad else want_ent.detach(), **tol)
+    _losses(kind, lp, ent).backward()
+    for p, expected in zip(params, want):
+        assert p.grad.dtype == p.dtype
+        error = float((p.grad - expected).norm() / expected.norm())
+        assert error <= (2e-2 if autocast else 1e-5), (kind, error)
+
+
+def test_a_sum_takes_the_gradients_made_in_the_forward_and_per_token_gradients_recompute():
+    """SFT's loss (a scaled sum) reaches the backward as one expanded scalar: the backward recomputes no
+    logits, it scales what the forward computed and makes the weight's gradient in one product;
+    per-token gradients recompute the logits."""
+    layer, hidden, targets = _head()
+
+    def backward_matmuls(loss_of) -> int:
+        lp, _ = fused_logprobs(hidden, targets, layer.weight)  # auto: one chunk at this size
+        counter = _OpCounter()
+        with counter:
+            loss_of(lp).backward()
+        return counter.counts.get("mm", 0) + counter.counts.get("addmm", 0)
+
+    # a sum: the weight's gradient product only (the hidden rows' was made in the forward)
+    assert backward_matmuls(lambda lp: -lp.sum() * 0.5) == 1
+    assert backward_matmuls(lambda lp: -lp.sum() / N_ROWS) == 1
+    assert backward_matmuls(lambda lp: -(lp * torch.arange(N_ROWS)).sum()) == 3  # logits, hidden, weight
+    # mean()'s backward divides the expanded gradient into a new tensor: not recognized as uniform,
+    # so it recomputes (correct, one logits product more); SFT's loss is a sum times a scale.
+    assert backward_matmuls(lambda lp: -lp.mean()) == 3
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_score_tokens_takes_the_fused_path_for_a_plain_output_layer():
+    """The model's own lm_head is not called: its weight is read by the fused path (tied or not)."""
+    for tied in (False, True):
+        model = tiny(tied=tied)
+        calls: list[int] = []
+        ids, mask, labels = batch()
+        positions, targets = next_token_targets(ids, labels)
+        scores = score_tokens(model, ids, mask, positions, targets, chunk_size=8, with_entropy=True)
+        model.lm_head.register_forward_hook(lambda *_: calls.append(1))
+        score_tokens(model, ids, mask, positions, targets, chunk_size=8, with_entropy=True)
+        assert calls  # with a hook of its own, the layer is called as a module again
+        assert scores.logprobs.grad_fn is not None and "Fused" in type(scores.logprobs.grad_fn).__name__
+
+
+def test_the_automatic_chunk_size_is_one_chunk_until_the_logits_budget():
+    from lightning_mem.logits import AUTO_CHUNK_ELEMENTS
+
+    assert rows_per_chunk("auto", 400, 151_936) == 400  # 400 x 151,936 < 2**26: one chunk
+    assert rows_per_chunk("auto", 8192, 151_936) == 432  # 19 even chunks of at most 2**26 logits
+    assert 432 * 151_936 <= AUTO_CHUNK_ELEMENTS
+    assert rows_per_chunk("auto", 8192, 32_000) == 2048  # a small vocabulary: fewer chunks
+    assert rows_per_chunk(None, 8192, 151_936) == rows_per_chunk(0, 8192, 151_936) == 8192
+    assert rows_per_chunk(512, 8192, 151_936) == 512  # a number is the override
+    with pytest.raises(ValueError, match="chunk_size"):
+        rows_per_chunk("big", 10, 10)
