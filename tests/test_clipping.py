@@ -186,3 +186,37 @@ def test_fsdp2_fused_adamw_clips_like_foreach_and_like_one_device(fsdp2, one_dev
     foreach, fused = fsdp2[world][f"{precision}/foreach"], fsdp2[world][f"{precision}/fused"]
     for key, weight in foreach["weights"].items():
         torch.testing.assert_close(fused["weights"][key], weight, **tolerance(precision))
+
+
+# ---------------------------------------------------------------------- PPO (manual optimization)
+
+
+def ppo_update(tmp_path: Path, fused: bool) -> dict[str, torch.Tensor]:
+    from lightning.pytorch import Trainer, seed_everything
+
+    import recipes.ppo as ppo
+    from lightning_mem.data import PromptDataModule
+    from lightning_mem.rl.config import GRPOConfig, PPOConfig
+    from lightning_mem.rl.rollout import GenerationConfig
+    from recipes.rewards import ArithmeticReward
+    from tests.helpers import ARITH, TINY_MODEL
+
+    seed_everything(0)
+    adamw = lambda params: torch.optim.AdamW(params, lr=1e-3, eps=1e-3, fused=fused, foreach=not fused)  # noqa: E731
+    module = ppo.PPOModule(
+        name_or_path=str(TINY_MODEL), reward=ArithmeticReward(), generation=GenerationConfig(max_new_tokens=4),
+        advantage_estimator="grpo", grpo=GRPOConfig(group_size=2), optimizer=adamw, export_dir=None,
+        ppo=PPOConfig(ppo_epochs=1, num_mini_batches=1, max_tokens_per_microbatch=256, max_grad_norm=1e-4),
+    )
+    data = PromptDataModule(str(ARITH / "prompts.jsonl"), tokenizer=str(TINY_MODEL), batch_size=2, max_prompt_length=64)
+    trainer = Trainer(accelerator="cpu", devices=1, precision="bf16-mixed", max_epochs=1, limit_train_batches=1,
+                      default_root_dir=tmp_path, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, data)
+    return {k: v.detach().float().clone() for k, v in module.actor.named_parameters()}
+
+
+def test_ppo_clips_with_fused_adamw_under_bf16_like_foreach(tmp_path):
+    foreach, fused = ppo_update(tmp_path / "foreach", False), ppo_update(tmp_path / "fused", True)
+    for name, weight in foreach.items():
+        torch.testing.assert_close(fused[name], weight, rtol=1e-6, atol=1e-6, msg=name)
