@@ -139,3 +139,49 @@ def test_packed_sft_training_step_makes_no_host_sync(tmp_path):
 def test_the_probe_sees_targets_found_on_the_device(tmp_path):
     probe = _fit(tmp_path, TargetsOnTheDevice)
     assert all(any("nonzero" in s for s in ours(found)) for found in probe.per_batch), probe.per_batch
+
+
+# ---------------------------------------------------------------------- the RL passes' micro-batches
+
+
+def _experience():
+    from lightning_mem.rl.rollout import experience_from_generation
+
+    pad, eos = 0, 2
+    prompt_ids = torch.tensor([[pad, 10, 11], [12, 13, 14], [pad, pad, 15]])
+    prompt_mask = (prompt_ids != pad).long()
+    sequences = torch.tensor([[pad, 10, 11, 20, eos, pad], [12, 13, 14, 21, 22, 23], [pad, pad, 15, eos, pad, pad]])
+    return experience_from_generation(prompt_ids, prompt_mask, sequences, eos_token_ids=[eos], pad_token_id=pad)
+
+
+def test_experience_select_with_host_lengths_is_the_device_select_without_syncs():
+    exp = _experience()
+    want = [exp.select(torch.tensor(i)) for i in ([2, 0], [1])]  # no host lengths yet: read on the device
+    assert exp.sequence_lengths == [4, 6, 2] and exp.host_lengths[1] == [2, 3, 1]
+    found: list[str] = []
+    with _HostCopies(found), _DeviceSyncs(found):
+        got = [exp.select(i) for i in ([2, 0], [1])]  # the micro-batch plan's host lists
+    assert found == []
+    for g, w in zip(got, want):
+        for name in ("input_ids", "attention_mask", "prompt_lengths", "response_ids", "response_mask", "group_ids"):
+            assert torch.equal(getattr(g, name), getattr(w, name)), name
+    assert got[0].host_lengths == ([2, 4], [1, 2])  # carried to the micro-batch, in its order
+
+
+def test_response_targets_from_host_lengths_equal_the_device_search():
+    from lightning_mem.logits import response_targets
+
+    exp = _experience()
+    exp.sequence_lengths  # reads both lengths back once
+    lengths = exp.host_lengths[1]
+    args = (exp.prompt_lengths, exp.response_ids, exp.response_mask, exp.input_ids.shape[1])
+    want = response_targets(*args)
+    found: list[str] = []
+    with _HostCopies(found), _DeviceSyncs(found):
+        got = response_targets(*args, response_lengths=lengths)
+    assert found == []
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert all(torch.equal(g, w) for g, w in zip(got[2], want[2]))
+    starts = torch.tensor([0, 4, 10])  # a packed row's
+    torch.testing.assert_close(response_targets(*args[:3], 0, starts=starts, response_lengths=lengths)[0],
+                               response_targets(*args[:3], 0, starts=starts)[0])
