@@ -185,3 +185,22 @@ def test_response_targets_from_host_lengths_equal_the_device_search():
     starts = torch.tensor([0, 4, 10])  # a packed row's
     torch.testing.assert_close(response_targets(*args[:3], 0, starts=starts, response_lengths=lengths)[0],
                                response_targets(*args[:3], 0, starts=starts)[0])
+
+
+# ---------------------------------------------------------------------- the collate's targets
+
+
+def test_the_collates_targets_give_the_loss_the_device_search_gives():
+    from lightning_mem.data.packing import collate_packed
+    from lightning_mem.data.sft import collate_right_padded, with_targets
+    from tests.test_packing import _examples, _llama, _module
+
+    module = _module(_llama(), chunk_size=7)
+    examples = _examples()
+    for batch in (collate_right_padded(examples, pad_token_id=0), collate_packed(examples, 32)):
+        sent = with_targets(batch)
+        assert int(sent["label_tokens"]) == int((batch["labels"][:, 1:] != -100).sum())
+        with torch.no_grad():
+            (want, want_n), (got, got_n) = module.loss(batch), module.loss(sent)
+        assert got_n == want_n == sent["target_ids"].numel()
+        assert torch.equal(got, want)
