@@ -588,14 +588,28 @@ def next_token_targets(input_ids: Tensor, labels: Tensor, ignore_index: int = -1
 
 
 def response_targets(prompt_lengths: Tensor, response_ids: Tensor, response_mask: Tensor, width: int,
-                     *, starts: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                     *, starts: Tensor | None = None,
+                     response_lengths: list[int] | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """``(positions, targets, (rows, cols))`` of each real response token of right-padded sequences
     whose response starts at ``prompt_lengths``: response token j of sample i is predicted at
     position ``prompt_lengths[i] - 1 + j``. ``(rows, cols)`` place the results back into ``[N, R]``.
 
     ``starts``: where each sequence begins in the flat input when it is not row ``i`` of ``width``
-    columns (``i * width``), as in a packed row (:func:`lightning_mem.data.packing.pack_right_padded`)."""
-    rows, cols = response_mask.nonzero(as_tuple=True)
+    columns (``i * width``), as in a packed row (:func:`lightning_mem.data.packing.pack_right_padded`).
+    ``response_lengths``: each response's tokens, known on the host (its mask is a prefix of its row):
+    ``(rows, cols)`` are then built there, and nothing waits for the device to find them."""
+    if response_lengths is None:
+        rows, cols = response_mask.nonzero(as_tuple=True)
+    else:
+        host_rows = torch.repeat_interleave(torch.arange(len(response_lengths)), torch.tensor(response_lengths, dtype=torch.long),
+                                            output_size=sum(response_lengths))
+        starts_of = torch.tensor([0, *response_lengths[:-1]], dtype=torch.long).cumsum(0)
+        host_cols = torch.arange(host_rows.numel()) - starts_of[host_rows]
+        device = response_mask.device
+        both = torch.stack([host_rows, host_cols])
+        # From pinned memory the copy is queued behind the work before it instead of waiting for it.
+        both = both.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else both.to(device)
+        rows, cols = both[0], both[1]
     begins = rows * width if starts is None else starts[rows]
     positions = begins + prompt_lengths[rows] - 1 + cols
     return positions, response_ids[rows, cols], (rows, cols)

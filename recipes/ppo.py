@@ -43,6 +43,7 @@ from torch import Tensor, nn
 from lightning_mem.callbacks.training_dtypes import TrainingDtypes
 from lightning_mem.checkpointing import check_trainable_kept, keep_trainable
 from lightning_mem.cli import RecipeCLI, run_command
+from lightning_mem.clipping import clip_module_gradients
 from lightning_mem.data import PromptDataModule, row_to_prompt_messages
 from lightning_mem.data.packing import check_packing_attention
 from lightning_mem.export import export_hf, export_main
@@ -767,8 +768,8 @@ class PPOModule(LightningModule):
         schedulers = self.lr_schedulers()
         schedulers = [] if schedulers is None else schedulers if isinstance(schedulers, list) else [schedulers]
         for optimizer in self.optimizers() if isinstance(self.optimizers(), list) else [self.optimizers()]:
-            if self.ppo.max_grad_norm is not None:
-                self.clip_gradients(optimizer, gradient_clip_val=self.ppo.max_grad_norm, gradient_clip_algorithm="norm")
+            if self.ppo.max_grad_norm is not None:  # any AdamW, fused too, under bf16 (lightning_mem.clipping)
+                clip_module_gradients(self, optimizer, self.ppo.max_grad_norm, "norm")
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         for scheduler in schedulers:

@@ -31,6 +31,7 @@ from lightning_mem.cli import RecipeCLI, run_command
 from lightning_mem.data import SFTDataModule
 from lightning_mem.data.packing import VARLEN_ATTENTION, check_packing_attention, flatten_rows
 from lightning_mem.export import export_hf, export_main
+from lightning_mem.clipping import ClipsGradients
 from lightning_mem.gradients import FreesGradientsAfterStep
 from lightning_mem.logits import check_supported, next_token_targets, score_tokens
 from lightning_mem.lora import (
@@ -55,11 +56,16 @@ def _adamw(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-4)
 
 
-class SFTModule(FreesGradientsAfterStep, LightningModule):
+class SFTModule(FreesGradientsAfterStep, ClipsGradients, LightningModule):
     """A causal LM trained on the assistant tokens of each sample.
 
     Gradients are freed right after each optimizer step (:mod:`lightning_mem.gradients`), not
-    during the next step's forward.
+    during the next step's forward. ``trainer.gradient_clip_val`` clips with any optimizer, torch's
+    fused AdamW included, under ``bf16-mixed`` and ``bf16-true`` (:mod:`lightning_mem.clipping`);
+    the norm before clipping is logged as ``grad_norm``.
+
+    No step reads a device value back to the host: the collate (:mod:`lightning_mem.data.sft`) sends
+    the scored positions, their targets and the label counts with the batch.
 
     Args:
         name_or_path: local model folder or hub id. A folder with only config.json (like
@@ -187,25 +193,33 @@ class SFTModule(FreesGradientsAfterStep, LightningModule):
         return self.model(**batch)
 
     # -- the algorithm: cross-entropy on assistant tokens ---------------------------------------
-    def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
         """``(summed cross-entropy, label tokens)`` of a micro-batch; -100 marks prompt and padding."""
+        positions, targets = batch.get("target_positions"), batch.get("target_ids")
         if self.hparams.attn_implementation in VARLEN_ATTENTION:
-            batch = flatten_rows(batch)  # varlen flash-attention isolates the examples of one row only
-        positions, targets = next_token_targets(batch["input_ids"], batch["labels"])
+            flat = flatten_rows(batch)  # varlen flash-attention isolates the examples of one row only
+            if flat is not batch:  # the collate's positions are those of the rows
+                batch, positions = flat, None
+        if positions is None:  # a batch of a datamodule of your own: found on the device (a host sync)
+            positions, targets = next_token_targets(batch["input_ids"], batch["labels"])
         # Packed rows (data.packing) have restarting position_ids and no attention mask.
         scores = score_tokens(
             self.model, batch["input_ids"], batch.get("attention_mask"), positions, targets,
             chunk_size=self.logits_chunk_size, position_ids=batch.get("position_ids"),
         )
-        return -scores.logprobs.sum(), torch.tensor(targets.numel(), device=targets.device)
+        # The count is the targets' length: the host knows it, whoever found them.
+        return -scores.logprobs.sum(), targets.numel()
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss_sum, tokens = self.loss(batch)
-        self.log("train_loss", loss_sum.detach() / tokens.clamp(min=1), prog_bar=True, on_step=True, on_epoch=False)
-        self.log("train_label_tokens", tokens.float(), on_step=True, on_epoch=False, reduce_fx="sum")
+        # Tensors already on the device: logging them reads nothing back until the step is over.
+        self.log("train_loss", loss_sum.detach() / max(tokens, 1), prog_bar=True, on_step=True, on_epoch=False)
+        counted = batch.get("label_tokens")
+        counted = torch.tensor(tokens, device=loss_sum.device) if counted is None else counted
+        self.log("train_label_tokens", counted.float(), on_step=True, on_epoch=False, reduce_fx="sum")
         return loss_sum * self._step_scale(batch, tokens)
 
-    def _step_scale(self, batch: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor | float:
+    def _step_scale(self, batch: dict[str, torch.Tensor], tokens: int) -> torch.Tensor | float:
         """What turns this micro-batch's summed loss into its share of the step's token mean.
 
         Lightning divides each micro-batch's loss by ``accumulate_grad_batches`` and the data-
@@ -213,20 +227,21 @@ class SFTModule(FreesGradientsAfterStep, LightningModule):
         tokens of the whole step (all micro-batches, all replicas; the sampler counts them ahead)
         makes the accumulated gradient the gradient of that token mean, whatever the split.
         Without a step count (a datamodule of your own) it falls back to the micro-batch's mean.
+        The division runs on the device: the step's count is never read back to the host.
         """
         step_tokens = batch.get("step_label_tokens")
         if step_tokens is None:
-            return 1.0 / tokens.clamp(min=1)
+            return 1.0 / max(tokens, 1)
         # Replicas, not the world size: the ranks of a tensor- or context-parallel group share a batch
         # (lightning_mem.ranks), and their gradients come out whole (context_parallel's gathers).
         replicas, _ = data_parallel(self.trainer)
-        return self.trainer.accumulate_grad_batches * replicas / max(int(step_tokens), 1)
+        return (self.trainer.accumulate_grad_batches * replicas) / step_tokens.clamp(min=1)
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         loss_sum, tokens = self.loss(batch)
         # Weighted by label tokens: the epoch's val_loss is the token mean over the whole set.
-        n = int(tokens)
-        self.log("val_loss", loss_sum / max(n, 1), prog_bar=True, sync_dist=True, batch_size=max(n, 1))
+        n = max(tokens, 1)
+        self.log("val_loss", loss_sum / n, prog_bar=True, sync_dist=True, batch_size=n)
 
     def configure_optimizers(self) -> Any:
         # weight_decay=None: the decayed group keeps the optimizer's own (YAML) setting.

@@ -228,7 +228,8 @@ def _data(**kwargs) -> SFTDataModule:
 def test_datamodule_packs_every_example_with_the_unpacked_step_tokens():
     packed, padded = _data(packing=True), _data()
     rows = list(packed.train_dataloader())
-    assert all(set(b) == {"input_ids", "labels", "position_ids", "row_tokens", "step_label_tokens"} for b in rows)
+    assert all(set(b) == {"input_ids", "labels", "position_ids", "row_tokens", "step_label_tokens", "target_positions",
+                          "target_ids", "label_tokens"} for b in rows)
     # Rows of max_length (64), as many as the budget (512) holds, and nearly full.
     assert all(b["input_ids"].shape[0] <= 8 and b["input_ids"].shape[1] <= 64 for b in rows)
     assert sum(int(b["row_tokens"].sum()) for b in rows) / sum(b["input_ids"].numel() for b in rows) > 0.95

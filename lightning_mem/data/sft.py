@@ -38,6 +38,7 @@ from lightning_mem.data.cache import (
 from lightning_mem.data import packing as packed
 from lightning_mem.data.chat import encode_rendered, render_with_spans, row_to_conversation
 from lightning_mem.data.rows import DataFormatError, data_source, warn_once
+from lightning_mem.logits import next_token_targets
 from lightning_mem.padding import pad_sequences
 from lightning_mem.ranks import data_parallel, per_rank_budget
 from lightning_mem.settings import SettingError, check_arguments, join_key, settings_at
@@ -211,17 +212,34 @@ def collate_right_padded(examples: list[dict[str, list[int]]], pad_token_id: int
     return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
 
 
+def with_targets(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``batch`` plus what the loss needs to know about its labels, found here on the host (where it
+    costs no device sync) rather than in the training step: ``target_positions`` and ``target_ids``
+    (:func:`lightning_mem.logits.next_token_targets` of ``input_ids`` and ``labels``: the flat positions
+    that predict a label and the labels they predict) and ``label_tokens``, their count. They travel
+    to the device with the batch."""
+    positions, targets = next_token_targets(batch["input_ids"], batch["labels"], IGNORE_INDEX)
+    return {**batch, "target_positions": positions, "target_ids": targets,
+            "label_tokens": torch.tensor(targets.numel(), dtype=torch.long)}
+
+
 class _Collator:
+    """Right-padded rows, or packed rows with ``row_length`` (:mod:`lightning_mem.data.packing`), with
+    their targets (:func:`with_targets`) and the step's label tokens."""
+
     # A class, not a lambda, so that DataLoader workers can pickle it.
-    def __init__(self, pad_token_id: int) -> None:
+    def __init__(self, pad_token_id: int, *, packing: bool = False, row_length: int | None = None) -> None:
         self.pad_token_id = pad_token_id
+        self.packed = packed.PackedCollator(row_length) if packing else None
 
     def __call__(self, examples: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
+        if self.packed is not None:
+            return with_targets(self.packed(examples))  # it adds the step's label tokens itself
         batch = collate_right_padded(examples, self.pad_token_id)
         if isinstance(examples, MicroBatch) and examples.step_weight is not None:
             # The label tokens of this micro-batch's whole optimizer step, on all ranks.
             batch["step_label_tokens"] = torch.tensor(int(examples.step_weight), dtype=torch.long)  # an int: precision plugins cast floats
-        return batch
+        return with_targets(batch)
 
 
 class SFTDataModule(LightningDataModule):
@@ -420,7 +438,7 @@ class SFTDataModule(LightningDataModule):
             dataset,
             sampler=sampler,
             batch_size=None,  # the sampler yields whole batches
-            collate_fn=packed.PackedCollator(self.max_length) if self.packing else _Collator(self.tokenizer.pad_token_id),
+            collate_fn=_Collator(self.tokenizer.pad_token_id, packing=self.packing, row_length=self.max_length),
             num_workers=self.num_workers,
         )
 

@@ -83,13 +83,22 @@ class Experience:
     loss_mask: Tensor | None = None  # [N, R] the response tokens that train (filters drop samples)
     correction_weights: Tensor | None = None  # [N, R] the rollout correction's weight per token
     sample_stats: dict[str, Tensor] = field(default_factory=dict)  # sums for the step's metrics
+    # Each sample's (sequence, response) length on the host, read back once (see sequence_lengths).
+    host_lengths: tuple[list[int], list[int]] | None = field(default=None, repr=False, compare=False)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
     @property
     def sequence_lengths(self) -> list[int]:
-        return self.attention_mask.sum(dim=1).tolist()
+        """Each sample's real tokens, on the host. The first call reads them back from the device
+        (with the response lengths: one read for both); :meth:`select` of a list of indices -- a
+        micro-batch of the plan made from these -- then trims without reading the device again."""
+        if self.host_lengths is None:
+            both = torch.stack([self.attention_mask.sum(dim=1).long(), self.response_mask.sum(dim=1).long()])
+            sequences, responses = both.tolist()
+            self.host_lengths = (sequences, responses)
+        return self.host_lengths[0]
 
     @property
     def response_lengths(self) -> Tensor:
@@ -98,9 +107,22 @@ class Experience:
     def select(self, indices: list[int] | Tensor) -> Experience:
         """The samples at ``indices``, with columns trimmed to the longest selected sequence and response
         (a micro-batch of short samples then costs only its own length)."""
-        idx = torch.as_tensor(indices, dtype=torch.long, device=self.input_ids.device)
-        seq_len = int(self.attention_mask[idx].sum(dim=1).max())
-        resp_len = max(int(self.response_mask[idx].sum(dim=1).max()), 1)
+        device = self.input_ids.device
+        lengths = None
+        if isinstance(indices, Tensor) and self.host_lengths is not None:
+            indices = indices.tolist()  # one read-back (a mini-batch's order), where the lengths took two
+        if isinstance(indices, Tensor) or self.host_lengths is None:
+            idx = torch.as_tensor(indices, dtype=torch.long, device=device)
+            seq_len = int(self.attention_mask[idx].sum(dim=1).max())
+            resp_len = max(int(self.response_mask[idx].sum(dim=1).max()), 1)
+            picked = idx.tolist()
+        else:  # host indices and host lengths: nothing is read back from the device
+            picked = list(indices)
+            lengths = ([self.host_lengths[0][i] for i in picked], [self.host_lengths[1][i] for i in picked])
+            seq_len, resp_len = max(lengths[0]), max(max(lengths[1]), 1)
+            idx = torch.as_tensor(picked, dtype=torch.long)
+            # From pinned memory the copy is queued behind the step's work instead of waiting for it.
+            idx = idx.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else idx.to(device)
         out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
@@ -109,8 +131,9 @@ class Experience:
                 if value.dim() == 2:
                     value = value[:, : seq_len if f.name in ("input_ids", "attention_mask") else resp_len]
             elif isinstance(value, list) and value:
-                value = [value[i] for i in idx.tolist()]
+                value = [value[i] for i in picked]
             out[f.name] = value
+        out["host_lengths"] = lengths
         return replace(self, **out)
 
 
@@ -221,17 +244,20 @@ def policy_forward(
     from lightning_mem.logits import response_targets, score_tokens
 
     n, resp_len = batch.response_ids.shape
+    lengths = None if batch.host_lengths is None else batch.host_lengths[1]  # known: no device search
     options = dict(chunk_size=chunk_size, temperature=temperature, with_entropy=with_entropy,
                    entropy_grad=entropy_grad, with_hidden=with_hidden)
     if packed:
         row = pack_right_padded(batch.input_ids, batch.attention_mask)
         positions, targets, (rows, cols) = response_targets(
-            batch.prompt_lengths, batch.response_ids, batch.response_mask, 0, starts=row.starts
+            batch.prompt_lengths, batch.response_ids, batch.response_mask, 0, starts=row.starts,
+            response_lengths=lengths,
         )
         scores = score_tokens(model, row.input_ids, None, positions, targets, position_ids=row.position_ids, **options)
     else:
         positions, targets, (rows, cols) = response_targets(
-            batch.prompt_lengths, batch.response_ids, batch.response_mask, batch.input_ids.shape[1]
+            batch.prompt_lengths, batch.response_ids, batch.response_mask, batch.input_ids.shape[1],
+            response_lengths=lengths,
         )
         scores = score_tokens(model, batch.input_ids, batch.attention_mask, positions, targets, **options)
 
