@@ -1346,7 +1346,7 @@ def _last_decode_step(run: EstimateRun, model: nn.Module) -> Iterator[None]:
     and each step's other tensors have the same shapes). So ``generate`` runs (1) on the prompts for
     two new tokens -- the prefill and the first decode step -- and then (2) for the last token,
     resuming from a cache that the model's own forward filled with the prompt and the first
-    ``max_new_tokens - 2`` response tokens (``fill_token``\ s, which the sampler would have
+    ``max_new_tokens - 2`` response tokens (each a ``fill_token``, which the sampler would have
     produced; making that cache is not measured: the real loop grows it one token at a time, with
     smaller transients than the step measured next). Its output is the full-length sequences, as
     the whole loop's would be. A static (preallocated, full-length) cache makes every decode step
