@@ -178,3 +178,57 @@ def test_the_wheels_are_the_missing_packages_at_this_environments_versions(tmp_p
     assert cmd[cmd.index("--dest") + 1] == str(tmp_path)
     for name in ("bitsandbytes", "jsonargparse", "datasets", "typeshed-client", "docstring-parser"):
         assert f"{name}=={metadata.version(name)}" in cmd
+
+
+# ---------------------------------------------------------------- gpu tests, one process per file
+
+_FAKE_GPU_TESTS = {
+    "test_a_passes.py": "import pytest\n\n@pytest.mark.gpu\ndef test_ok():\n    assert True\n",
+    "test_b_exits_from_c.py": ("import os, pytest\n\n@pytest.mark.gpu\ndef test_exit():\n    print('Error invalid device ordinal', flush=True)\n"
+                              "    os._exit(1)\n"),
+    "test_c_aborts.py": "import os, pytest\n\n@pytest.mark.gpu\ndef test_abort():\n    os.abort()\n",
+    "test_d_fails.py": "import pytest\n\n@pytest.mark.gpu\ndef test_no():\n    assert 1 == 2\n\n@pytest.mark.gpu\ndef test_yes():\n    pass\n",
+    "test_e_unmarked.py": "def test_cpu_only():\n    pass\n",
+}
+
+
+def test_each_gpu_test_file_runs_alone_and_a_crash_hides_nothing(tmp_path):
+    from benchmarks.gpu import gpu_tests
+
+    folder = tmp_path / "tests"
+    folder.mkdir()
+    for name, text in _FAKE_GPU_TESTS.items():
+        (folder / name).write_text(text)
+    assert [p.name for p in gpu_tests.gpu_test_files(folder)] == ["test_a_passes.py", "test_b_exits_from_c.py",
+                                                                  "test_c_aborts.py", "test_d_fails.py"]
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, "-m", "benchmarks.gpu.gpu_tests", "--out", str(out), "--timeout", "120",
+                           *(f"--file={p}" for p in gpu_tests.gpu_test_files(folder))],
+                          cwd=REPO, capture_output=True, text=True, timeout=HANG_GUARD_S)
+    lines = done.stdout.strip().splitlines()
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert lines[0].startswith("[1/4] ") and "test_a_passes.py: passed (1 passed)" in lines[0]
+    assert "test_b_exits_from_c.py: crashed (no pytest summary)" in lines[1]
+    assert "exit code 1; last line: Error invalid device ordinal" in lines[1]
+    assert "test_c_aborts.py: crashed (no pytest summary)" in lines[2] and "killed by SIGABRT" in lines[2]
+    assert "test_d_fails.py: failed (1 failed, 1 passed)" in lines[3] and "test_no" in lines[3]
+    assert lines[4] == ("gpu tests: 4 files: 2 passed, 1 failed; not passed: "
+                        f"{folder / 'test_b_exits_from_c.py'}, {folder / 'test_c_aborts.py'}, {folder / 'test_d_fails.py'}")
+    assert (out / "gpu_tests.txt").read_text().splitlines()[-1] == lines[4]
+    assert "Error invalid device ordinal" in (out / "gpu_tests/test_b_exits_from_c.log").read_text()
+
+
+def test_a_file_past_its_time_limit_is_stopped_and_said(tmp_path):
+    from benchmarks.gpu import gpu_tests
+
+    result = gpu_tests.parse("tests/test_x.py", None, "tests/test_x.py .\n", 300.0)
+    assert result.outcome == "timed out" and result.line().startswith("tests/test_x.py: timed out (no pytest summary)")
+    assert gpu_tests.summary([result], 2) == "gpu tests: 1 of 2 files: no tests; not passed: tests/test_x.py"
+
+
+def test_the_repositorys_gpu_test_files_are_found():
+    from benchmarks.gpu import gpu_tests
+
+    files = {str(p.relative_to(REPO)) for p in gpu_tests.gpu_test_files()}
+    assert {"tests/test_offload.py", "tests/test_activation_offload_primitive.py", "tests/strategies/test_fsdp2.py"} <= files
+    assert "tests/test_gpu_benchmark.py" not in files  # its fake files' marks are in strings, not a mark line
