@@ -48,7 +48,7 @@ test: install
 # The memory estimator's gate over every shipped GPU-tier config: a minute or two of fake-tensor
 # work per config, single-threaded Python, so it runs on two workers as a step of its own.
 test-gate: install
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -m "config_gate and not slow" -n 2 tests/estimate/test_config_gate.py
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -m "config_gate and not slow" -n 2 tests/estimate/test_config_gate.py tests/estimate/test_cuda_model.py
 
 # The vLLM engine's tests only (in the main env they are skipped: vLLM is not installed there).
 test-vllm: vllm-install

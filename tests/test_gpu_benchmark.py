@@ -232,3 +232,55 @@ def test_the_repositorys_gpu_test_files_are_found():
     files = {str(p.relative_to(REPO)) for p in gpu_tests.gpu_test_files()}
     assert {"tests/test_offload.py", "tests/test_activation_offload_primitive.py", "tests/strategies/test_fsdp2.py"} <= files
     assert "tests/test_gpu_benchmark.py" not in files  # its fake files' marks are in strings, not a mark line
+
+
+# ---------------------------------------------------------------- several tier configs on one card
+
+def test_three_24gb_tiers_share_an_80gb_card_and_a_fourth_waits():
+    card, tier = 85_520_809_984, 24 * GiB  # an H100 80GB's total_memory
+    assert tiers.fits_beside([], tier, card)
+    assert tiers.fits_beside([tier, tier], tier, card)  # 72 GiB of caps + 4 GiB of contexts < 79.6 GiB
+    assert not tiers.fits_beside([tier, tier, tier], tier, card)
+    assert not tiers.fits_beside([], 80 * GiB, card)
+
+
+def test_a_paged_optimizer_or_a_whole_card_tier_runs_alone(tmp_path):
+    paged = tmp_path / "paged.yaml"
+    paged.write_text("model:\n  optimizer:\n    class_path: bitsandbytes.optim.PagedAdamW8bit\n")
+    plain = tmp_path / "plain.yaml"
+    plain.write_text("model:\n  optimizer:\n    class_path: torch.optim.AdamW\n")
+    card = 80 * GiB
+    assert "managed memory" in tiers.runs_alone(paged, 24 * GiB, card)
+    assert tiers.runs_alone(plain, 24 * GiB, card) is None
+    assert tiers.runs_alone(plain, 80 * GiB, card) == "its tier is the whole card"
+    assert tiers.runs_alone(plain, 24 * GiB, None) == "its tier is the whole card"  # no CUDA card: one at a time
+
+
+def test_the_tier_summary_counts_each_outcome():
+    results = [{"outcome": "fits"}, {"outcome": "fits"}, {"outcome": "timed out after 540 s"},
+               {"outcome": "skipped: needs deepspeed"}, {"outcome": "crashed"}]
+    assert tiers.summary(results, 6) == "tier configs: 5 of 6 configs: 2 fits, 1 timed out, 1 skipped, 1 crashed"
+
+
+_STUB_PYTHON = """#!/usr/bin/env bash
+# Stands in for python in run.sh: the check passes, the gpu tests die of SIGABRT mid-run, the tiers fit.
+case "$*" in
+  "-") cat >/dev/null; echo "torch stub, CUDA: none" ;;
+  *benchmarks.gpu.gpu_tests*) echo "[1/3] tests/test_a.py: passed (1 passed) in 1 s"; kill -ABRT $$ ;;
+  *benchmarks.gpu.tiers*) echo "[1/1] sft/x.yaml: fits in 3 s"; echo "tier configs: 1 configs: 1 fits" ;;
+esac
+"""
+
+
+def test_run_sh_ends_with_one_summary_after_a_step_crashes(tmp_path):
+    stub = tmp_path / "python"
+    stub.write_text(_STUB_PYTHON)
+    stub.chmod(0o755)
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": str(stub), "WHEELS": str(tmp_path / "no-wheels")}
+    done = subprocess.run([str(REPO / "benchmarks/gpu/run.sh")], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=HANG_GUARD_S)
+    assert done.returncode == 1, done.stdout + done.stderr
+    tail = done.stdout.strip().splitlines()[-3:]
+    assert tail[0] == "== summary"
+    assert tail[1] == "gpu_tests: exit 134: [1/3] tests/test_a.py: passed (1 passed) in 1 s"
+    assert tail[2] == "gpu_tiers: exit 0: tier configs: 1 configs: 1 fits"
