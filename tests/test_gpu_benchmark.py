@@ -155,6 +155,7 @@ def test_run_sh_measures_a_config_and_writes_the_rows(tmp_path):
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "[1/1] sft/tiny_cpu.yaml: fits" in done.stdout
+    assert done.stdout.strip().splitlines()[-2:] == ["== summary", "gpu_tiers: exit 0: tier configs: 1 configs: 1 fits"]
     (result,) = json.loads((tmp_path / "out/gpu_tiers.json").read_text())
     assert result["outcome"] == "fits" and result["speed"]["batches"] == 1 and result["speed"]["tokens_kind"] == "input"
     table = (tmp_path / "out/gpu_tiers.md").read_text()

@@ -572,11 +572,11 @@ def _drive(args: argparse.Namespace) -> int:
             started = _start_what_fits(queue, running, args, total)
             if not started and (queue or running):
                 time.sleep(1)
-    finally:  # an interrupted driver still says what it saw
+        print((args.out / "gpu_tiers.md").read_text())
+    finally:  # an interrupted driver still says what it saw; the summary is the last line
         for child, _, _ in running.values():
             child.process.kill()
         print(summary(results, len(configs)), flush=True)
-    print((args.out / "gpu_tiers.md").read_text())
     return 0
 
 
