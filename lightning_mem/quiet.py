@@ -38,6 +38,22 @@ UNACTIONABLE: tuple[tuple[str, str], ...] = (
         r"Paged optimizers are not supported on CPU",
         "bitsandbytes' duplicate of lightning_mem.optim's own warning, which names the optimizer",
     ),
+    (
+        r"The '\w+' does not have many workers which may be a bottleneck",
+        "the recipes' data modules tokenize once into a memory-mapped Arrow cache, so a batch is an index"
+        " lookup and a pad; worker processes would copy it without making a step faster (a rollout or a"
+        " forward dominates). `data.num_workers` still sets them, for a custom source that is slow to read",
+    ),
+)
+
+#: Lightning's float32-matmul tip (CUDA cards with tensor cores, matmul precision 'highest').
+_MATMUL_TIP = (
+    "You are using a CUDA device",
+    "Lightning's tip to call torch.set_float32_matmul_precision('high'), printed on every Ampere or later"
+    " card: the project keeps fp32 matmuls at fp32 on purpose -- precision is what the config says, and a"
+    " `32-true` run that silently computed in TF32 would not be one. The compute dtype is chosen in the"
+    " YAML (`trainer.precision`, FSDP2's `param_dtype`); every shipped GPU config computes in bf16, where"
+    " the setting does not apply",
 )
 
 #: (logger, message prefix, why): log records of other libraries, dropped the same way.
@@ -55,6 +71,9 @@ UNACTIONABLE_LOGS: tuple[tuple[str, str, str], ...] = (
         " (through accelerate) imports it at every export, DeepSpeed strategy or not; Lightning's own"
         " 'GPU available: False' line already says which device the run uses",
     ),
+    # The tip goes through lightning_utilities' rank_zero logger, which ever Lightning package named last.
+    ("lightning.pytorch.utilities.rank_zero", *_MATMUL_TIP),
+    ("lightning.fabric.utilities.rank_zero", *_MATMUL_TIP),
     (
         "bitsandbytes.backends.cpu.ops",
         "Failed to load CPU gemm_4bit_forward from kernels-community",

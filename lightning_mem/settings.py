@@ -44,8 +44,8 @@ AtLeastTwo = restricted_number_type("AtLeastTwo", int, (">=", 2), docstring="int
 class SettingError(ValueError):
     """A bad setting, named relative to what the library was given.
 
-    The message is ``\`<prefix><key>\`<problem>``, or ``problem`` alone where it names the key in
-    backticks itself (``"set exactly one of `train_file` and `dataset`"``, ``"`name: vllm` ..."``).
+    The message is ``<prefix><key>`` in backticks, then ``<problem>``; or ``problem`` alone where it
+    names the key in backticks itself (``"set exactly one of `train_file` and `dataset`"``, ``"`name: vllm` ..."``).
     ``siblings`` are other settings next to ``key`` that ``problem`` names in backticks:
     :meth:`under` names them from the same prefix, so ``max_memory`` and ``device_map`` become
     ``model.max_memory`` and ``model.device_map`` together.

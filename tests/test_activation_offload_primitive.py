@@ -1,10 +1,9 @@
 """ActivationOffloader, the primitive: unchanged gradients, exact stashed bytes, mechanics; on CUDA,
-device memory and time. The callback that runs it around every training batch is tested in
-tests/callbacks/test_activation_offload.py."""
+device memory (its time is a benchmark's: benchmarks/gpu/activation_offload_time.py). The callback
+that runs it around every training batch is tested in tests/callbacks/test_activation_offload.py."""
 
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
@@ -184,7 +183,7 @@ def test_rejects_entering_twice() -> None:
     assert _no_saved_tensor_hooks_installed()
 
 
-# -- CUDA: device memory and time --------------------------------------------------------------
+# -- CUDA: device memory ---------------------------------------------------------------------
 class _WideMLP(nn.Module):
     """Activations dominate: 16 blocks of (tokens x 4096) activations against 8 MiB of weights each."""
 
@@ -230,7 +229,10 @@ def test_cuda_peak_memory_drops_by_at_least_30_percent() -> None:
 
 
 @pytest.mark.gpu
-def test_cuda_overhead_with_checkpointing_is_at_most_10_percent() -> None:
+def test_cuda_offload_with_checkpointing_moves_the_block_inputs_and_keeps_the_step() -> None:
+    """Activation offload on top of checkpointed blocks (a bf16 Llama, 4 x 2,048 tokens): the same
+    loss and gradients, and a lower peak by most of what it stashed. Its cost in time on a GPU is a
+    benchmark's figure (benchmarks/gpu/activation_offload_time.py), not this test's."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -242,23 +244,29 @@ def test_cuda_overhead_with_checkpointing_is_at_most_10_percent() -> None:
     ids = torch.randint(0, config.vocab_size, (4, 2048), device="cuda")
     offloader = ActivationOffloader(model, device="cuda", exclude_modules=["lm_head"])
 
-    def step_time(use_offload: bool) -> float:
-        times = []
-        for _ in range(6):
-            model.zero_grad(set_to_none=True)
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            if use_offload:
-                with offloader:
-                    loss = lm_loss(model, ids)
-            else:
+    def step(use_offload: bool) -> tuple[int, float, list[torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        if use_offload:
+            with offloader:
                 loss = lm_loss(model, ids)
-            loss.backward()
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-        return sorted(times[1:])[len(times[1:]) // 2]  # median after a warm-up step
+        else:
+            loss = lm_loss(model, ids)
+        loss.backward()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base, loss.item(), [p.grad.float() for p in model.parameters()]
 
-    plain = step_time(False)
-    offloaded = step_time(True)
-    assert offloader.stats.stashed_bytes > 0
-    assert offloaded <= 1.10 * plain, (plain, offloaded)
+    step(False)  # warm-up: cuBLAS workspaces, kernels
+    peak_plain, loss_plain, grads_plain = step(False)
+    peak_offload, loss_offload, grads_offload = step(True)
+    stashed = offloader.stats.stashed_bytes
+    # What reaches the offload under checkpointing is each block's input: 8 x 4 x 2,048 x 2,048 bf16.
+    assert stashed >= 8 * 4 * 2048 * 2048 * 2
+    assert loss_offload == loss_plain  # the forward is the same computation on the same inputs
+    for a, b in zip(grads_plain, grads_offload):  # SDPA's backward accumulates in any order on CUDA
+        assert (a - b).norm() <= 1e-2 * a.norm() + 1e-6
+    # The peak is at the output layer's backward, before the block inputs come back (prefetch brings
+    # at most 2 of the 8 early): most of what was stashed is off the device then.
+    assert peak_plain - peak_offload >= 0.5 * stashed, (peak_plain, peak_offload, stashed)

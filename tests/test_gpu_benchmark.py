@@ -150,11 +150,12 @@ def test_rows_put_each_phases_peaks_beside_its_estimate():
 def test_run_sh_measures_a_config_and_writes_the_rows(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": sys.executable, "WHEELS": str(tmp_path / "no-wheels"),
            "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([str(REPO / "benchmarks/gpu/run.sh"), "--skip-tests", "--config", "configs/sft/tiny_cpu.yaml",
+    done = subprocess.run([str(REPO / "benchmarks/gpu/run.sh"), "--skip-tests", "--skip-step-time", "--config", "configs/sft/tiny_cpu.yaml",
                            "--steps", "1", "--workdir", str(tmp_path / "work")],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "[1/1] sft/tiny_cpu.yaml: fits" in done.stdout
+    assert done.stdout.strip().splitlines()[-2:] == ["== summary", "gpu_tiers: exit 0: tier configs: 1 configs: 1 fits"]
     (result,) = json.loads((tmp_path / "out/gpu_tiers.json").read_text())
     assert result["outcome"] == "fits" and result["speed"]["batches"] == 1 and result["speed"]["tokens_kind"] == "input"
     table = (tmp_path / "out/gpu_tiers.md").read_text()
@@ -178,3 +179,111 @@ def test_the_wheels_are_the_missing_packages_at_this_environments_versions(tmp_p
     assert cmd[cmd.index("--dest") + 1] == str(tmp_path)
     for name in ("bitsandbytes", "jsonargparse", "datasets", "typeshed-client", "docstring-parser"):
         assert f"{name}=={metadata.version(name)}" in cmd
+
+
+# ---------------------------------------------------------------- gpu tests, one process per file
+
+_FAKE_GPU_TESTS = {
+    "test_a_passes.py": "import pytest\n\n@pytest.mark.gpu\ndef test_ok():\n    assert True\n",
+    "test_b_exits_from_c.py": ("import os, pytest\n\n@pytest.mark.gpu\ndef test_exit():\n    print('Error invalid device ordinal', flush=True)\n"
+                              "    os._exit(1)\n"),
+    "test_c_aborts.py": "import os, pytest\n\n@pytest.mark.gpu\ndef test_abort():\n    os.abort()\n",
+    "test_d_fails.py": "import pytest\n\n@pytest.mark.gpu\ndef test_no():\n    assert 1 == 2\n\n@pytest.mark.gpu\ndef test_yes():\n    pass\n",
+    "test_e_unmarked.py": "def test_cpu_only():\n    pass\n",
+}
+
+
+def test_each_gpu_test_file_runs_alone_and_a_crash_hides_nothing(tmp_path):
+    from benchmarks.gpu import gpu_tests
+
+    folder = tmp_path / "tests"
+    folder.mkdir()
+    for name, text in _FAKE_GPU_TESTS.items():
+        (folder / name).write_text(text)
+    assert [p.name for p in gpu_tests.gpu_test_files(folder)] == ["test_a_passes.py", "test_b_exits_from_c.py",
+                                                                  "test_c_aborts.py", "test_d_fails.py"]
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, "-m", "benchmarks.gpu.gpu_tests", "--out", str(out), "--timeout", "120",
+                           *(f"--file={p}" for p in gpu_tests.gpu_test_files(folder))],
+                          cwd=REPO, capture_output=True, text=True, timeout=HANG_GUARD_S)
+    lines = done.stdout.strip().splitlines()
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert lines[0].startswith("[1/4] ") and "test_a_passes.py: passed (1 passed)" in lines[0]
+    assert "test_b_exits_from_c.py: crashed (no pytest summary)" in lines[1]
+    assert "exit code 1; last line: Error invalid device ordinal" in lines[1]
+    assert "test_c_aborts.py: crashed (no pytest summary)" in lines[2] and "killed by SIGABRT" in lines[2]
+    assert "test_d_fails.py: failed (1 failed, 1 passed)" in lines[3] and "test_no" in lines[3]
+    assert lines[4] == ("gpu tests: 4 files: 2 passed, 1 failed; not passed: "
+                        f"{folder / 'test_b_exits_from_c.py'}, {folder / 'test_c_aborts.py'}, {folder / 'test_d_fails.py'}")
+    assert (out / "gpu_tests.txt").read_text().splitlines()[-1] == lines[4]
+    assert "Error invalid device ordinal" in (out / "gpu_tests/test_b_exits_from_c.log").read_text()
+
+
+def test_a_file_past_its_time_limit_is_stopped_and_said(tmp_path):
+    from benchmarks.gpu import gpu_tests
+
+    result = gpu_tests.parse("tests/test_x.py", None, "tests/test_x.py .\n", 300.0)
+    assert result.outcome == "timed out" and result.line().startswith("tests/test_x.py: timed out (no pytest summary)")
+    assert gpu_tests.summary([result], 2) == "gpu tests: 1 of 2 files: no tests; not passed: tests/test_x.py"
+
+
+def test_the_repositorys_gpu_test_files_are_found():
+    from benchmarks.gpu import gpu_tests
+
+    files = {str(p.relative_to(REPO)) for p in gpu_tests.gpu_test_files()}
+    assert {"tests/test_offload.py", "tests/test_activation_offload_primitive.py", "tests/strategies/test_fsdp2.py"} <= files
+    assert "tests/test_gpu_benchmark.py" not in files  # its fake files' marks are in strings, not a mark line
+
+
+# ---------------------------------------------------------------- several tier configs on one card
+
+def test_three_24gb_tiers_share_an_80gb_card_and_a_fourth_waits():
+    card, tier = 85_520_809_984, 24 * GiB  # an H100 80GB's total_memory
+    assert tiers.fits_beside([], tier, card)
+    assert tiers.fits_beside([tier, tier], tier, card)  # 72 GiB of caps + 4 GiB of contexts < 79.6 GiB
+    assert not tiers.fits_beside([tier, tier, tier], tier, card)
+    assert not tiers.fits_beside([], 80 * GiB, card)
+
+
+def test_a_paged_optimizer_or_a_whole_card_tier_runs_alone(tmp_path):
+    paged = tmp_path / "paged.yaml"
+    paged.write_text("model:\n  optimizer:\n    class_path: bitsandbytes.optim.PagedAdamW8bit\n")
+    plain = tmp_path / "plain.yaml"
+    plain.write_text("model:\n  optimizer:\n    class_path: torch.optim.AdamW\n")
+    card = 80 * GiB
+    assert "managed memory" in tiers.runs_alone(paged, 24 * GiB, card)
+    assert tiers.runs_alone(plain, 24 * GiB, card) is None
+    assert tiers.runs_alone(plain, 80 * GiB, card) == "its tier is the whole card"
+    assert tiers.runs_alone(plain, 24 * GiB, None) == "its tier is the whole card"  # no CUDA card: one at a time
+
+
+def test_the_tier_summary_counts_each_outcome():
+    results = [{"outcome": "fits"}, {"outcome": "fits"}, {"outcome": "timed out after 540 s"},
+               {"outcome": "skipped: needs deepspeed"}, {"outcome": "crashed"}]
+    assert tiers.summary(results, 6) == "tier configs: 5 of 6 configs: 2 fits, 1 timed out, 1 skipped, 1 crashed"
+
+
+_STUB_PYTHON = """#!/usr/bin/env bash
+# Stands in for python in run.sh: the check passes, the gpu tests die of SIGABRT mid-run, the tiers fit.
+case "$*" in
+  "-") cat >/dev/null; echo "torch stub, CUDA: none" ;;
+  *benchmarks.gpu.gpu_tests*) echo "[1/3] tests/test_a.py: passed (1 passed) in 1 s"; kill -ABRT $$ ;;
+  *benchmarks.gpu.tiers*) echo "[1/1] sft/x.yaml: fits in 3 s"; echo "tier configs: 1 configs: 1 fits" ;;
+  *benchmarks.gpu.step_time*) echo "step time: 2 models" ;;
+esac
+"""
+
+
+def test_run_sh_ends_with_one_summary_after_a_step_crashes(tmp_path):
+    stub = tmp_path / "python"
+    stub.write_text(_STUB_PYTHON)
+    stub.chmod(0o755)
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": str(stub), "WHEELS": str(tmp_path / "no-wheels")}
+    done = subprocess.run([str(REPO / "benchmarks/gpu/run.sh")], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=HANG_GUARD_S)
+    assert done.returncode == 1, done.stdout + done.stderr
+    tail = done.stdout.strip().splitlines()[-4:]
+    assert tail[0] == "== summary"
+    assert tail[1] == "gpu_tests: exit 134: [1/3] tests/test_a.py: passed (1 passed) in 1 s"
+    assert tail[2] == "gpu_tiers: exit 0: tier configs: 1 configs: 1 fits"
+    assert tail[3] == "gpu_step_time: exit 0: step time: 2 models"

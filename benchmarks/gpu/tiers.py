@@ -10,6 +10,10 @@ the estimate, batch time and tokens/s.
 tests. Each config runs in a process of its own (``--one``, with a time limit) so that an
 out-of-memory error, a crash or a hang costs that config only, and the card starts empty:
 
+* configs whose caps fit the card together run at once (``--jobs``, default 3: an 80 GB card holds
+  three 24 GB tiers, each process's CUDA context counted beside its cap); one with a paged optimizer
+  (managed memory, which no cap bounds) or a tier as large as the card runs alone. Each result is
+  printed as it comes, and one summary line ends the run, also when it is interrupted;
 * the card is capped with ``torch.cuda.set_per_process_memory_fraction`` to the tier's memory
   (a 24 GB tier on an 80 GB card gets 24 GiB of it); a card no larger than the tier is left
   uncapped, and the row says so. The cap bounds the caching allocator only: the CUDA context
@@ -341,6 +345,8 @@ def table_rows(result: dict[str, Any]) -> list[str]:
     if result.get("error"):
         outcome += f" ({result['error'][:120]})"
     cap = result.get("cap") or "no cap"
+    if result.get("beside"):  # its batch times shared the card's compute
+        cap += f", beside {result['beside']} other run(s)"
     batch_s = "n/a" if speed.get("median_s") is None else f"{speed['median_s']:.2f}"
     tokens = "n/a" if speed.get("tokens_per_s") is None else f"{speed['tokens_per_s']:,.0f} {speed['tokens_kind']}"
     if speed.get("rollout_tokens_per_s") is not None:
@@ -375,7 +381,9 @@ def markdown(results: list[dict[str, Any]], *, date: str, device: str, command: 
         " filling the largest micro-batch. Estimate: the config header's (tracked tensor bytes). Peaks:"
         " `MemoryMonitor` (max over the run's steps). Batch time: median of the training batches after"
         " the first; tokens/s: `input` = non-padding tokens fed, `generated` = PPO response tokens per"
-        " second of the whole step (in brackets: of its rollout alone).",
+        " second of the whole step (in brackets: of its rollout alone). Configs whose caps fit the card"
+        " together ran at once (`--jobs`); such a row says `beside N other run(s)`, and its times shared"
+        " the card's compute (rerun with `--jobs 1` for clean timings).",
         "",
         TABLE_HEAD,
     ]
@@ -394,25 +402,87 @@ def _shown(path: Path) -> str:
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
+class _Child:
+    """One config's process (``--one``): started, polled, and read back (or said how it ended)."""
+
+    def __init__(self, path: Path, workdir: Path, steps: int, timeout_s: float, *, beside: int = 0) -> None:
+        self.path, self.timeout_s, self.beside = path, timeout_s, beside
+        name = f"{path.parent.name}--{path.stem}"
+        self.result_file = workdir / "results" / f"{name}.json"
+        self.result_file.parent.mkdir(parents=True, exist_ok=True)
+        self.result_file.unlink(missing_ok=True)
+        self.log = workdir / "logs" / f"{name}.log"
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "benchmarks.gpu.tiers", "--one", str(path), "--workdir", str(workdir),
+               "--steps", str(steps), "--result", str(self.result_file)]
+        self._out = open(self.log, "w")  # noqa: SIM115 - closed in result()
+        self.start = time.perf_counter()
+        self.process = subprocess.Popen(cmd, cwd=ROOT, stdout=self._out, stderr=subprocess.STDOUT)
+
+    def done(self) -> bool:
+        if self.process.poll() is not None:
+            return True
+        if time.perf_counter() - self.start > self.timeout_s:
+            self.process.kill()
+            self.process.wait()
+            self.timed_out = True
+            return True
+        return False
+
+    timed_out = False
+
+    def result(self) -> dict[str, Any]:
+        self._out.close()
+        path = self.path
+        if self.timed_out:
+            result = {"config": _shown(path), "outcome": f"timed out after {self.timeout_s:.0f} s",
+                      "estimate_gib": header_estimate(path)}
+        elif self.result_file.is_file():
+            result = json.loads(self.result_file.read_text())
+        else:  # the process ended before writing its result: a crash from C, or a kill
+            tail = self.log.read_text(errors="replace").strip().splitlines()[-1:] if self.log.is_file() else []
+            code = self.process.returncode
+            how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+            result = {"config": _shown(path), "outcome": "crashed", "error": f"{how}: {' '.join(tail)}",
+                      "estimate_gib": header_estimate(path)}
+        result["beside"] = self.beside
+        return result
+
+
 def _child(path: Path, workdir: Path, steps: int, timeout_s: float) -> dict[str, Any]:
-    result_file = workdir / "results" / f"{path.parent.name}--{path.stem}.json"
-    result_file.parent.mkdir(parents=True, exist_ok=True)
-    result_file.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "benchmarks.gpu.tiers", "--one", str(path), "--workdir", str(workdir),
-           "--steps", str(steps), "--result", str(result_file)]
-    log = workdir / "logs" / f"{path.parent.name}--{path.stem}.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        with open(log, "w") as out:
-            subprocess.run(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s, check=False)
-    except subprocess.TimeoutExpired:
-        return {"config": _shown(path), "outcome": f"timed out after {timeout_s:.0f} s",
-                "estimate_gib": header_estimate(path)}
-    if result_file.is_file():
-        return json.loads(result_file.read_text())
-    tail = log.read_text().strip().splitlines()[-1:] if log.is_file() else []
-    return {"config": _shown(path), "outcome": "crashed", "error": " ".join(tail),
-            "estimate_gib": header_estimate(path)}
+    child = _Child(path, workdir, steps, timeout_s)
+    while not child.done():
+        time.sleep(1)
+    return child.result()
+
+
+# ---------------------------------------------------------------------------------------------
+# Several configs on one card at once
+# ---------------------------------------------------------------------------------------------
+
+#: Per process, outside the cap: the CUDA context and loaded kernels (about 0.5 GiB seen on an
+#: H100 with torch 2.11), counted at 1 GiB so that the caps and contexts together stay inside the card.
+CONTEXT_BYTES = 1 << 30
+
+
+def runs_alone(path: Path, tier_bytes: int | None, total_bytes: int | None) -> str | None:
+    """Why a config must have the card to itself (None: it may share it).
+
+    A paged optimizer's state is managed memory, which ``set_per_process_memory_fraction`` does not
+    cap: asking for more than the card has free can hang the GPU, not only the process (GPU.md). A
+    config whose tier is the whole card (or unknown) has nothing to share it with.
+    """
+    if "Paged" in path.read_text():
+        return "paged optimizer state (managed memory is outside the cap)"
+    if tier_bytes is None or total_bytes is None or tier_bytes >= total_bytes:
+        return "its tier is the whole card"
+    return None
+
+
+def fits_beside(running: list[int], tier_bytes: int, total_bytes: int) -> bool:
+    """Whether a process capped to ``tier_bytes`` fits next to processes capped to ``running``."""
+    # every capped process's context, and the driver's own (it asked the card for its size)
+    return sum(running) + tier_bytes + CONTEXT_BYTES * (len(running) + 2) <= total_bytes
 
 
 def _versions() -> str:
@@ -433,12 +503,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=2, help="optimizer steps (SFT, QLoRA) or PPO steps per config")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per config before it is stopped")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/lightning_mem_gpu"), help="models, data and runs")
+    parser.add_argument("--jobs", type=int, default=3,
+                        help="configs run at once where their caps fit the card together (1: one at a time, for"
+                             " clean timings; default 3: an 80 GB card holds three 24 GB tiers)")
     parser.add_argument("--list", action="store_true", help="print the configs and the cap each would get; run nothing")
     parser.add_argument("--one", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
+    if args.jobs < 1:
+        parser.error(f"--jobs must be >= 1, got {args.jobs}")
     if args.one is not None:  # the child: one config, its result as JSON
         result = run_one(args.one, args.workdir, args.steps)
         args.result.write_text(json.dumps(result, indent=1))
@@ -471,24 +546,99 @@ def _drive(args: argparse.Namespace) -> int:
     command = "benchmarks/gpu/run.sh " + " ".join(sys.argv[1:])
     date = datetime.date.today().isoformat()
     results: list[dict[str, Any]] = []
-    for index, path in enumerate(configs, 1):
-        name = f"{path.parent.name}/{path.name}"
-        print(f"[{index}/{len(configs)}] {name} ...", flush=True)
-        missing = needs_missing_package(yaml.safe_load(path.read_text()))
-        start = time.perf_counter()
-        if missing:
-            result = {"config": _shown(path), "outcome": f"skipped: needs {missing}",
-                      "estimate_gib": header_estimate(path)}
-        else:
-            result = _child(path, args.workdir, args.steps, args.timeout)
+    queue = list(enumerate(configs, 1))
+    running: dict[int, tuple[_Child, int, bool]] = {}  # index -> (child, capped bytes, alone)
+    finished = 0
+
+    def record(index: int, path: Path, result: dict[str, Any], seconds: float) -> None:
+        nonlocal finished
+        finished += 1
         results.append(result)
         _keep_run_files(path, args.workdir, args.out)
         (args.out / "gpu_tiers.json").write_text(json.dumps(results, indent=1))
         (args.out / "gpu_tiers.md").write_text(
             markdown(results, date=date, device=device, command=command, versions=_versions()))
-        print(f"[{index}/{len(configs)}] {name}: {result.get('outcome')} in {time.perf_counter() - start:.0f} s", flush=True)
-    print((args.out / "gpu_tiers.md").read_text())
+        shared = f", beside {result['beside']} other run(s)" if result.get("beside") else ""
+        print(f"[{finished}/{len(configs)}] {path.parent.name}/{path.name}: {result.get('outcome')}"
+              f" in {seconds:.0f} s{shared}", flush=True)
+
+    try:
+        while queue or running:
+            for index, child_info in list(running.items()):
+                child = child_info[0]
+                if child.done():
+                    del running[index]
+                    record(index, child.path, child.result(), time.perf_counter() - child.start)
+            started = _start_what_fits(queue, running, args, total)
+            if not started and (queue or running):
+                time.sleep(1)
+        print((args.out / "gpu_tiers.md").read_text())
+    finally:  # an interrupted driver still says what it saw; the summary is the last line
+        for child, _, _ in running.values():
+            child.process.kill()
+        print(summary(results, len(configs)), flush=True)
     return 0
+
+
+def _start_what_fits(queue: list[tuple[int, Path]], running: dict[int, tuple[_Child, int, bool]],
+                     args: argparse.Namespace, total: int | None) -> bool:
+    """Start every queued config that fits beside the running ones (in order; one that must run
+    alone waits for an empty card, and nothing starts beside it). Skipped configs are recorded at once."""
+    from lightning_mem.estimate.report import tier_of
+
+    started = False
+    for item in list(queue):
+        index, path = item
+        if any(alone for _, _, alone in running.values()):
+            break
+        missing = needs_missing_package(yaml.safe_load(path.read_text()))
+        if missing:
+            queue.remove(item)
+            child = _Skipped(path, f"skipped: needs {missing}")
+            running[index] = (child, 0, False)
+            started = True
+            continue
+        tier = tier_of(path)
+        tier_bytes = tier.memory_bytes if tier is not None else None
+        alone = runs_alone(path, tier_bytes, total) is not None or args.jobs == 1
+        if running and (alone or len(running) >= args.jobs
+                        or not fits_beside([b for _, b, _ in running.values()], tier_bytes, total)):
+            if alone:
+                break  # it waits for the card to empty; the order is kept
+            continue
+        queue.remove(item)
+        child = _Child(path, args.workdir, args.steps, args.timeout, beside=len(running))
+        running[index] = (child, tier_bytes or 0, alone)
+        started = True
+    return started
+
+
+class _Skipped:
+    """A config that does not run here, recorded as a child that is done at once."""
+
+    def __init__(self, path: Path, outcome: str) -> None:
+        self.path, self.outcome, self.start = path, outcome, time.perf_counter()
+
+    def done(self) -> bool:
+        return True
+
+    def result(self) -> dict[str, Any]:
+        return {"config": _shown(self.path), "outcome": self.outcome, "estimate_gib": header_estimate(self.path)}
+
+    class process:  # noqa: N801 - the part of Popen the driver's cleanup uses
+        @staticmethod
+        def kill() -> None:
+            return None
+
+
+def summary(results: list[dict[str, Any]], planned: int) -> str:
+    """One line: how many configs ran and what came of them."""
+    outcomes: dict[str, int] = {}
+    for result in results:
+        key = str(result.get("outcome", "?")).split(" after ")[0].split(":")[0]
+        outcomes[key] = outcomes.get(key, 0) + 1
+    ran = f"{len(results)} of {planned} configs" if len(results) < planned else f"{planned} configs"
+    return f"tier configs: {ran}: " + (", ".join(f"{n} {k}" for k, n in outcomes.items()) or "none ran")
 
 
 def _keep_run_files(path: Path, workdir: Path, out: Path) -> None:

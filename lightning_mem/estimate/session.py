@@ -47,6 +47,7 @@ from lightning.pytorch import Callback
 from typing_extensions import override
 
 from lightning_mem.assets import ASSETS, HUB_ASSETS
+from lightning_mem.estimate.cuda import CudaDeviceModel
 from lightning_mem.estimate.tracker import HOST, MemoryLedger, TrackingMode
 from lightning_mem.offload import local_tensor
 from lightning_mem.step_io import StepIO
@@ -763,6 +764,11 @@ class EstimateRun(PhaseRecorder, StepIO):
         self.device_memory = device_memory  # one device's total bytes, when the estimate knows the card
         accelerator = str(trainer_cfg.accelerator or "auto").lower()
         self.on_cuda = accelerator not in ("cpu", "mps")  # what the config runs on, not this machine
+        #: What a CUDA device allocates beyond the CPU run's tensors (:mod:`.cuda`); None on a CPU config.
+        self.device_model: CudaDeviceModel | None = CudaDeviceModel() if self.on_cuda else None
+        if self.device_model is not None:
+            self.ledger.round_bytes = self.device_model.round_bytes
+        self._blas_workspaces: torch.Tensor | None = None
 
     def measured(self, step: int) -> bool:
         return step == 1
@@ -795,6 +801,8 @@ class EstimateRun(PhaseRecorder, StepIO):
             )
         cp = self.sharding.context_parallel  # a token budget is per rank: cp times the tokens of whole rows
         batch = largest(fill, context_parallel_size=cp) if cp > 1 else largest(fill)
+        if self.device_model is not None and self.device_model.padded_batches:
+            batch = _one_row_padded(batch)
         warm_up = _head(batch, rows=_rows_of(batch), tokens=8)  # every row: no loop of the step runs empty
         return [warm_up] * self.accumulated + [batch] * self.accumulated
 
@@ -806,7 +814,9 @@ class EstimateRun(PhaseRecorder, StepIO):
         self._fill = fill
         # The warm-up step samples an end of sequence at once (its responses are one token).
         self.mode.fill_token = fill if self._eos is None else self._eos
-        with _attribution(self.ledger, self.fake), _weights_source(self.fake), self.mode, self.accounting():
+        device = (self.device_model.applied(lambda: self._phase is not None) if self.device_model is not None
+                  else contextlib.nullcontext())
+        with _attribution(self.ledger, self.fake), _weights_source(self.fake), device, self.mode, self.accounting():
             self.trainer = Trainer(**self.trainer_arguments())
             if self.sharding.context_parallel > 1:
                 # The recipes state micro-batch budgets per rank of a context group and read its size
@@ -833,6 +843,12 @@ class EstimateRun(PhaseRecorder, StepIO):
         if self.sharding.param_dtype is not None:
             self._compute_in(self.sharding.param_dtype, pl_module)
         super().on_fit_start(trainer, pl_module)
+        if self.device_model is not None:
+            trains = any(p.requires_grad for p in pl_module.parameters())
+            self.device_model = dataclasses.replace(self.device_model, blas_threads=2 if trains else 1)
+            # cuBLAS/cuBLASLt workspaces: made at the first matmul of each thread, never freed.
+            with self.ledger.section("other"):
+                self._blas_workspaces = torch.empty(self.device_model.workspace_bytes, dtype=torch.uint8)
         if self.sharding.shard:  # a sharded run: the ledger's peaks are one rank's
             from lightning_mem import module_tree
 
@@ -1373,6 +1389,19 @@ def _head(batch: dict[str, Any], *, rows: int, tokens: int) -> dict[str, Any]:
     return {key: cut(value) for key, value in batch.items()}
 
 
+def _one_row_padded(batch: dict[str, Any]) -> dict[str, Any]:
+    """A prompt batch whose first row is one token shorter (left padding): real prompts differ in
+    length, and ``generate`` drops an all-ones mask (then attends unmasked). The shape stays the
+    largest. Batches with ``labels`` (SFT rows) are left as they are: the padded-mask model
+    (:func:`~lightning_mem.estimate.cuda.padded_attention_masks`) covers their forward."""
+    mask = batch.get("attention_mask")
+    if "labels" in batch or not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape[1] < 2:
+        return batch
+    mask = mask.clone()
+    mask[0, 0] = 0
+    return {**batch, "attention_mask": mask}
+
+
 def _as_is(batch: Any) -> Any:
     return batch
 
@@ -1406,7 +1435,7 @@ def _last_decode_step(run: EstimateRun, model: nn.Module) -> Iterator[None]:
     and each step's other tensors have the same shapes). So ``generate`` runs (1) on the prompts for
     two new tokens -- the prefill and the first decode step -- and then (2) for the last token,
     resuming from a cache that the model's own forward filled with the prompt and the first
-    ``max_new_tokens - 2`` response tokens (``fill_token``\ s, which the sampler would have
+    ``max_new_tokens - 2`` response tokens (each a ``fill_token``, which the sampler would have
     produced; making that cache is not measured: the real loop grows it one token at a time, with
     smaller transients than the step measured next). Its output is the full-length sequences, as
     the whole loop's would be. A static (preallocated, full-length) cache makes every decode step
@@ -1510,6 +1539,11 @@ def estimate(
                         device_memory=device_memory)
         run.fit()
     notes = []
+    if run.device_model is not None:
+        model = run.device_model
+        notes.append(f"CUDA device model (lightning_mem.estimate.cuda): micro-batches padded (masked attention),"
+                     f" {model.workspace_bytes / 2**20:.0f} MiB of cuBLAS/cuBLASLt workspaces ({model.blas_threads}"
+                     f" thread(s)), blocks rounded to {model.round_bytes} B")
     if run.sharding.shard:
         notes.append(f"{run.sharding.name}: per rank, {', '.join(run.sharding.shard)} are 1/{size} of the measured "
                      f"bytes" + (f"; {', '.join(run.sharding.host)} on the host" if run.sharding.host else "")

@@ -55,6 +55,9 @@ class MemoryLedger:
         self.peak_breakdown: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
         self.peak_host_bytes = 0
         self._context: list[str] = []
+        #: Every storage counts as a multiple of this many bytes (a CUDA caching allocator's block
+        #: rounding, :data:`lightning_mem.estimate.cuda.ALLOCATOR_ROUND_BYTES`; 1: exact bytes).
+        self.round_bytes = 1
         #: One rank's view of the live bytes, when the measured process stands for several ranks
         #: (a sharding strategy measured unsharded): ``view(device breakdown, host bytes)`` gives
         #: the rank's ``(breakdown, host bytes)``. The peaks are then the view's, taken at every
@@ -104,16 +107,20 @@ class MemoryLedger:
         if entry is not None and entry[0]() is storage:
             if category is not None and entry[2] != category:
                 self._move(entry, category)
-            nbytes = storage.nbytes()
+            nbytes = self._rounded(storage.nbytes())
             if nbytes != entry[1]:  # resized in place
                 self._add(entry[2], nbytes - entry[1])
                 entry[1] = nbytes
             return
-        nbytes = storage.nbytes()
+        nbytes = self._rounded(storage.nbytes())
         cat = category or self._category_for(tensor)
         ref = weakref.ref(storage, lambda _r, k=key: self._forget(k, _r))
         self._live[key] = [ref, nbytes, cat]
         self._add(cat, nbytes)
+
+    def _rounded(self, nbytes: int) -> int:
+        step = self.round_bytes
+        return nbytes if step <= 1 else -(-nbytes // step) * step
 
     def retag(self, tensor: torch.Tensor | None, category: str) -> None:
         if tensor is not None:

@@ -227,11 +227,22 @@ class PhaseMemory:
 
     def place(self, phase: str) -> None:
         """Move every component to where ``phase`` wants it: first out to the host, then in."""
+        self.send_out(phase)
+        self.bring_in(phase)
+
+    def _wanted(self, phase: str) -> dict[str, Placement]:
         placement = self.plan.placement(phase)
-        wanted = {name: getattr(placement, name) for name in self.components}
-        for name, where in wanted.items():
+        return {name: getattr(placement, name) for name in self.components}
+
+    def send_out(self, phase: str) -> None:
+        """Move to the host what ``phase`` wants there (the first half of :meth:`place`)."""
+        for name, where in self._wanted(phase).items():
             if where == "host" and self.locations[name] == "device":
                 self._to_host(name)
+
+    def bring_in(self, phase: str) -> None:
+        """Move to the device what ``phase`` wants there (the second half of :meth:`place`)."""
+        wanted = self._wanted(phase)
         returned = [name for name, where in wanted.items() if where == "device" and self.locations[name] == "host"]
         for name in returned:
             self._to_device(name)
@@ -284,9 +295,13 @@ class PhaseMemory:
         engine = self.rollout_engine
         start = time.perf_counter()
         try:
-            # The placement is part of the phase: what it moves onto the device is there for this phase.
+            # What the phase sends to the host leaves before the phase is measured: its peak is what
+            # it holds, not the previous phase's placement on its way out (a rollout whose working
+            # set is smaller than the resting optimizer state would otherwise peak at its first
+            # instant, with that state). What it brings onto the device is part of the phase.
+            self.send_out(name)
             with _monitor_phase(self.trainer, name):
-                self.place(name)
+                self.bring_in(name)
                 self.current = name
                 if name == "rollout" and engine is not None:
                     self._wake_engine()

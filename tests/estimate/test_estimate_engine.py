@@ -51,8 +51,16 @@ def test_on_the_cpu_the_engine_holds_its_weights_and_kv_cache_in_every_phase(hf)
             hf[name].device_breakdown_bytes["activations"], rel=1e-3)
 
 
+@pytest.fixture(scope="module")
+def hf_cuda():
+    # The same config on a GPU: the estimate's CUDA device model (cuBLAS workspaces, 512-byte blocks)
+    # is in both sides of the comparisons below.
+    return _phases(estimate(CONFIG, [*BASE, "--trainer.accelerator", "gpu"], device_memory=2 * GiB))
+
+
 @pytest.mark.parametrize("level", [1, 2])
-def test_on_cuda_the_engine_takes_its_share_awake_and_sleeps_at_its_level(hf, level):
+def test_on_cuda_the_engine_takes_its_share_awake_and_sleeps_at_its_level(hf_cuda, level):
+    hf = hf_cuda
     util = 0.25
     est = _phases(estimate(CONFIG, [*VLLM, "--trainer.accelerator", "gpu",
                                     "--model.rollout_engine.gpu_memory_utilization", str(util),

@@ -221,3 +221,37 @@ def test_host_placements_are_named_as_the_config_names_them():
         "train.reward_model",
     ]
     assert PhaseMemoryPlan().host_placements() == []
+
+
+def test_a_phase_is_measured_after_what_it_sends_to_the_host_has_left(parts):
+    """A phase observer (the MemoryMonitor, the estimate's recorder) starts measuring a phase once
+    what the phase parks on the host is gone, and before what it brings back comes in: the phase's
+    peak is what it holds, not the previous phase's placement on its way out."""
+    import contextlib
+    from types import SimpleNamespace
+
+    seen: dict[str, dict[str, str]] = {}
+
+    class Observer:
+        @contextlib.contextmanager
+        def phase(self, name):
+            seen[name] = dict(memory.locations)
+            yield
+
+    memory = PhaseMemory(gpu_tier_plan(), trainer=SimpleNamespace(callbacks=[Observer()]), **parts)
+    memory.place("train")
+    with memory.phase("rollout"):
+        pass
+    with memory.phase("score"):
+        pass
+    with memory.phase("train"):
+        pass
+    # Entering the rollout: the optimizers and critic already on the host.
+    assert seen["rollout"] == dict(actor_optimizer="host", critic_optimizer="host", critic="host",
+                                   reference="host", reward_model="host")
+    # Entering the score phase: the reference and reward model not back yet (they come in inside it).
+    assert seen["score"]["reference"] == "host" and seen["score"]["reward_model"] == "host"
+    # Entering train: the reference and reward model have left; the optimizers come back inside it.
+    assert seen["train"] == dict(actor_optimizer="host", critic_optimizer="host", critic="device",
+                                 reference="host", reward_model="host")
+    assert memory.locations["actor_optimizer"] == "device"

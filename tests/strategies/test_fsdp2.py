@@ -524,12 +524,27 @@ def test_full_state_dict_without_a_process_group_is_the_plain_state_dict():
 
 
 @pytest.mark.gpu
-def test_cpu_offload_halves_peak_device_memory_with_the_same_losses(tmp_path):
+def test_cpu_offload_takes_the_states_off_the_device_with_the_same_losses(tmp_path):
+    """FSDP2's CPU offload moves the parameters, gradients and AdamW state to the host: the peak drops
+    by about their bytes (the offloaded run still gathers one unit at a time on the device).
+
+    Not a ratio of the peaks: at this model's size (3.2M parameters, 12.7 MB in fp32) fixed costs
+    that no offload moves make most of both peaks -- on an H100 the cuBLAS workspaces alone are
+    2 x 32 MiB (the forward's thread and autograd's), so the measured peaks were 133,896,192 B on
+    the device and 84,595,712 B offloaded (2026-11-26, issue #36): 49.3 MB saved of the 50.6 MB of
+    states, a ratio of 0.63 that says nothing about the technique.
+    """
     spec = {"scenario": "policy_only", "accelerator": "cuda", "epochs": 1, "measure_peak": True}
     on_device = run_worker(tmp_path / "device", {**spec, "strategy": {}}, devices=1)[0]
     offloaded = run_worker(tmp_path / "offload", {**spec, "strategy": {"cpu_offload": True}}, devices=1)[0]
-    print(f"peak allocated: {on_device['peak_allocated']} B on device, {offloaded['peak_allocated']} B offloaded")
-    assert offloaded["peak_allocated"] <= 0.5 * on_device["peak_allocated"]
+    policy = on_device["models"]["policy"]
+    # fp32 parameters, their gradients (all trained) and AdamW's two moments, on one rank
+    states = 2 * policy["local_param_bytes"] + policy["local_optim_state_bytes"]
+    saved = on_device["peak_allocated"] - offloaded["peak_allocated"]
+    print(f"peak allocated: {on_device['peak_allocated']} B on device, {offloaded['peak_allocated']} B offloaded;"
+          f" saved {saved} B of {states} B of states")
+    assert policy["local_optim_state_bytes"] == 2 * policy["local_param_bytes"]
+    assert saved >= 0.75 * states, (saved, states)
     assert offloaded["losses"] == pytest.approx(on_device["losses"], abs=1e-4)
     assert offloaded["models"]["policy"]["param_devices"] == ["cpu"]
     assert on_device["models"]["policy"]["param_devices"] == ["cuda:0"]
