@@ -204,11 +204,11 @@ def run(setup: Setup) -> dict:
            "phases": {p.phase: p.device_breakdown_bytes for p in result.phases},
            "seconds": time.perf_counter() - start}
     if setup.paged_state:
-        # The state the estimate counts on the device, which the published figure cannot show.
-        top = max(result.phases, key=lambda p: p.device_peak_bytes)
-        row["paged_bytes"] = top.device_breakdown_bytes.get("optimizer_state", 0)
-        row["comparable_bytes"] = peak - row["paged_bytes"]
-        row["comparable_ratio"] = row["comparable_bytes"] / setup.published_bytes
+        # The estimate counts paged state in managed memory, off the device but for one parameter's
+        # pages; the other way round, all of it on the device (a platform that cannot page).
+        row["paged_bytes"] = result.paged_state_bytes
+        row["on_device_bytes"] = peak + row["paged_bytes"]
+        row["on_device_ratio"] = row["on_device_bytes"] / setup.published_bytes
     if setup.bound:
         row["fits_bound"] = peak <= usable_bytes(setup.published_bytes)
     return row
@@ -225,10 +225,11 @@ def markdown(rows: list[dict], setups: dict[str, Setup], *, date: str, versions:
         "the largest phase, one GPU, against each source's `torch.cuda.max_memory_allocated` peak. A ratio above 1",
         "means the estimate is higher than the published figure. Not a GPU measurement. bitsandbytes' paged",
         "optimizers keep their large state tensors in CUDA managed memory, which `max_memory_allocated` does not",
-        "count (and the driver may move to the host): where a setup's state is paged, the estimate without it is",
-        "the figure comparable to the published one.",
+        "count (and the driver may move to the host): the estimate counts that state on the host but for the",
+        "pages of the parameter being updated, the figure comparable to the published one; the column beside it",
+        "gives the estimate with all of it on the device (a platform that cannot page).",
         "",
-        "| setup | published | estimated | estimated / published | paged optimizer state left out | source |"
+        "| setup | published | estimated | estimated / published | with the paged optimizer state on the device | source |"
         " what the config could not match |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -249,7 +250,7 @@ def _row_line(row: dict, setup: Setup, date: str = "") -> str:
         ratio += " (fits with the estimator's margin)" if row["fits_bound"] else " (does not fit with the margin)"
     paged = "not paged"
     if "paged_bytes" in row:
-        paged = (f"{_figure(row['comparable_bytes'], setup.published)} ({row['comparable_ratio']:.2f}) without"
+        paged = (f"{_figure(row['on_device_bytes'], setup.published)} ({row['on_device_ratio']:.2f}) with"
                  f" {_figure(row['paged_bytes'], setup.published)} of paged state")
     return (f"| `{row['name']}` | {setup.published} | {_figure(row['estimated_bytes'], setup.published)}{when} |"
             f" {ratio} | {paged} | {setup.source} | {setup.unmatched} |")
@@ -283,6 +284,13 @@ def merge_into(doc: Path, rows: list[dict], *, date: str) -> None:
         spots = [i for i, ln in enumerate(lines) for n in before if ln.startswith(prefix.format(n))]
         lines.insert(max(spots) + 1, new)
 
+    # The prose and the column names above the rows follow this script (its first line, which names
+    # the day and versions of the whole table, stays).
+    first = next((i for i, ln in enumerate(lines) if ln.startswith("Estimated ")), None)
+    rule = next((i for i, ln in enumerate(lines) if ln.startswith("|---")), None)
+    if first is not None and rule is not None:
+        fresh = markdown([], setups, date=header_date, versions="").split("\n")
+        lines[first + 1 : rule + 1] = fresh[1 : fresh.index(next(ln for ln in fresh if ln.startswith("|---"))) + 1]
     for row in rows:
         name = row["name"]
         place("| `{}` |", name, _row_line(row, setups[name], "" if date == header_date else date))

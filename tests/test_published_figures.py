@@ -54,12 +54,12 @@ def test_the_table_is_written_between_the_markers(tmp_path):
     setups = {s.name: s for s in pf.SETUPS}
     rows = [_row("litgpt-llama2-7b-lora", 0.96),
             _row("qlora-paper-llama-65b", 0.94, fits_bound=False, paged_bytes=6 << 30,
-                 comparable_bytes=int(0.94 * 48 * 2**30) - (6 << 30), comparable_ratio=0.815),
+                 on_device_bytes=int(0.94 * 48 * 2**30) + (6 << 30), on_device_ratio=1.065),
             {"name": "torchao-llama2-7b-adamw", "published": "x", "error": "ValueError: no"}]
     table = pf.markdown(rows, setups, date="2026-01-01", versions="v")
     lines = [line for line in table.splitlines() if line.startswith("| `")]
     assert lines[0].startswith("| `litgpt-llama2-7b-lora` | 21.30 GB | 20.45 GB | 0.96 | not paged |")
-    assert "| 45.12 GiB | 0.94 (does not fit with the margin) | 39.12 GiB (0.81) without 6.00 GiB of paged state |" in lines[1]
+    assert "| 45.12 GiB | 0.94 (does not fit with the margin) | 51.12 GiB (1.06) with 6.00 GiB of paged state |" in lines[1]
     assert "| error: ValueError: no | n/a | n/a |" in lines[2]
     doc = tmp_path / "doc.md"
     doc.write_text(f"before\n{pf.BEGIN}\nold table\n{pf.END}\nafter\n")
@@ -84,3 +84,16 @@ def test_merging_rows_replaces_or_adds_them_in_setup_order_dated_where_the_day_d
     bullets = [line.split("`")[1] for line in text.splitlines() if line.startswith("- `")]
     assert bullets == ["litgpt-llama2-7b-lora", "torchtune-llama3.1-8b-full", "qlora-paper-llama-65b"]
     assert text.startswith(f"before\n{pf.BEGIN}\nEstimated 2026-01-01") and text.endswith(f"{pf.END}\nafter\n")
+
+
+def test_merging_rows_brings_the_prose_and_column_names_up_to_date(tmp_path):
+    setups = {s.name: s for s in pf.SETUPS}
+    table = pf.markdown([_row("litgpt-llama2-7b-lora", 0.96)], setups, date="2026-01-01", versions="v")
+    old = table.replace("with the paged optimizer state on the device", "paged optimizer state left out")
+    doc = tmp_path / "doc.md"
+    doc.write_text(f"{pf.BEGIN}\n{old}{pf.END}\n")
+    pf.merge_into(doc, [_row("litgpt-llama2-7b-lora", 0.5)], date="2026-01-01")
+    text = doc.read_text()
+    assert "paged optimizer state left out" not in text and "| with the paged optimizer state on the device |" in text
+    assert text.splitlines()[1] == table.splitlines()[0]  # the table's own first line (day, versions) stays
+    assert len([ln for ln in text.splitlines() if ln.startswith("|---")]) == 1

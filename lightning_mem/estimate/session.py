@@ -79,6 +79,9 @@ class Estimate:
     phases: list[PhaseEstimate] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     parsed: Any = field(default=None, repr=False)  # the parsed config (for suggestions)
+    #: bytes of paged optimizer state in CUDA managed memory (counted on the host, not in the phases'
+    #: device peaks, but for the largest parameter's pages in the train phase)
+    paged_state_bytes: int = 0
 
     @property
     def device_peak_bytes(self) -> int:
@@ -1566,4 +1569,5 @@ def estimate(
                      + ("" if run.sharding.sequence_parallel or tp == 1 else
                         "; activations are not divided by the tensor-parallel size (an upper bound)")
                      + (f"; the KV cache 1/{tp}" if tp > 1 else ""))
-    return Estimate(str(config), module_name, size, run.sharding.name, run.phases, notes, parsed=cfg)
+    return Estimate(str(config), module_name, size, run.sharding.name, run.phases, notes, parsed=cfg,
+                    paged_state_bytes=sum(run.paged_bytes.values()))
