@@ -18,6 +18,10 @@ COMPILE = {"class_path": "lightning_mem.callbacks.CompileBlocks", "init_args": {
 CHECKPOINT = {"class_path": "lightning_mem.callbacks.ActivationCheckpointing", "init_args": {"every": 2}}
 
 
+# Two recipe runs, one compiling 4 blocks with Inductor: minutes on 2 cores, so `slow`; the equality of
+# compiled and eager training (Inductor on CPU, losses and every gradient) runs by default in
+# tests/test_compile.py.
+@pytest.mark.slow
 def test_the_recipe_with_compiled_blocks_logs_the_eager_losses(tmp_path):
     losses, logs = {}, {}
     for name, callbacks in (("eager", []), ("compiled", [COMPILE, CHECKPOINT])):
