@@ -546,8 +546,13 @@ def score_tokens(
         # The slices' positions come from the attention mask; restarting (packed) ones would be lost.
         raise ValueError("packed rows (`data.packing`) are not split by tensor or context parallelism yet: "
                          "turn one of them off")
-    # Split by a strategy (lightning_mem.context_parallel): this rank runs its slice of each
-    # sequence, scores the positions in it, and the group's results are gathered in order.
+    return _scored_split_forward(model, input_ids, attention_mask, positions, targets, layout, options)
+
+
+def _scored_split_forward(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, positions: Tensor,
+                          targets: Tensor, layout, options: dict) -> TokenScores:  # noqa: ANN001
+    """:func:`score_tokens` under a strategy's split (lightning_mem.context_parallel): this rank runs
+    its slice of each sequence, scores the positions in it, and the group's results are gathered in order."""
     shard = shard_sequences(input_ids, attention_mask, layout)
     width = input_ids.shape[1]
     inputs = {"input_ids": shard.input_ids, "position_ids": shard.position_ids}
