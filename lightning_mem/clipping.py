@@ -36,6 +36,8 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_mem.offload import splits
+
 #: Optimizer steps that unscale fp16 gradients themselves (torch's fused Adam/AdamW) say so this way.
 _UNSCALES_ITSELF = "_step_supports_amp_scaling"
 
@@ -97,9 +99,9 @@ def gradient_norm(grads: list[Tensor], norm_type: float = 2.0) -> Tensor:
             mesh, placements = key
             if any(p.is_partial() for p in placements):
                 raise ValueError("a gradient is a DTensor with a pending (partial) reduction: clip after it is reduced")
-            # Summed (or maxed) over the mesh dimensions the gradients are split on, kept as is over
-            # those that replicate them.
-            spec = [Partial(reduce_op) if p.is_shard() else Replicate() for p in placements]
+            # Summed (or maxed) over the mesh dimensions the gradients are split on (Shard, and the
+            # _StridedShard of FSDP2 over tensor parallelism), kept as is over those that replicate them.
+            spec = [Partial(reduce_op) if splits(p) else Replicate() for p in placements]
             local = DTensor.from_local(local, mesh, spec, run_check=False).full_tensor()
         totals.append(local.to(device))
     total = torch.stack(totals)

@@ -55,6 +55,13 @@ def is_dtensor(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, DTensor)
 
 
+def splits(placement: Any) -> bool:
+    """Whether a DTensor placement splits a dimension over its mesh dimension: ``Shard`` and also
+    ``_StridedShard`` -- FSDP2's placement of a dimension that tensor parallelism split first, whose
+    ``is_shard()`` is False in torch 2.13 (it is no longer a ``Shard`` subclass)."""
+    return not (placement.is_replicate() or placement.is_partial())
+
+
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor._local_tensor if is_dtensor(tensor) else tensor
 

@@ -21,7 +21,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import WarningCache
 from torch import nn
 
-from lightning_mem.offload import is_dtensor, local_tensor, optimizer_state_slots
+from lightning_mem.offload import is_dtensor, local_tensor, optimizer_state_slots, splits
 from lightning_mem.paging import PagingQuery, no_paging_reason, paging_supported
 
 _warning_cache = WarningCache()
@@ -407,7 +407,7 @@ class LocalShardStep:
 
 
 def _shard_count(param: torch.Tensor) -> int:
-    return math.prod(param.device_mesh.size(i) for i, pl in enumerate(param.placements) if pl.is_shard())
+    return math.prod(param.device_mesh.size(i) for i, pl in enumerate(param.placements) if splits(pl))
 
 
 def _is_sharded(param: torch.Tensor) -> bool:
@@ -419,7 +419,7 @@ def _max_local_numel(param: torch.Tensor) -> int:
     dimension like ``torch.chunk`` (ceil), so nested splits bound it by ceil(size / parts)."""
     parts = [1] * param.dim()
     for i, pl in enumerate(param.placements):
-        if pl.is_shard():
+        if splits(pl):
             parts[pl.dim] *= param.device_mesh.size(i)
     return math.prod(-(-n // k) for n, k in zip(param.shape, parts))
 
@@ -454,15 +454,15 @@ def _state_to_dtensors(entry: dict, param: torch.Tensor) -> bool:
             rows, blockwise = _shard_count(param), True
             padded = value.new_zeros((1, *value.shape[:-1], blocks))
             padded[0, ..., : value.shape[-1]] = value
-            placements = [Shard(0) if pl.is_shard() else Replicate() for pl in param.placements]
+            placements = [Shard(0) if splits(pl) else Replicate() for pl in param.placements]
             entry[key] = _dtensor(padded, param, placements, (rows, *value.shape[:-1], blocks))
         elif value.dim() >= len(local_shape) and value.shape[value.dim() - len(local_shape):] == local_shape:
             lead = value.dim() - len(local_shape)  # AdEMAMix keeps two moments in one (2, *shape) tensor
             placements = list(param.placements)
             if lead:
-                if any(pl.is_shard() and type(pl) is not Shard for pl in placements):
+                if any(splits(pl) and type(pl) is not Shard for pl in placements):
                     raise NotImplementedError(f"LocalShardStep: `{key}` of shape {tuple(value.shape)} on {placements}")
-                placements = [Shard(pl.dim + lead) if pl.is_shard() else pl for pl in placements]
+                placements = [Shard(pl.dim + lead) if splits(pl) else pl for pl in placements]
             entry[key] = _dtensor(value, param, placements, (*value.shape[:lead], *param.shape))
     return blockwise
 

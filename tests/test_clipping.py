@@ -220,3 +220,31 @@ def test_ppo_clips_with_fused_adamw_under_bf16_like_foreach(tmp_path):
     foreach, fused = ppo_update(tmp_path / "foreach", False), ppo_update(tmp_path / "fused", True)
     for name, weight in foreach.items():
         torch.testing.assert_close(fused[name], weight, rtol=1e-6, atol=1e-6, msg=name)
+
+
+# ---------------------------------------------------------------------- a 2D mesh (TP x DP)
+
+
+def test_gradient_norm_over_tensor_and_data_parallel_counts_every_split_dimension(tmp_path):
+    """FSDP2 over a tensor-parallel column split places dimension 0 as ``_StridedShard``: the norm
+    must sum over that mesh dimension too (it once did not: the PPO TP2 x DP2 run clipped by a norm
+    0.82 of the true one, and its gradients came out 1.2 times the DP2 run's)."""
+    out = tmp_path / "norms.pt"
+    port = _free_port()
+    inherited = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    procs = [
+        subprocess.Popen([sys.executable, str(Path(__file__).with_name("clipping_mesh_worker.py")), str(out)],
+                         env={**inherited, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "4",
+                              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+                              "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])},
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for rank in range(4)
+    ]
+    for proc in procs:
+        output, _ = proc.communicate(timeout=HANG_GUARD_S)
+        assert proc.returncode == 0, f"worker failed:\n{output[-6000:]}"
+    result = torch.load(out)
+    assert any("_StridedShard" in p or "_S(" in p for p in result["placements"]), result["placements"]
+    for p in ("1.0", "2.0", "inf"):
+        got, want = result[p]
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0, msg=lambda m: f"p={p}: {m}")
