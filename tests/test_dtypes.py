@@ -242,3 +242,40 @@ def test_a_contradicting_dtype_fails_before_any_model_loads(tmp_path, monkeypatc
     with pytest.raises(SettingError, match=message):
         module.main(["fit", "--config", str(REPO / "configs" / config), f"--trainer.default_root_dir={tmp_path}",
                      f"--model.name_or_path={TINY_MODEL}", "--trainer.logger=false", *extra])
+
+
+def test_observing_the_first_batch_leaves_every_layer_as_the_other_batches_run_it():
+    """TrainingDtypes counts the compute dtypes of the first batch without a hook on any layer: a
+    hooked output layer is called as a module where an unhooked one is multiplied in directly
+    (lightning_mem.logits), so per-layer hooks made a run's first batch -- a resumed run's too --
+    differ from the uninterrupted run in the last bits."""
+    from collections import Counter
+
+    import lightning.pytorch as pl
+    import torch
+    from torch import nn
+
+    from lightning_mem.callbacks.training_dtypes import TrainingDtypes
+    from lightning_mem.logits import chunked_logprobs, fusable
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.actor = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 37, bias=False))
+            self.reference = nn.Linear(4, 4).requires_grad_(False)
+
+    module, callback = Module(), TrainingDtypes()
+    hidden, targets = torch.randn(5, 8), torch.tensor([0, 3, 36, 7, 7])
+    before = chunked_logprobs(hidden, targets, module.actor[1])[0]
+    callback.on_train_batch_start(None, module, None, 0)
+    try:
+        assert all(not (m._forward_hooks or m._forward_pre_hooks) for m in module.modules())
+        assert fusable(module.actor[1])
+        assert torch.equal(chunked_logprobs(hidden, targets, module.actor[1])[0], before)
+        module.actor(torch.randn(2, 4))
+        module.reference(torch.randn(2, 4))  # frozen: not counted
+        assert callback._compute == Counter({torch.float32: 2 * 8 + 2 * 37})
+    finally:
+        for hook in callback._hooks:
+            hook.remove()

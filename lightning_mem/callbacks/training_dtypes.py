@@ -88,7 +88,10 @@ class TrainingDtypes(Callback):
       float32 tensors whatever the precision, left out);
     - compute: the dtypes the linear layers of every model that trains return in the first
       training batch (autocast's, FSDP2's ``param_dtype``, a 4-bit layer's ``compute_dtype``), the
-      less used ones with their share of the elements (a value head computes in fp32 by design);
+      less used ones with their share of the elements (a value head computes in fp32 by design).
+      Observed through a global forward hook, so the step runs as it always does: an output layer
+      that :mod:`lightning_mem.logits` multiplies in directly (the fused path, in the dtype
+      ``F.linear`` would use) is not called, and not counted;
     - frozen: the parameters that take no update, per top-level submodule (``reference``,
       ``reward_model``, a LoRA base inside ``model``).
 
@@ -101,6 +104,7 @@ class TrainingDtypes(Callback):
         self._gradients: set[torch.dtype] = set()
         self._compute: Counter = Counter()
         self._hooks: list[Any] = []
+        self._watched: set[int] = set()
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
@@ -108,11 +112,15 @@ class TrainingDtypes(Callback):
             return
         for _, child in pl_module.named_children():
             if any(p.requires_grad for p in child.parameters()):
-                self._hooks += [m.register_forward_hook(self._record_compute)
-                                for m in child.modules() if isinstance(m, nn.Linear)]
+                self._watched |= {id(m) for m in child.modules() if isinstance(m, nn.Linear)}
+        # NOTE: one global forward hook, not a hook on each layer: a layer's own hooks change how the
+        # step runs it (lightning_mem.logits reads a hook-free output layer's weight directly, and
+        # calls a hooked one as a module), so the first batch of every run -- a resumed one's too --
+        # would take another path than the others and differ from them in the last bits.
+        self._hooks.append(nn.modules.module.register_module_forward_hook(self._record_compute))
 
     def _record_compute(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not (isinstance(output, torch.Tensor) and output.is_floating_point()):
+        if id(module) not in self._watched or not (isinstance(output, torch.Tensor) and output.is_floating_point()):
             return
         dtype = output.dtype
         # A 4-bit/8-bit layer multiplies in its compute_dtype (autocast's, under autocast) and
@@ -136,6 +144,7 @@ class TrainingDtypes(Callback):
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+        self._watched.clear()
         self.report = self.observe(trainer, pl_module)
         rank_zero_info(self.report.line())
 
