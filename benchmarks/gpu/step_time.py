@@ -30,11 +30,13 @@ import argparse
 import csv
 import datetime
 import json
+import logging
 import os
 import statistics
 import sys
 import time
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -194,11 +196,19 @@ def main(argv: list[str] | None = None) -> int:
             model_folder(name)
         except FileNotFoundError as err:
             parser.error(str(err))
-    import logging
-    import warnings
+    # Quiet while it runs, and only then: the tests call main() in their own process.
+    lightning_log = logging.getLogger("lightning.pytorch")
+    level = lightning_log.level
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore")
+        lightning_log.setLevel(logging.ERROR)
+        try:
+            return _run(args, options, argv)
+        finally:
+            lightning_log.setLevel(level)
 
-    warnings.filterwarnings("ignore")
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+
+def _run(args: argparse.Namespace, options: list[str], argv: list[str] | None) -> int:
     start = time.perf_counter()
     device = torch.cuda.get_device_name(0) if args.device == "cuda" else f"{args.device} ({os.cpu_count()} cores)"
     what = (f"{args.rows} x {args.tokens} tokens a step, loss on the second half, {args.precision}, clip 1.0,"
