@@ -9,18 +9,38 @@ import warnings
 from lightning_mem.quiet import silence_unactionable_warnings
 
 
-def test_lightnings_matmul_precision_tip_is_dropped(caplog):
+class _Kept(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_lightnings_matmul_precision_tip_is_dropped(monkeypatch):
     from lightning.fabric.utilities.rank_zero import rank_zero_info as fabric_info
-    from lightning.pytorch.utilities.rank_zero import rank_zero_info
+    from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+    from lightning_utilities.core import rank_zero
 
     silence_unactionable_warnings()
     tip = ("You are using a CUDA device ('NVIDIA H100 80GB HBM3') that has Tensor Cores. To properly utilize them,"
            " you should set `torch.set_float32_matmul_precision('medium' | 'high')`")
-    with caplog.at_level(logging.INFO):
+    # What the filters decide, whatever earlier tests of this process left behind (a Lightning
+    # logger's level, its propagation, the rank Lightning thinks it is): the records are caught on
+    # the logger Lightning's helpers write to, on rank 0, at INFO.
+    logger, kept = rank_zero.log, _Kept()
+    monkeypatch.setattr(rank_zero_only, "rank", 0)
+    monkeypatch.setattr(logger, "level", logging.INFO)
+    monkeypatch.setattr(logger, "disabled", False)
+    logger.addHandler(kept)
+    try:
         fabric_info(tip)  # lightning.fabric.accelerators.cuda's own import
         rank_zero_info(tip)
         rank_zero_info("LOCAL_RANK: 0 - CUDA_VISIBLE_DEVICES: [0]")
-    assert [r.getMessage() for r in caplog.records] == ["LOCAL_RANK: 0 - CUDA_VISIBLE_DEVICES: [0]"]
+    finally:
+        logger.removeHandler(kept)
+    assert kept.messages == ["LOCAL_RANK: 0 - CUDA_VISIBLE_DEVICES: [0]"]
 
 
 def test_lightnings_num_workers_tip_is_dropped(monkeypatch):
