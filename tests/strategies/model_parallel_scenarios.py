@@ -23,6 +23,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
+from lightning_mem.logits import ScoredOutputLayer
 from lightning_mem.rl.reward import RewardFunction
 
 REPO = Path(__file__).resolve().parents[2]
@@ -84,9 +85,18 @@ class SavedActivations(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         seen: dict[int, int] = {}
 
+        def parameters() -> Any:
+            # While the forward runs, lightning_mem.logits' ScoredOutputLayer stands in for the output
+            # layer and holds it outside the module tree: its weight (which the fused path saves)
+            # is a parameter all the same. Looked up at each pack: FSDP2 unshards during the forward.
+            for module in pl_module.modules():
+                yield from module.parameters(recurse=False)
+                if isinstance(module, ScoredOutputLayer):
+                    yield from module.output_layer.parameters()
+
         def pack(t: torch.Tensor) -> torch.Tensor:
             local = _local(t)
-            params = {_local(p).untyped_storage().data_ptr() for p in pl_module.parameters()}
+            params = {_local(p).untyped_storage().data_ptr() for p in parameters()}
             storage = local.untyped_storage()
             if storage.data_ptr() not in params and storage.nbytes():
                 seen[storage.data_ptr()] = storage.nbytes()
