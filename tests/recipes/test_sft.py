@@ -240,7 +240,11 @@ def test_sft_step_is_a_token_mean_whatever_the_micro_batches_and_ranks(tmp_path)
     assert sum(bool(d.any()) for d in reference.values()) > len(reference) // 2
     for name in ("four_accumulated", "two_ranks"):
         for key, update in reference.items():
-            # Relative to the update's size (SGD at lr 1 moves weights by up to ~3; fp32 sums in
-            # another order differ by ~1e-7 of that). A per-micro-batch mean is off by 10-50 %.
+            # Relative to the update's size (SGD at lr 1 moves weights by up to ~3). A per-micro-
+            # batch mean is off by 10-50 %. fp32 sums in another order differ by ~2e-7 (the median
+            # tensor), most in the norm weights, whose gradient sums every token with cancellation:
+            # up to 2.4e-6 measured (x86, 2 cores), since the one-chunk run computes the output
+            # layer's gradients in its forward and the chunked runs recompute them in the backward
+            # (lightning_mem.logits' fused path). 2e-5 leaves room for other CPUs' rounding.
             error = float((weights[name][key] - initial[key] - update).norm() / update.norm().clamp(min=1e-12))
-            assert error <= 1e-6, (name, key, error)
+            assert error <= 2e-5, (name, key, error)
