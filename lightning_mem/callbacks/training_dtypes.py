@@ -141,12 +141,19 @@ class TrainingDtypes(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if self.report is not None or trainer.global_step == 0:
             return  # before the first optimizer step (gradient accumulation): no state yet
+        self._stop_watching()
+        self.report = self.observe(trainer, pl_module)
+        rank_zero_info(self.report.line())
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._stop_watching()  # a run that ends before its first optimizer step leaves no global hook behind
+
+    def _stop_watching(self) -> None:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
         self._watched.clear()
-        self.report = self.observe(trainer, pl_module)
-        rank_zero_info(self.report.line())
 
     def observe(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> DtypeReport:
         report = DtypeReport(str(trainer.precision), compute=Counter(self._compute))
