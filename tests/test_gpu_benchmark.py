@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from benchmarks.gpu import tiers, wheels
+from benchmarks.gpu import ladder, tiers, wheels
 from lightning_mem.assets import HUB_ASSETS
 from lightning_mem.models import load_tokenizer
 from tests.helpers import HANG_GUARD_S, REPO, TINY_MODEL
@@ -179,6 +179,8 @@ def test_the_wheels_are_the_missing_packages_at_this_environments_versions(tmp_p
     assert cmd[cmd.index("--dest") + 1] == str(tmp_path)
     for name in ("bitsandbytes", "jsonargparse", "datasets", "typeshed-client", "docstring-parser"):
         assert f"{name}=={metadata.version(name)}" in cmd
+    # Liger's kernels for the step-time benchmark's option rows (not installed on a CPU machine: unpinned).
+    assert any(part.split("==")[0] == "liger-kernel" for part in cmd)
 
 
 # ---------------------------------------------------------------- gpu tests, one process per file
@@ -287,3 +289,54 @@ def test_run_sh_ends_with_one_summary_after_a_step_crashes(tmp_path):
     assert tail[1] == "gpu_tests: exit 134: [1/3] tests/test_a.py: passed (1 passed) in 1 s"
     assert tail[2] == "gpu_tiers: exit 0: tier configs: 1 configs: 1 fits"
     assert tail[3] == "gpu_step_time: exit 0: step time: 2 models"
+
+
+# ---------------------------------------------------------------- torchtune's ladder, one config a rung
+
+
+def _parsed(args: list[str]) -> dict:
+    from lightning_mem.estimate.session import parse_config
+
+    _, config, _ = parse_config("recipes.sft", args)
+    as_dict = config.as_dict()
+    as_dict.pop("config", None)
+    return as_dict
+
+
+def test_each_ladder_rung_config_is_the_top_config_with_that_rungs_overrides(tmp_path):
+    setups = ladder.rungs()
+    assert [ladder.rung_name(s) for s in setups] == [
+        "packed", "chunked-ce", "activation-checkpointing", "optimizer-in-backward", "activation-offload", "adamw8bit"]
+    for setup in setups:
+        path = ladder.write_rung(setup, tmp_path)
+        assert path.parent == tmp_path / "sft" and tiers.RECIPES.get(path.parent.name) == "recipes.sft"
+        from lightning_mem.estimate.report import tier_of
+
+        assert (tier_of(path).gpus, tier_of(path).memory_gb) == (1, 80)
+        # The recipe's own CLI reads the rung file as it reads the top config with the overrides.
+        # Each rung's runs go to a folder of its own (its logs and checkpoints follow).
+        own_folder = f"--trainer.default_root_dir=runs/sft/llama-3.2-3b_1x80gb_ladder-{ladder.rung_name(setup)}"
+        assert _parsed(["--config", str(path)]) == _parsed(["--config", str(ladder.TOP), *setup.overrides, own_folder])
+    packed = yaml.safe_load((tmp_path / "sft" / "llama-3.2-3b_1x80gb_ladder-packed.yaml").read_text())
+    assert packed["model"]["logits_chunk_size"] is None and packed["trainer"]["callbacks"] == []
+    assert packed["model"]["optimizer"] == {"class_path": "torch.optim.AdamW", "init_args": {"lr": 2.0e-5}}
+
+
+def test_a_ladder_override_that_is_not_a_key_value_pair_is_refused():
+    with pytest.raises(ValueError, match="expected --key.path=value"):
+        ladder.apply_overrides({}, ["model.logits_chunk_size=null"])
+    with pytest.raises(SystemExit):
+        ladder.main(["--only", "no-such-rung", "--write-only", "/tmp/x"])
+
+
+def test_the_ladder_rows_set_each_measured_peak_beside_torchtunes_figure():
+    setups = ladder.selected(["activation-offload", "adamw8bit"])
+    results = [{"config": "/w/ladder_configs/sft/llama-3.2-3b_1x80gb_ladder-adamw8bit.yaml", "outcome": "fits",
+                "phases": {"step": {"samples": 3, "allocated": int(15.84 * GiB), "reserved": 17 * GiB}},
+                "speed": {"median_s": 1.5, "tokens_per_s": 5461.3}}]
+    rows = ladder.ladder_rows(setups, results)
+    assert [r["rung"] for r in rows] == ["activation-offload", "adamw8bit"]
+    assert rows[0]["outcome"] == "not run" and rows[0]["ratio"] is None
+    assert rows[1]["ratio"] == pytest.approx(int(15.84 * GiB) / int(17.6 * GiB))
+    text = ladder.markdown(rows, date="2026-11-26", device="H100", command="c")
+    assert "| adamw8bit | 17.6 GiB | 15.84 | 17.00 | 0.90 | 1.50 | 5,461 | fits |" in text

@@ -24,9 +24,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 #: What the GPU machine lacks: bitsandbytes (the 8-bit optimizers, 4-bit bases), jsonargparse and
 #: what its ``signatures`` extra needs (LightningCLI), datasets and its own dependencies that are
-#: not there either.
+#: not there either; and liger-kernel (pure Python over Triton, which torch's CUDA wheels bring), for
+#: the ``LigerKernels`` rows of the GPU step-time benchmark.
 CARRIED = ("bitsandbytes", "jsonargparse", "typeshed-client", "docstring-parser",
-           "datasets", "dill", "multiprocess", "xxhash")
+           "datasets", "dill", "multiprocess", "xxhash", "liger-kernel")
 PYTHON_VERSION = "3.12"
 # bitsandbytes and xxhash ship manylinux wheels of different glibc baselines; list the ones a
 # current Linux with CUDA accepts (pip does not widen a --platform it is given).
