@@ -147,7 +147,12 @@ def recipe_steps(data: list[dict[str, torch.Tensor]], setup: Setup | None = None
 
     from recipes.sft import SFTModule
 
+    from lightning_mem.data.sft import with_targets
+
     setup = setup or Setup()
+    # What the recipe's datamodule adds to each batch on the host (its targets and their count), so
+    # that the step finds them with the batch, as in a run, and not on the device (a host sync).
+    data = [b if "target_positions" in b else with_targets(b) for b in data]
 
     class Clock(Callback):
         def __init__(self) -> None:

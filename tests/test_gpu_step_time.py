@@ -60,3 +60,16 @@ def test_the_batches_are_whole_rows_with_the_loss_on_the_completion():
     assert batch["input_ids"].shape == (3, 10) and bool(batch["attention_mask"].all())
     assert bool((batch["labels"][:, :5] == -100).all()) and torch.equal(batch["labels"][:, 5:], batch["input_ids"][:, 5:])
     assert int(batch["input_ids"].max()) < 50
+
+
+def test_the_step_profile_writes_each_sides_ops_and_the_recipe_finds_its_targets_on_the_host(tmp_path):
+    from benchmarks.gpu import profile_step
+
+    assert profile_step.main(["--device", "cpu", "--model", str(TINY_MODEL), "--rows", "2", "--tokens", "32",
+                              "--warmup", "2", "--active", "2", "--precision", "32-true", "--out", str(tmp_path),
+                              "--table-rows", "5"]) == 0
+    for side in ("bare", "recipe"):
+        text = (tmp_path / f"profile_{side}.txt").read_text()
+        assert text.startswith(f"{side}: ") and "aten::" in text and "Self CPU time total" in text and "host synchronisation events" in text
+    # The batches carry their targets (as the recipe's datamodule makes them): no nonzero in the step.
+    assert "aten::nonzero" not in (tmp_path / "profile_recipe.txt").read_text()
