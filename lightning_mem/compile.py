@@ -70,6 +70,25 @@ def is_compiled(block: nn.Module) -> bool:
     return bool(getattr(block, _MARK, False))
 
 
+#: Why compiled blocks run their eager forward for now (see :func:`hold_eager`); empty: compiled.
+_EAGER_HOLDS: set[str] = set()
+
+
+def hold_eager(reason: str, hold: bool = True) -> None:
+    """While any reason is held, every compiled block runs its eager forward; ``hold=False`` lets go.
+
+    For a step-long observer that watches through Python hooks: ``TrainingDtypes`` counts the first
+    batch's compute dtypes through a global module forward hook. Traced into a compiled block, such
+    a hook becomes part of the graph and its counter a guard, so each block called in that batch
+    fails the last one's guard and recompiles, until dynamo's recompile limit (8) sends the block's
+    forward to eager for the rest of the run. Eager while it watches, the block compiles once after.
+    """
+    if hold:
+        _EAGER_HOLDS.add(reason)
+    else:
+        _EAGER_HOLDS.discard(reason)
+
+
 @functools.lru_cache(maxsize=None)
 def _compiled(function: Any, backend: str, mode: Optional[str], fullgraph: bool, dynamic: Optional[bool]) -> Any:
     # One compiled function per block class and settings: every block of the model shares its graphs.
@@ -81,6 +100,8 @@ def _compiled(function: Any, backend: str, mode: Optional[str], fullgraph: bool,
             return function(self, *args, **kwargs)  # the estimator's tracker: eager (see the module)
         if kwargs.get("past_key_values") is not None:
             return function(self, *args, **kwargs)  # generation: eager (see compile_blocks)
+        if _EAGER_HOLDS:
+            return function(self, *args, **kwargs)  # an observer's hooks are on (see hold_eager)
         return compiled(self, *args, **kwargs)
 
     return forward

@@ -21,6 +21,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
+from lightning_mem.compile import hold_eager
 from lightning_mem.callbacks.optimizer_state_offload import unwrap_optimizer
 from lightning_mem.dtypes import dtype_name
 from lightning_mem.offload import local_tensor
@@ -105,6 +106,7 @@ class TrainingDtypes(Callback):
         self._compute: Counter = Counter()
         self._hooks: list[Any] = []
         self._watched: set[int] = set()
+        self._hold = f"TrainingDtypes@{id(self):x}"
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
@@ -118,6 +120,9 @@ class TrainingDtypes(Callback):
         # calls a hooked one as a module), so the first batch of every run -- a resumed one's too --
         # would take another path than the others and differ from them in the last bits.
         self._hooks.append(nn.modules.module.register_module_forward_hook(self._record_compute))
+        # Compiled blocks (CompileBlocks) run eager while the hook is on: traced, it would make each
+        # block recompile until dynamo gives up compiling them for the whole run.
+        hold_eager(self._hold)
 
     def _record_compute(self, module: nn.Module, args: Any, output: Any) -> None:
         if id(module) not in self._watched or not (isinstance(output, torch.Tensor) and output.is_floating_point()):
@@ -154,6 +159,7 @@ class TrainingDtypes(Callback):
             hook.remove()
         self._hooks.clear()
         self._watched.clear()
+        hold_eager(self._hold, False)
 
     def observe(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> DtypeReport:
         report = DtypeReport(str(trainer.precision), compute=Counter(self._compute))

@@ -75,3 +75,41 @@ def test_under_fsdp2_with_the_strategys_checkpointing_compiled_blocks_log_the_ea
     assert sorted(losses["compiled"]) == sorted(losses["eager"]) == [0, 1]
     for step, loss in losses["eager"].items():
         assert losses["compiled"][step] == pytest.approx(loss, rel=1e-5), step
+
+
+def test_blocks_compile_once_for_the_whole_run_while_the_first_batch_is_observed(tmp_path):
+    """TrainingDtypes (which every recipe adds) watches the first batch through a global module hook.
+    Traced into the compiled blocks, its counter became a guard: each of a model's blocks recompiled
+    in that batch until dynamo's limit of 8 sent the block's forward to eager for the rest of the run
+    (on the H100 the compiled step was no faster than eager). Dynamo's ``eager`` backend: the guards
+    and recompiles are dynamo's own, whatever backend follows."""
+    import torch
+    from lightning.pytorch import Trainer
+    from torch._dynamo.utils import counters
+    from torch.utils.data import DataLoader
+
+    from benchmarks.step_time import synthetic_batches
+    from lightning_mem.callbacks import TrainingDtypes
+    from recipes.sft import SFTModule
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for file in (REPO / "assets" / "tiny-llama").iterdir():
+        (folder / file.name).write_bytes(file.read_bytes())
+    config = json.loads((folder / "config.json").read_text())
+    config["num_hidden_layers"] = 12  # more blocks than dynamo's recompile limit
+    (folder / "config.json").write_text(json.dumps(config))
+    torch._dynamo.reset()
+    counters.clear()
+    module = SFTModule(str(folder), export_dir=None)
+    trainer = Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=[CompileBlocks(backend="eager")])
+    data = synthetic_batches(3, 2, 32, config["vocab_size"])
+    trainer.fit(module, train_dataloaders=DataLoader(data, batch_size=None, collate_fn=lambda b: b))
+    assert counters["stats"]["unique_graphs"] == 1 and counters["frames"]["ok"] == 1, (
+        dict(counters["stats"]), dict(counters["frames"]))
+    # The recipe's observer still saw the first batch (eager blocks under its hook).
+    observer = next(c for c in trainer.callbacks if isinstance(c, TrainingDtypes))
+    assert observer.report is not None and sum(observer.report.compute.values()) > 0
+    torch._dynamo.reset()
