@@ -231,8 +231,17 @@ def test_cuda_peak_memory_drops_by_at_least_30_percent() -> None:
 @pytest.mark.gpu
 def test_cuda_offload_with_checkpointing_moves_the_block_inputs_and_keeps_the_step() -> None:
     """Activation offload on top of checkpointed blocks (a bf16 Llama, 4 x 2,048 tokens): the same
-    loss and gradients, and a lower peak by most of what it stashed. Its cost in time on a GPU is a
-    benchmark's figure (benchmarks/gpu/activation_offload_time.py), not this test's."""
+    loss and gradients; once the forward is over, everything stashed is off the device; the peak is
+    never higher. Its cost in time is a benchmark's figure (benchmarks/gpu/activation_offload_time.py).
+
+    What the peak gains here is small, and that is right: on the H100 (2026-11-26) 1,417,838,592 B
+    were stashed and the peak fell by 90 MB only. The stash is the 8 blocks' inputs (+ the final
+    norm's), 0.37 GB, and the Hugging Face loss's fp32 log-softmax, [8,192 x 32,000] = 1.05 GB (the
+    same split is counted on CPU in test_the_stash_under_checkpointing_is_the_block_inputs_and_the_loss).
+    The backward needs that log-softmax first, at the output layer, where the peak is: it comes back
+    there. (The assertion this test had before, a peak lower by half the stash, was written without a
+    GPU and failed on the first one.)
+    """
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -244,7 +253,7 @@ def test_cuda_offload_with_checkpointing_moves_the_block_inputs_and_keeps_the_st
     ids = torch.randint(0, config.vocab_size, (4, 2048), device="cuda")
     offloader = ActivationOffloader(model, device="cuda", exclude_modules=["lm_head"])
 
-    def step(use_offload: bool) -> tuple[int, float, list[torch.Tensor]]:
+    def step(use_offload: bool) -> tuple[int, int, float, list[torch.Tensor]]:
         model.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -252,21 +261,52 @@ def test_cuda_offload_with_checkpointing_moves_the_block_inputs_and_keeps_the_st
         if use_offload:
             with offloader:
                 loss = lm_loss(model, ids)
+            offloader.synchronize()  # the copies in flight done: their device sources released
         else:
             loss = lm_loss(model, ids)
+        torch.cuda.synchronize()
+        between = torch.cuda.memory_allocated() - base  # what the graph keeps on the device for backward
         loss.backward()
         torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - base, loss.item(), [p.grad.float() for p in model.parameters()]
+        return between, torch.cuda.max_memory_allocated() - base, loss.item(), [p.grad.float() for p in model.parameters()]
 
     step(False)  # warm-up: cuBLAS workspaces, kernels
-    peak_plain, loss_plain, grads_plain = step(False)
-    peak_offload, loss_offload, grads_offload = step(True)
+    between_plain, peak_plain, loss_plain, grads_plain = step(False)
+    between_offload, peak_offload, loss_offload, grads_offload = step(True)
     stashed = offloader.stats.stashed_bytes
-    # What reaches the offload under checkpointing is each block's input: 8 x 4 x 2,048 x 2,048 bf16.
-    assert stashed >= 8 * 4 * 2048 * 2048 * 2
+    block_inputs = 8 * 4 * 2048 * 2048 * 2  # what checkpointing keeps of each block: its bf16 input
+    assert stashed >= block_inputs
     assert loss_offload == loss_plain  # the forward is the same computation on the same inputs
     for a, b in zip(grads_plain, grads_offload):  # SDPA's backward accumulates in any order on CUDA
         assert (a - b).norm() <= 1e-2 * a.norm() + 1e-6
-    # The peak is at the output layer's backward, before the block inputs come back (prefetch brings
-    # at most 2 of the 8 early): most of what was stashed is off the device then.
-    assert peak_plain - peak_offload >= 0.5 * stashed, (peak_plain, peak_offload, stashed)
+    # Between forward and backward, what was stashed lives on the host, not on the device.
+    assert between_plain - between_offload >= 0.95 * stashed, (between_plain, between_offload, stashed)
+    assert peak_offload <= peak_plain, (peak_plain, peak_offload)
+
+
+def test_the_stash_under_checkpointing_is_the_block_inputs_and_the_loss() -> None:
+    """On CPU, the GPU test's model made small: under checkpointing the offload stashes each block's
+    input, the final norm's fp32 input, and the Hugging Face loss's fp32 log-softmax over
+    [tokens, vocab], which the backward needs first."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    rows, tokens, hidden, vocab, blocks = 2, 64, 64, 512, 4
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=176, num_hidden_layers=blocks,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256)
+    model = checkpoint_blocks(LlamaForCausalLM(config).to(torch.bfloat16))
+    ids = torch.randint(0, vocab, (rows, tokens))
+    offloader = ActivationOffloader(model, device="cpu", exclude_modules=["lm_head"], min_bytes=1024)
+    sizes: list[int] = []
+    stash = offloader._stash
+    offloader._stash = lambda storage, *args: (sizes.append(storage.nbytes()), stash(storage, *args))[1]
+    with offloader:
+        loss = lm_loss(model, ids)
+    loss.backward()
+    block_input, log_softmax = rows * tokens * hidden * 2, rows * tokens * vocab * 4
+    # The blocks' inputs and the final norm's (the last block's output), the norm's fp32 upcast, the loss.
+    # (The rest is small: the rotary cos/sin and the like, under a block input each.)
+    large = sorted((n for n in sizes if n >= block_input), reverse=True)
+    assert large == [log_softmax, 2 * block_input] + [block_input] * (blocks + 1), sorted(sizes, reverse=True)
+    assert sum(n for n in sizes if n < block_input) < block_input
+    assert offloader.stats.stashed_bytes == sum(sizes)
