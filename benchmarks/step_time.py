@@ -254,6 +254,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--fused", action="store_true", help="fused AdamW instead of torch's default")
     parser.add_argument("--bare-loss", choices=sorted(LOSSES), default="chunked")
     parser.add_argument("--options", default="none", help=f"comma-separated option sets for the recipe, of {OPTIONS}")
+    parser.add_argument("--chunk-size", type=int, default=Setup.chunk_size,
+                        help="scored tokens per logits chunk, the recipe's and the chunked bare loop's (0: unchunked)")
     args = parser.parse_args(argv)
     sys.path.insert(0, args.code)
     if args.threads:
@@ -263,7 +265,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    setup = Setup(precision=args.precision, fused=args.fused, warmup=min(WARMUP, args.steps // 2))
+    setup = Setup(precision=args.precision, fused=args.fused, warmup=min(WARMUP, args.steps // 2),
+                  chunk_size=args.chunk_size)
     if args.model:
         setup.model = args.model
         data = synthetic_batches(args.steps, args.rows, args.tokens, vocab_size_of(args.model))
@@ -290,7 +293,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if args.json:
         print(json.dumps(result))
     else:
-        what = f"{Path(setup.model).name}, {args.precision}"
+        what = f"{Path(setup.model).name}, {args.precision}, logits chunk {args.chunk_size or 'none'}"
         for name in options:
             ms = statistics.median(recipe[name]) * 1e3
             print(f"| SFT step, {what}, {result['tokens_per_step']:.0f} padded tokens, options {name} | recipe {ms:.1f} ms"
