@@ -105,12 +105,15 @@ _LADDER = [
      [*_LADDER_ADAMW, f"--trainer.callbacks=[{_LADDER_AC}]"], _LADDER_COMPILE),
     ("optimizer-in-backward", "+ Fuse optimizer step into backward", "23.1 GiB",
      [*_LADDER_ADAMW, f"--trainer.callbacks=[{_LADDER_AC}, {_LADDER_OIB}]"], _LADDER_COMPILE),
-    ("activation-offload", "+ Activation Offloading", "21.8 GiB", _LADDER_ADAMW, _LADDER_COMPILE),
+    ("activation-offload", "+ Activation Offloading", "21.8 GiB", _LADDER_ADAMW,
+     f"{_LADDER_COMPILE}; measured on an H100 (2026-11-26, benchmarks/gpu/ladder.py): 20.19 GiB allocated, 0.99"
+     " of this estimate"),
     ("adamw8bit", "+ 8-bit AdamW", "17.6 GiB", [],
-     f"{_LADDER_COMPILE}; the gap over 10 % is not explained here: bf16 AdamW state (12.0 GiB) to 8-bit (6.0 GiB)"
-     " takes 5.9 GiB off our estimate and 4.2 GiB off torchtune's figure; torchtune's docs offer bitsandbytes' and"
-     " torchao's 8-bit AdamW and the row does not say which (ours: bitsandbytes' AdamW8bit, not paged). A GPU run"
-     " of this config (issue #34, item 4) would tell"),
+     f"{_LADDER_COMPILE}; the gap over 10 % is torchtune's rung, measured: on an H100 (2026-11-26,"
+     " benchmarks/gpu/ladder.py) this config peaked at 14.29 GiB allocated (0.99 of this estimate), and bf16 to"
+     " 8-bit AdamW state took 5.90 GiB off the measured peak, what the state's bytes predict (5.98 GiB), where"
+     " torchtune's figure drops 4.2 GiB; its README does not say which 8-bit AdamW it ran (ours: bitsandbytes'"
+     " AdamW8bit, not paged)"),
 ]
 
 @dataclass
