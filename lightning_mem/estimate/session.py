@@ -693,7 +693,9 @@ class PhaseRecorder(Callback):
                 else:
                     self.ledger.retag(value, "optimizer_state")
             if paged:
-                self.paged_bytes[id(param)] = managed
+                # The largest count seen: a later pass (each phase's end retags) finds the managed
+                # buffers already on the host and would count 0 for them.
+                self.paged_bytes[id(param)] = max(self.paged_bytes.get(id(param), 0), managed)
                 self.paged_working_set = max(self.paged_working_set, managed)
 
     def unit_bytes(self) -> tuple[int, int]:

@@ -44,6 +44,8 @@ def test_paged_state_leaves_the_device_but_one_parameters_pages(pair):
     assert before.device_breakdown_bytes["optimizer_state"] - after.device_breakdown_bytes["optimizer_state"] == (
         sum(sizes) - max(sizes))
     assert after.host_peak_bytes - before.host_peak_bytes == sum(sizes)
+    # The exact managed bytes, however many times the run retags its optimizer state (each phase's end).
+    assert paged.paged_state_bytes == sum(sizes) and plain.paged_state_bytes == 0
     note = next(n for n in paged.notes if n.startswith("paged optimizer state"))
     assert f"{sum(sizes) / 2**30:.2f} GiB" in note
     assert not any(n.startswith("paged optimizer state") for n in plain.notes)
