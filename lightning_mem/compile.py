@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 import shutil
 import types
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Optional
 
 import torch
@@ -70,11 +70,12 @@ def is_compiled(block: nn.Module) -> bool:
     return bool(getattr(block, _MARK, False))
 
 
-#: Why compiled blocks run their eager forward for now (see :func:`hold_eager`); empty: compiled.
-_EAGER_HOLDS: set[str] = set()
+#: Why compiled blocks run their eager forward for now (see :func:`hold_eager`): reason -> whether it
+#: still holds. Empty: compiled.
+_EAGER_HOLDS: dict[str, Callable[[], bool]] = {}
 
 
-def hold_eager(reason: str, hold: bool = True) -> None:
+def hold_eager(reason: str, hold: bool = True, *, alive: Optional[Callable[[], bool]] = None) -> None:
     """While any reason is held, every compiled block runs its eager forward; ``hold=False`` lets go.
 
     For a step-long observer that watches through Python hooks: ``TrainingDtypes`` counts the first
@@ -82,11 +83,22 @@ def hold_eager(reason: str, hold: bool = True) -> None:
     a hook becomes part of the graph and its counter a guard, so each block called in that batch
     fails the last one's guard and recompiles, until dynamo's recompile limit (8) sends the block's
     forward to eager for the rest of the run. Eager while it watches, the block compiles once after.
+
+    ``alive``: the hold also ends as soon as this returns False (TrainingDtypes: its hook is still
+    registered), so a hook removed by any path cannot leave every block of the process eager.
     """
     if hold:
-        _EAGER_HOLDS.add(reason)
+        _EAGER_HOLDS[reason] = alive or (lambda: True)
     else:
-        _EAGER_HOLDS.discard(reason)
+        _EAGER_HOLDS.pop(reason, None)
+
+
+def _held() -> bool:
+    for reason, alive in list(_EAGER_HOLDS.items()):
+        if alive():
+            return True
+        _EAGER_HOLDS.pop(reason, None)
+    return False
 
 
 @functools.lru_cache(maxsize=None)
@@ -100,7 +112,7 @@ def _compiled(function: Any, backend: str, mode: Optional[str], fullgraph: bool,
             return function(self, *args, **kwargs)  # the estimator's tracker: eager (see the module)
         if kwargs.get("past_key_values") is not None:
             return function(self, *args, **kwargs)  # generation: eager (see compile_blocks)
-        if _EAGER_HOLDS:
+        if _EAGER_HOLDS and _held():
             return function(self, *args, **kwargs)  # an observer's hooks are on (see hold_eager)
         return compiled(self, *args, **kwargs)
 

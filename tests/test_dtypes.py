@@ -276,6 +276,12 @@ def test_observing_the_first_batch_leaves_every_layer_as_the_other_batches_run_i
         module.actor(torch.randn(2, 4))
         module.reference(torch.randn(2, 4))  # frozen: not counted
         assert callback._compute == Counter({torch.float32: 2 * 8 + 2 * 37})
+        from lightning_mem import compile as regional
+
+        assert regional._held()  # compiled blocks run eager while the hook watches
     finally:
         for hook in callback._hooks:
             hook.remove()
+    # A hook removed by any path (here by hand, not by the callback) ends the hold with it: a leaked
+    # hold would leave every compiled block of the process eager.
+    assert not regional._held() and not regional._EAGER_HOLDS

@@ -119,10 +119,11 @@ class TrainingDtypes(Callback):
         # step runs it (lightning_mem.logits reads a hook-free output layer's weight directly, and
         # calls a hooked one as a module), so the first batch of every run -- a resumed one's too --
         # would take another path than the others and differ from them in the last bits.
-        self._hooks.append(nn.modules.module.register_module_forward_hook(self._record_compute))
+        handle = nn.modules.module.register_module_forward_hook(self._record_compute)
+        self._hooks.append(handle)
         # Compiled blocks (CompileBlocks) run eager while the hook is on: traced, it would make each
         # block recompile until dynamo gives up compiling them for the whole run.
-        hold_eager(self._hold)
+        hold_eager(self._hold, alive=lambda: handle.id in (handle.hooks_dict_ref() or {}))
 
     def _record_compute(self, module: nn.Module, args: Any, output: Any) -> None:
         if id(module) not in self._watched or not (isinstance(output, torch.Tensor) and output.is_floating_point()):
