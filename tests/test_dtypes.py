@@ -285,3 +285,35 @@ def test_observing_the_first_batch_leaves_every_layer_as_the_other_batches_run_i
     # A hook removed by any path (here by hand, not by the callback) ends the hold with it: a leaked
     # hold would leave every compiled block of the process eager.
     assert not regional._held() and not regional._EAGER_HOLDS
+
+
+def test_a_run_that_fails_in_its_first_batch_leaves_no_hook_and_no_eager_hold():
+    """Lightning calls no ``teardown`` after an exception: the observer lets go in ``on_exception``."""
+    import lightning.pytorch as pl
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader
+
+    from lightning_mem import compile as regional
+    from lightning_mem.callbacks.training_dtypes import TrainingDtypes
+
+    class Failing(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(4, 4)
+
+        def training_step(self, batch, batch_idx):  # noqa: ANN001
+            self.layer(batch)
+            raise RuntimeError("boom in the first batch")
+
+        def configure_optimizers(self):  # noqa: ANN201
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    before = dict(nn.modules.module._global_forward_hooks)
+    observer = TrainingDtypes()
+    trainer = pl.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[observer])
+    with pytest.raises(RuntimeError, match="boom in the first batch"):
+        trainer.fit(Failing(), train_dataloaders=DataLoader(torch.randn(4, 4), batch_size=2))
+    assert dict(nn.modules.module._global_forward_hooks) == before and not observer._hooks
+    assert not regional._held()

@@ -155,6 +155,12 @@ class TrainingDtypes(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._stop_watching()  # a run that ends before its first optimizer step leaves no global hook behind
 
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # Lightning calls no teardown after an exception: a run that fails in its first batch would
+        # leave the global hook on every module of the process (and compiled blocks eager).
+        self._stop_watching()
+
     def _stop_watching(self) -> None:
         for hook in self._hooks:
             hook.remove()
