@@ -16,10 +16,11 @@ logits *inside the model's forward*, chunk by chunk:
 Two ways through the output layer:
 
 - **fused** (:func:`fused_logprobs`), for a plain ``nn.Linear`` head: its weight is read directly,
-  cast to the compute dtype (autocast's) **once per call**, whatever the chunk count, and its
-  gradient is written once. With one chunk and no entropy (SFT's cross-entropy) the gradients are
-  computed in the forward and backward only scales them; otherwise backward recomputes the logits
-  in vocabulary slices from the saved compute-dtype weight. Lightning's bf16-mixed autocast runs
+  cast to the compute dtype (autocast's) **once in the forward**, whatever the chunk count, and
+  its gradient is written once. With one chunk and no entropy (SFT's cross-entropy) the gradients
+  are computed in the forward and backward only scales them; otherwise backward recomputes the
+  logits in vocabulary slices, casting each slice of the weight once more (no compute-dtype copy
+  is kept from forward to backward: it would sit at the step's peak). Lightning's bf16-mixed autocast runs
   with its cast cache off, so calling the head per chunk (and again per recompute) cast the fp32
   weight twice per chunk and its gradient once per chunk, plus an fp32 add per chunk.
 - **module call**, for any other head (LoRA-wrapped, 4-bit, a DTensor or ZeRO-3 partition, a
@@ -149,6 +150,12 @@ def _score_chunk(
 #: 441 rows at a 151,936-token vocabulary, the whole micro-batch below 2**26 / vocab rows).
 AUTO_CHUNK_ELEMENTS = 2**26
 
+#: Logit elements per ``[rows, vocabulary slice]`` of the recomputing backward (128 MiB in fp32,
+#: with its 64 MiB compute-dtype copy). It runs while the weight's gradient (fp32) and every saved
+#: activation are alive, the step's peak: at the Qwen2.5-0.5B architecture with 8 x 1,024 tokens,
+#: 2**26 put the estimated peak 0.19 GiB higher (docs/benchmarks.md).
+BACKWARD_SLICE_ELEMENTS = 2**25
+
 
 def rows_per_chunk(chunk_size: int | str | None, rows: int, vocab: int) -> int:
     """Rows per chunk for ``rows`` scored positions at ``vocab`` (at least 1).
@@ -210,10 +217,36 @@ def _logits(h: Tensor, w: Tensor, b: Tensor | None, temperature: float) -> Tenso
     return z
 
 
+def _softmax(z: Tensor, t: Tensor, lse_out: Tensor, logprob_out: Tensor, *, probs: bool,
+             log_probs: bool) -> tuple[Tensor | None, Tensor | None]:
+    """Reduce one chunk's fp32 logits ``z`` (overwritten): each row's log-sum-exp and its target's
+    log-prob go into the two ``_out`` rows; returns ``(softmax(z) if probs, log_softmax(z) if
+    log_probs)``.
+
+    Without the log-probs, ``z`` becomes the probabilities in place: one ``[rows, vocab]`` tensor
+    alive, where ``logsumexp`` (its own temporary) and then an ``exp`` held two or three at once.
+    """
+    top = z.amax(-1, keepdim=True)
+    picked = z.gather(-1, t.unsqueeze(-1)).squeeze(-1)
+    z.sub_(top)
+    p = z.exp() if log_probs else z.exp_()
+    total = p.sum(-1, keepdim=True)
+    log_total = total.log()
+    if log_probs:
+        z.sub_(log_total)
+    if probs:
+        p.div_(total)
+    lse = (top + log_total).squeeze(-1)
+    lse_out.copy_(lse)
+    logprob_out.copy_(picked - lse)
+    return (p if probs else None), (z if log_probs else None)
+
+
 class _FusedScores(torch.autograd.Function):
     """``(logprobs [n], entropy [n])`` of ``targets`` under ``softmax(hidden @ weight.T + bias) / T``.
 
-    Forward runs token chunks from one compute-dtype copy of the weight. Two ways to the gradients:
+    Forward runs token chunks from one compute-dtype copy of the weight, freed when it returns.
+    Each chunk's logits are reduced in place (:func:`_softmax`). Two ways to the gradients:
 
     - **in the forward** (``eager``): the gradient of ``sum(logprobs)`` w.r.t. the logits and the
       hidden rows is computed while the logits exist; the logits gradient (one chunk, compute
@@ -225,10 +258,12 @@ class _FusedScores(torch.autograd.Function):
       scales the stored gradients by it. No chunk runs twice. Anything else falls back to the
       recompute below: always the exact gradient, at worst one logits product more.
     - **recomputed in the backward** otherwise (per-token upstream gradients: PPO's ratio, an
-      entropy bonus): the logits are recomputed in vocabulary slices over all rows from the saved
-      compute-dtype weight and log-sum-exp, and each slice of the weight gradient is written once.
+      entropy bonus): the logits are recomputed in vocabulary slices over all rows from each
+      slice of the weight (cast again) and the saved log-sum-exp, and each slice of the weight
+      gradient is written once.
 
-    Either way the weight is cast once per call, and in one chunk (or recomputed) its gradient
+    Either way the weight is cast once in the forward (and once more, a slice at a time, by a
+    recomputing backward), and in one chunk (or recomputed) its gradient
     is materialized once: no per-chunk cast of a ``[vocab, hidden]`` gradient, no per-chunk fp32
     add into ``.grad``. (Forced ``eager`` over several chunks accumulates one fp32 buffer, one
     add per chunk; :func:`fused_logprobs` does not choose that by itself.)
@@ -238,7 +273,7 @@ class _FusedScores(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, targets, temperature, rows, with_entropy, entropy_grad, eager):
         dtype = _compute_dtype(weight)
         with torch.autocast(weight.device.type, enabled=False):
-            w = weight.to(dtype)  # the one cast of the step (a no-op when the weight is in it already)
+            w = weight.to(dtype)  # the forward's one cast (a no-op when the weight is in it already)
             b = bias.to(dtype) if bias is not None else None
             n, vocab = hidden.shape[0], weight.shape[0]
             logprobs = hidden.new_empty(n, dtype=torch.float32)
@@ -256,12 +291,8 @@ class _FusedScores(torch.autograd.Function):
                 stop = min(start + rows, n)
                 h = hidden[start:stop].to(dtype)
                 t = targets[start:stop]
-                logp = _logits(h, w, b, temperature)
-                chunk_lse = torch.logsumexp(logp, dim=-1)
-                lse[start:stop] = chunk_lse
-                logp.sub_(chunk_lse.unsqueeze(-1))
-                logprobs[start:stop] = logp.gather(-1, t.unsqueeze(-1)).squeeze(-1)
-                p = logp.exp_() if not with_entropy else logp.exp()
+                p, logp = _softmax(_logits(h, w, b, temperature), t, lse[start:stop], logprobs[start:stop],
+                                   probs=eager or with_entropy, log_probs=with_entropy)
                 if with_entropy:
                     entropy[start:stop] = -torch.linalg.vecdot(p, logp)
                 del logp
@@ -294,15 +325,12 @@ class _FusedScores(torch.autograd.Function):
         ctx.temperature, ctx.dtype = temperature, dtype
         ctx.entropy_grad = with_entropy and entropy_grad
         ctx.eager = (dh, dw, db, dl) if eager else None
-        # The compute-dtype copy is kept only for a backward that recomputes (when eager, a
-        # non-uniform upstream gradient casts the weight again: correct, if slower).
-        saved_w = None if eager else (w if w is not weight else None)
-        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy if with_entropy else None, saved_w)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy if with_entropy else None)
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, g_lp, g_ent):
-        hidden, weight, bias, targets, lse, entropy, w = ctx.saved_tensors
+        hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         want_b = bias is not None and ctx.needs_input_grad[2]
         eager, ctx.eager = ctx.eager, None
@@ -321,11 +349,8 @@ class _FusedScores(torch.autograd.Function):
             gb = _scaled(db, scale, bias.dtype) if want_b else None
             return gh, gw, gb, None, None, None, None, None, None
         del eager
-        if w is None:
-            with torch.autocast(weight.device.type, enabled=False):
-                w = weight.to(ctx.dtype)
-        return (*_recomputed_grads(hidden, w, bias, targets, lse, entropy, g_lp, g_ent, ctx.temperature,
-                                   ctx.dtype, weight.dtype, (want_h, want_w, want_b)),
+        return (*_recomputed_grads(hidden, weight, bias, targets, lse, entropy, g_lp, g_ent, ctx.temperature,
+                                   ctx.dtype, (want_h, want_w, want_b)),
                 None, None, None, None, None, None)
 
 
@@ -341,32 +366,34 @@ def _scaled(grad: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.mul(grad, scale, out=out)  # scaled and cast in one pass
 
 
-def _recomputed_grads(hidden, w, bias, targets, lse, entropy, g_lp, g_ent, temperature, dtype, weight_dtype, wants):
+def _recomputed_grads(hidden, weight, bias, targets, lse, entropy, g_lp, g_ent, temperature, dtype, wants):
     """Gradients w.r.t. hidden, weight and bias for per-token upstream gradients, in vocabulary
-    slices over all rows: each slice's logits are made again from the compute-dtype weight, and
+    slices over all rows: each slice's logits are made again from that slice of the weight, cast to
+    the compute dtype here (the forward keeps no compute-dtype copy of the weight for backward), and
     each slice of the weight gradient is written once (no accumulation over chunks)."""
     want_h, want_w, want_b = wants
-    n, vocab = hidden.shape[0], w.shape[0]
-    with torch.autocast(w.device.type, enabled=False):
+    n, vocab = hidden.shape[0], weight.shape[0]
+    with torch.autocast(weight.device.type, enabled=False):
         h = hidden.to(dtype)
-        b = bias.to(dtype) if bias is not None else None
         gh = hidden.new_zeros(hidden.shape, dtype=torch.float32) if want_h else None
-        gw = torch.empty(w.shape, dtype=weight_dtype, device=w.device) if want_w else None
-        gb = torch.empty(vocab, dtype=bias.dtype, device=w.device) if want_b else None
-        width = max(1, min(vocab, AUTO_CHUNK_ELEMENTS // max(n, 1)))
+        gw = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device) if want_w else None
+        gb = torch.empty(vocab, dtype=bias.dtype, device=weight.device) if want_b else None
+        width = max(1, min(vocab, BACKWARD_SLICE_ELEMENTS // max(n, 1)))
         g_lp = g_lp.float().unsqueeze(-1)
         for start in range(0, vocab, width):
             stop = min(start + width, vocab)
-            logp = _logits(h, w[start:stop], None if b is None else b[start:stop], temperature)
+            w = weight[start:stop].to(dtype)
+            logp = _logits(h, w, None if bias is None else bias[start:stop].to(dtype), temperature)
             logp.sub_(lse.unsqueeze(-1))
-            p = logp.exp()
             if g_ent is not None:
+                p = logp.exp()
                 # dH/dz = -p (log p + H), H the entropy; z the tempered logits.
                 grad = logp.add_(entropy.unsqueeze(-1)).mul_(p).mul_(-g_ent.float().unsqueeze(-1))
                 grad.sub_(p.mul_(g_lp))
+                del p
             else:
-                grad = p.mul_(-g_lp)
-            del logp, p
+                grad = logp.exp_().mul_(-g_lp)  # in place: one [rows, slice] fp32 tensor alive
+            del logp
             inside = (targets >= start) & (targets < stop)
             # d logp_t / dz = onehot(t) - p: the onehot part of the rows whose target is in this slice
             grad.scatter_add_(-1, (targets - start).clamp(0, stop - start - 1).unsqueeze(-1),
@@ -377,12 +404,12 @@ def _recomputed_grads(hidden, w, bias, targets, lse, entropy, g_lp, g_ent, tempe
                 gb[start:stop] = grad.sum(0)
             grad = grad.to(dtype)
             if gh is not None:
-                gh.add_(grad @ w[start:stop])
+                gh.add_(grad @ w)
             if gw is not None and gw.dtype == dtype:
                 torch.mm(grad.T, h, out=gw[start:stop])  # straight into the gradient: no copy
             elif gw is not None:
                 gw[start:stop] = grad.T @ h  # the slice's share of the one cast to the weight's dtype
-            del grad
+            del grad, w
     return (gh.to(hidden.dtype) if gh is not None else None), gw, gb
 
 

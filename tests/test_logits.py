@@ -280,7 +280,9 @@ class WeightTraffic(TorchDispatchMode):
         if result is None or result.dim() != 2 or result.shape[1] != self.shape[1]:
             return out
         source = args[-1] if name == "copy_" else args[0]
-        from_weight = isinstance(source, torch.Tensor) and source.data_ptr() == self.weight.data_ptr()
+        # The weight or a slice of it (the recomputing backward casts it a vocabulary slice at a time).
+        from_weight = (isinstance(source, torch.Tensor)
+                       and source.untyped_storage().data_ptr() == self.weight.untyped_storage().data_ptr())
         if name in self.CASTS and from_weight and result.dtype != self.weight.dtype:
             self.weight_casts += result.numel()
         elif (name in self.WRITES and result.dtype == self.weight.dtype and tuple(result.shape) == self.shape
@@ -305,7 +307,7 @@ def _bf16(on: bool):
 @pytest.mark.parametrize("loss", ["sft", "ppo"])
 @pytest.mark.parametrize("autocast", [True, False])
 @pytest.mark.parametrize("chunk_size", [None, 16, 4, "auto"])
-def test_the_fused_path_casts_the_weight_once_and_writes_its_gradient_once(chunk_size, autocast, loss):
+def test_the_fused_path_casts_the_weight_once_a_pass_and_writes_its_gradient_once(chunk_size, autocast, loss):
     layer, hidden, targets = _head()
     assert fusable(layer)
     counter = WeightTraffic(layer.weight)
@@ -318,8 +320,12 @@ def test_the_fused_path_casts_the_weight_once_and_writes_its_gradient_once(chunk
                      else -(torch.exp(lp - lp.detach()) * advantages).sum() - 0.01 * ent.sum())
         total.backward()
     weight = layer.weight.numel()
-    # bf16: one cast of the weight, whatever the chunk count; fp32: none (the weight is used as it is).
-    assert counter.weight_casts == (weight if autocast else 0)
+    # bf16: one cast of the weight in the forward, whatever the chunk count, and one more pass, slice
+    # by slice, when the backward recomputes the logits (PPO's per-token gradients): the forward
+    # keeps no compute-dtype copy of the weight for backward. fp32: none (the weight is used as it is).
+    grads_in_forward = loss == "sft" and rows_per_chunk(chunk_size, N_ROWS, VOCAB) >= N_ROWS
+    passes = 1 if grads_in_forward else 2
+    assert counter.weight_casts == (passes * weight if autocast else 0)
     # The gradient: one pass that writes it (its cast to fp32), not one per chunk; in fp32 the matmul
     # that makes it writes it directly (none), as in a bare loop.
     assert counter.gradient_writes == (weight if autocast else 0)
@@ -451,3 +457,35 @@ def test_the_automatic_chunk_size_is_one_chunk_until_the_logits_budget():
     assert rows_per_chunk(512, 8192, 151_936) == 512  # a number is the override
     with pytest.raises(ValueError, match="chunk_size"):
         rows_per_chunk("big", 10, 10)
+
+
+# -- the head at the step's peak (issue #37 item 6) ----------------------------------------------------
+
+
+@pytest.mark.parametrize("rows, chunk_size", [(4096, 512), (4096, 0), (128, 8)])
+def test_the_head_keeps_no_weight_copy_into_the_backward_and_slices_its_recompute(rows, chunk_size):
+    """The step's peak is where the head's backward runs beside every saved activation. The forward
+    keeps only two floats a row for it (no compute-dtype copy of the weight: 0.25 GiB at this shape),
+    and the recomputing backward holds the weight's gradient plus one vocabulary slice of logits
+    (BACKWARD_SLICE_ELEMENTS, fp32 and bf16) and its slice of the weight in bf16."""
+    from lightning_mem.logits import AUTO_CHUNK_ELEMENTS, BACKWARD_SLICE_ELEMENTS
+
+    import lightning_mem.logits as logits
+    from benchmarks.logits_head import head_bytes
+
+    kept, forward_peak, backward_peak = head_bytes(logits, rows, chunk_size or None)
+    hidden = 896
+    per_row = rows_per_chunk(chunk_size or None, rows, BIG_VOCAB)
+    # Log-probs and log-sum-exp (fp32); in one chunk also the gradients made in the forward: the
+    # logits' and the hidden rows' (bf16). Nothing of the weight's size either way.
+    one_chunk = per_row >= rows
+    assert kept == rows * 4 * 2 + (rows * (BIG_VOCAB + hidden) * 2 if one_chunk else 0)
+    weight_bf16, gradient = BIG_VOCAB * hidden * 2, BIG_VOCAB * hidden * 4
+    small = rows * hidden * 4 * 4  # the hidden rows' bf16 copy, their fp32 gradient, per-row floats
+    # Forward: the bf16 weight, one chunk's logits in bf16 and fp32 (reduced in place: no third copy).
+    assert forward_peak <= weight_bf16 + per_row * BIG_VOCAB * 6 + small
+    if one_chunk:  # the gradients were made in the forward; backward only scales them
+        return
+    width = BACKWARD_SLICE_ELEMENTS // rows
+    assert BACKWARD_SLICE_ELEMENTS < AUTO_CHUNK_ELEMENTS
+    assert backward_peak <= gradient + width * rows * 6 + width * hidden * 2 + small
