@@ -40,6 +40,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
+from lightning_mem.callbacks.shared_casts import SharedCasts
 from lightning_mem.callbacks.training_dtypes import TrainingDtypes
 from lightning_mem.checkpointing import check_trainable_kept, keep_trainable
 from lightning_mem.cli import RecipeCLI, run_command
@@ -355,7 +356,9 @@ class PPOModule(LightningModule):
             check_packing_splits(self.trainer, packing_key="model.ppo.packing")
 
     def configure_callbacks(self) -> list[Any]:
-        return [TrainingDtypes()]  # one line at the start: the dtypes this run really has
+        # TrainingDtypes: one line at the start, the dtypes this run really has. SharedCasts: linear
+        # layers reading one fp32 tensor share its autocast copy (no number changes; less kept).
+        return [TrainingDtypes(), SharedCasts()]
 
     def load_dtypes(self) -> dict[str, torch.dtype | str]:
         """The dtype each model loads in under ``trainer.precision``: ``actor`` (with ``lora``, its

@@ -25,6 +25,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_mem.callbacks.shared_casts import SharedCasts
 from lightning_mem.callbacks.training_dtypes import TrainingDtypes
 from lightning_mem.checkpointing import check_trainable_kept, keep_trainable
 from lightning_mem.cli import RecipeCLI, run_command
@@ -149,7 +150,9 @@ class SFTModule(FreesGradientsAfterStep, ClipsGradients, LightningModule):
             check_model_splits(self.trainer, self.hparams.name_or_path, trust_remote_code=self.hparams.trust_remote_code)
 
     def configure_callbacks(self) -> list[Any]:
-        return [TrainingDtypes()]  # one line at the start: the dtypes this run really has
+        # TrainingDtypes: one line at the start, the dtypes this run really has. SharedCasts: linear
+        # layers reading one fp32 tensor share its autocast copy (no number changes; less kept).
+        return [TrainingDtypes(), SharedCasts()]
 
     def model_dtype(self) -> torch.dtype | str:
         """The dtype ``model`` loads in under ``trainer.precision``: what trains follows the precision;

@@ -16,6 +16,7 @@ from lightning_mem.callbacks.memory_monitor import MemoryMonitor, PhaseObserver,
 from lightning_mem.callbacks.optimizer_in_backward import OptimizerInBackward
 from lightning_mem.callbacks.optimizer_state_offload import OptimizerStateOffload
 from lightning_mem.callbacks.progress import StepProgressBar, StepRichProgressBar
+from lightning_mem.callbacks.shared_casts import SharedCasts
 from lightning_mem.callbacks.training_dtypes import DtypeReport, TrainingDtypes
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "MemoryMonitor",
     "OptimizerInBackward",
     "OptimizerStateOffload",
+    "SharedCasts",
     "StepProgressBar",
     "StepRichProgressBar",
     "TrainingDtypes",
