@@ -27,6 +27,8 @@ from typing import Any
 
 import yaml
 
+from benchmarks.gpu.step_time import fmt
+
 ROOT = Path(__file__).resolve().parents[2]
 TOP = ROOT / "configs" / "sft" / "llama-3.2-3b_1x80gb_ladder.yaml"
 PREFIX = "torchtune-llama3.2-3b-ladder-"
@@ -116,10 +118,6 @@ def ladder_rows(setups: list[Any], results: list[dict[str, Any]]) -> list[dict[s
     return rows
 
 
-def _fmt(value: Any, spec: str) -> str:
-    return "n/a" if value is None else format(value, spec)
-
-
 def markdown(rows: list[dict[str, Any]], *, date: str, device: str, command: str) -> str:
     lines = [f"torchtune's ladder (Llama 3.2 3B, 2 x 4,096 tokens), {date}, {device}, `{command}`; peaks over the"
              " training steps (`MemoryMonitor`), tokens/s of the batches after the first.", "",
@@ -127,9 +125,9 @@ def markdown(rows: list[dict[str, Any]], *, date: str, device: str, command: str
              " | batch s (median) | tokens/s | outcome |", "|---|---|---|---|---|---|---|---|"]
     for row in rows:
         outcome = row["outcome"] + (f" ({row['error'][:100]})" if row.get("error") else "")
-        lines.append(f"| {row['rung']} | {row['published']} | {_fmt(row['allocated_gib'], '.2f')}"
-                     f" | {_fmt(row['reserved_gib'], '.2f')} | {_fmt(row['ratio'], '.2f')}"
-                     f" | {_fmt(row['batch_s'], '.2f')} | {_fmt(row['tokens_per_s'], ',.0f')} | {outcome} |")
+        lines.append(f"| {row['rung']} | {row['published']} | {fmt(row['allocated_gib'], '.2f')}"
+                     f" | {fmt(row['reserved_gib'], '.2f')} | {fmt(row['ratio'], '.2f')}"
+                     f" | {fmt(row['batch_s'], '.2f')} | {fmt(row['tokens_per_s'], ',.0f')} | {outcome} |")
     return "\n".join(lines) + "\n"
 
 

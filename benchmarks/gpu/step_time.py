@@ -146,14 +146,15 @@ def measure(models: list[str], options: list[str], *, rows: int, tokens: int, st
     return sorted(results, key=lambda r: (order[r["model"]], r["run"] == "recipe"))  # per model, the bare loop first
 
 
-def _fmt(value: Any, spec: str) -> str:
+def fmt(value: Any, spec: str) -> str:
+    """``value`` formatted by ``spec``, or ``n/a`` for a figure a failed run did not give."""
     return "n/a" if value is None else format(value, spec)
 
 
 def _line(row: dict[str, Any]) -> str:
-    return (f"| {row['model']} | {row['run']} | {row['options']} | {_fmt(row['median_ms'], '.1f')}"
-            f" | {_fmt(row['tokens_per_s'], ',.0f')} | {_fmt(row['peak_gib'], '.2f')} | {_fmt(row['time_ratio'], '.3f')}"
-            f" | {_fmt(row['peak_ratio'], '.3f')} | {row['outcome']} |")
+    return (f"| {row['model']} | {row['run']} | {row['options']} | {fmt(row['median_ms'], '.1f')}"
+            f" | {fmt(row['tokens_per_s'], ',.0f')} | {fmt(row['peak_gib'], '.2f')} | {fmt(row['time_ratio'], '.3f')}"
+            f" | {fmt(row['peak_ratio'], '.3f')} | {row['outcome']} |")
 
 
 def markdown(results: list[dict[str, Any]], *, date: str, device: str, command: str, what: str) -> str:
