@@ -16,8 +16,8 @@ gradient reaches the fp32 input through its own cast node (:class:`_SharedCast`,
 bf16.
 
 Nothing changes where there is nothing to share: outside autocast, an input already in the compute
-dtype, a distributed tensor (tensor/sequence parallel), or inside ``torch.compile`` (whose graph
-makes one cast of a value anyway).
+dtype, a distributed tensor (tensor/sequence parallel), under ``torch.inference_mode`` (nothing is
+kept for a backward), or inside ``torch.compile`` (whose graph makes one cast of a value anyway).
 """
 
 from __future__ import annotations
@@ -80,8 +80,10 @@ def _linear_forward(self: nn.Linear, x: Tensor) -> Tensor:
     # order that leaves the common cases first: this runs for every linear layer of every forward).
     if x.dtype is torch.float32 and torch.is_autocast_enabled(x.device.type):
         dtype = torch.get_autocast_dtype(x.device.type)
+        # Inference tensors (Lightning's validation runs under inference_mode) keep no version to
+        # check, and nothing for a backward: autocast's own casts are as good there.
         if dtype is not torch.float32 and (type(x) is Tensor or isinstance(x, FakeTensor)) \
-                and not torch.compiler.is_compiling():
+                and not torch.compiler.is_compiling() and not x.is_inference():
             x = shared_cast(x, dtype)
     return F.linear(x, self.weight, self.bias)
 

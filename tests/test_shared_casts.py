@@ -178,3 +178,31 @@ def test_a_layer_whose_instance_has_its_own_forward_is_left_alone():
     assert hooked.forward is own_forward
     hooked(torch.randn(2, 8))
     assert calls == [1]
+
+
+def test_inference_mode_under_autocast_takes_autocasts_own_path():
+    """Lightning validates under ``torch.inference_mode`` inside the precision's autocast; inference
+    tensors have no version counter to check, and keep nothing for a backward."""
+    layer, reference = nn.Linear(8, 4), None
+    reference = copy.deepcopy(layer)
+    share_input_casts(layer)
+    shared_casts._CASTS.clear()
+    with torch.inference_mode(), _bf16():
+        x = torch.randn(3, 8)
+        out, expected = layer(x), reference(x)
+    assert torch.equal(out, expected) and not shared_casts._CASTS
+
+
+def test_the_sft_recipe_shares_casts_while_it_fits_and_validates_under_bf16_mixed(tmp_path):
+    import recipes.sft as sft
+    from lightning_mem.callbacks import SharedCasts
+    from tests.helpers import REPO
+
+    cli = sft.main(["fit", "--config", str(REPO / "configs" / "sft" / "tiny_cpu.yaml"),
+                    f"--trainer.default_root_dir={tmp_path}", "--trainer.precision=bf16-mixed", "--trainer.max_steps=2",
+                    "--trainer.val_check_interval=1", "--trainer.limit_val_batches=1", "--model.export_dir=null",
+                    "--trainer.enable_progress_bar=false"])
+    (callback,) = [c for c in cli.trainer.callbacks if isinstance(c, SharedCasts)]
+    assert callback.layers > 0  # patched for the fit (validation under inference_mode included)...
+    assert not any("forward" in m.__dict__ for m in cli.model.modules())  # ...and restored after it
+    assert cli.trainer.global_step == 2
