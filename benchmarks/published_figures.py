@@ -107,10 +107,10 @@ _LADDER = [
      [*_LADDER_ADAMW, f"--trainer.callbacks=[{_LADDER_AC}, {_LADDER_OIB}]"], _LADDER_COMPILE),
     ("activation-offload", "+ Activation Offloading", "21.8 GiB", _LADDER_ADAMW,
      f"{_LADDER_COMPILE}; measured on an H100 (2026-11-26, benchmarks/gpu/ladder.py): 20.19 GiB allocated, 0.99"
-     " of this estimate"),
+     " of that day's estimate (20.30 GiB)"),
     ("adamw8bit", "+ 8-bit AdamW", "17.6 GiB", [],
      f"{_LADDER_COMPILE}; the gap over 10 % is torchtune's rung, measured: on an H100 (2026-11-26,"
-     " benchmarks/gpu/ladder.py) this config peaked at 14.29 GiB allocated (0.99 of this estimate), and bf16 to"
+     " benchmarks/gpu/ladder.py) this config peaked at 14.29 GiB allocated (0.99 of that day's estimate, 14.41 GiB), and bf16 to"
      " 8-bit AdamW state took 5.90 GiB off the measured peak, what the state's bytes predict (5.98 GiB), where"
      " torchtune's figure drops 4.2 GiB; its README does not say which 8-bit AdamW it ran (ours: bitsandbytes'"
      " AdamW8bit, not paged)"),
