@@ -30,9 +30,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-#: id(input) -> (weak input, its version, weak cast, cast dtype). Weak both ways: an entry holds
-#: nothing alive; the cast lives as long as a layer's saved tensors use it.
-_CASTS: dict[int, tuple[weakref.ref, int, weakref.ref, torch.dtype]] = {}
+#: id(input) -> (weak input, its version, weak cast). Weak both ways: an entry holds nothing alive;
+#: the cast lives as long as a layer's saved tensors use it.
+_CASTS: dict[int, tuple[weakref.ref, int, weakref.ref]] = {}
 
 
 class _SharedCast(torch.autograd.Function):
@@ -62,14 +62,14 @@ def shared_cast(x: Tensor, dtype: torch.dtype) -> Tensor:
     entry = _CASTS.get(key)
     cast = None
     if entry is not None:
-        ref, version, cast_ref, cast_dtype = entry
-        if ref() is x and version == x._version and cast_dtype == dtype:
+        ref, version, cast_ref = entry
+        if ref() is x and version == x._version:
             cast = cast_ref()
-    if cast is None:
+    if cast is None or cast.dtype != dtype:
         with torch.no_grad():
             cast = x.detach().to(dtype)
         ref = weakref.ref(x, lambda r, k=key: _forget(k, r))
-        _CASTS[key] = (ref, x._version, weakref.ref(cast), dtype)
+        _CASTS[key] = (ref, x._version, weakref.ref(cast))
     if not (torch.is_grad_enabled() and x.requires_grad):
         return cast
     return _SharedCast.apply(x, cast)

@@ -183,7 +183,7 @@ def test_a_layer_whose_instance_has_its_own_forward_is_left_alone():
 def test_inference_mode_under_autocast_takes_autocasts_own_path():
     """Lightning validates under ``torch.inference_mode`` inside the precision's autocast; inference
     tensors have no version counter to check, and keep nothing for a backward."""
-    layer, reference = nn.Linear(8, 4), None
+    layer = nn.Linear(8, 4)
     reference = copy.deepcopy(layer)
     share_input_casts(layer)
     shared_casts._CASTS.clear()
