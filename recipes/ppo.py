@@ -182,14 +182,7 @@ class PPOModule(LightningModule):
                        trust_remote_code=trust_remote_code, attn_implementation=attn_implementation)
         # logger=False: the CLI logs the whole resolved config (lightning_mem.cli.RunConfigCallback).
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "critic_optimizer", "reward"], logger=False)
-        with settings_at("model"):
-            rollout_engine.validate(generation)
-        if ppo.rollout_correction.enabled and rollout_engine.name == "hf":
-            raise ValueError(
-                f"`model.ppo.rollout_correction.mode: {ppo.rollout_correction.mode}` weighs samples by the rollout"
-                " engine's own log-probs, and `model.rollout_engine.name: hf` samples with the actor itself (there is"
-                " no drift to correct): use `model.rollout_engine.name: vllm`, or `mode: none`"
-            )
+        self._check_rollout_engine(rollout_engine, generation, ppo)
         self.rollout_engine_config = rollout_engine
         self.automatic_optimization = False  # several optimizer steps per rollout
         self.strict_loading = False  # checkpoints hold only what trains (on_save_checkpoint)
@@ -213,6 +206,18 @@ class PPOModule(LightningModule):
             value_function(critic.layout) if self.use_critic else None)
         self.kl_controller = self._kl_controller(kl)
         self._unbuilt()
+
+    @staticmethod
+    def _check_rollout_engine(rollout_engine: RolloutEngineConfig, generation: GenerationConfig, ppo: PPOConfig) -> None:
+        """The engine's settings, and a rollout correction only where there is drift to correct."""
+        with settings_at("model"):
+            rollout_engine.validate(generation)
+        if ppo.rollout_correction.enabled and rollout_engine.name == "hf":
+            raise ValueError(
+                f"`model.ppo.rollout_correction.mode: {ppo.rollout_correction.mode}` weighs samples by the rollout"
+                " engine's own log-probs, and `model.rollout_engine.name: hf` samples with the actor itself (there is"
+                " no drift to correct): use `model.rollout_engine.name: vllm`, or `mode: none`"
+            )
 
     def _unbuilt(self) -> None:
         """What configure_model builds (after the data are checked, where a strategy can wrap it).
