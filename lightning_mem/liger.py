@@ -14,6 +14,12 @@ tokens through :func:`lightning_mem.logits.score_tokens`, which already projects
 positions, in chunks, and computes log-probs and entropy (which RL needs and Liger's loss does
 not return). Its plain cross-entropy kernel is not applied for the same reason.
 
+Liger also rebinds names in the model type's ``modeling_*`` module (``apply_rotary_pos_emb``, the
+RMSNorm and MLP classes), and those reach every model of that type built or run later in the
+process. :func:`record_module_patches` notes what a call rebound, and :func:`undo_module_patches`
+puts it back (``LigerKernels`` does when fit ends), so a later model in the same process (a bare
+loop in a benchmark, a second fit, a notebook) is built and run with its own modules again.
+
 Liger's kernels are Triton, and Triton needs a CUDA device: :func:`check_liger` refuses anything
 else before a model loads.
 """
@@ -21,7 +27,9 @@ else before a model loads.
 from __future__ import annotations
 
 import importlib.util
-from typing import Any
+import sys
+from types import ModuleType
+from typing import Any, Callable
 
 from torch import nn
 
@@ -76,3 +84,26 @@ def liger_settings(**kernels: Any) -> dict[str, bool]:
     if unknown:
         raise ValueError(f"unknown Liger kernels {unknown}; known: {list(KERNELS)}")
     return {name: bool(kernels.get(name, True)) for name in KERNELS}
+
+
+#: One rebound name: the module, the name and its value before.
+ModulePatch = tuple[ModuleType, str, Any]
+
+
+def record_module_patches(call: Callable[[], Any], prefix: str = "transformers.") -> tuple[Any, list[ModulePatch]]:
+    """Run ``call()`` and return its result with every module-level name it rebound in the already
+    imported modules under ``prefix``, and the value each had (what :func:`undo_module_patches` puts
+    back). Names it added are left: a lazy package gains its submodules as attributes on import."""
+    modules = [module for name, module in list(sys.modules.items()) if name.startswith(prefix) and module is not None]
+    before = [(module, dict(vars(module))) for module in modules]
+    result = call()
+    patches = [(module, name, old) for module, names in before for name, old in names.items()
+               if vars(module).get(name, old) is not old]
+    return result, patches
+
+
+def undo_module_patches(patches: list[ModulePatch]) -> int:
+    """Put back what :func:`record_module_patches` recorded, newest first; returns how many names."""
+    for module, name, value in reversed(patches):
+        setattr(module, name, value)
+    return len(patches)

@@ -4,6 +4,8 @@ CUDA only (``pip install 'lightning-mem[gpu]'``): on any other device the run st
 before the model loads, with one message naming this callback. The kernels replace module
 forwards in place, so they go on after the strategy has sharded or checkpointed the blocks, under
 any strategy. Liger's fused linear cross-entropy is left off: see :mod:`lightning_mem.liger`.
+What Liger rebinds for the whole process (RoPE's function, the model type's RMSNorm and MLP
+classes) is put back when fit ends; the patched models keep their kernels.
 
 YAML::
 
@@ -20,7 +22,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_mem.liger import apply_liger_kernels, check_liger, liger_settings
+from lightning_mem.liger import ModulePatch, apply_liger_kernels, check_liger, liger_settings, record_module_patches, \
+    undo_module_patches
 from lightning_mem.module_tree import find_hf_models
 
 class LigerKernels(Callback):
@@ -43,6 +46,7 @@ class LigerKernels(Callback):
         self.kernels = liger_settings(rms_norm=rms_norm, swiglu=swiglu, rope=rope)
         self.frozen_models = frozen_models
         self.patched: list[str] = []
+        self._module_patches: list[ModulePatch] = []
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -61,9 +65,16 @@ class LigerKernels(Callback):
             if not self.frozen_models and not any(p.requires_grad for p in model.parameters()):
                 continue
             try:
-                apply_liger_kernels(model, **self.kernels)
+                _, rebound = record_module_patches(lambda model=model: apply_liger_kernels(model, **self.kernels))
             except ValueError as err:
                 raise ValueError(f"LigerKernels: `{name}`: {err}") from None
+            self._module_patches += rebound
             self.patched.append(name)
         on = [name for name, wanted in self.kernels.items() if wanted]
         rank_zero_info(f"LigerKernels: {', '.join(on) or 'no kernels'} on {', '.join(f'`{n}`' for n in self.patched)}")
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            undo_module_patches(self._module_patches)
+            self._module_patches = []

@@ -1,6 +1,7 @@
 """The LigerKernels callback: on a CPU it stops the run in setup, before the model loads, naming
-itself; the estimate leaves it out and says so; on CUDA (marked gpu) Liger's RMSNorm, SwiGLU and
-RoPE train the tiny Llama like its own modules."""
+itself; the estimate leaves it out and says so; what Liger rebinds for the whole process is put back
+when fit ends; on CUDA (marked gpu) Liger's RMSNorm, SwiGLU and RoPE train the tiny Llama like its
+own modules."""
 
 from __future__ import annotations
 
@@ -48,6 +49,63 @@ def test_the_estimate_leaves_liger_out_and_says_so(tmp_path):
     liger = estimate(CONFIG, [*rows, f"--trainer.callbacks={json.dumps([LIGER])}"])  # no CUDA here: not run
     assert liger.device_peak_bytes == plain.device_peak_bytes
     assert any(note.startswith("LigerKernels: estimated with the model's own modules") for note in liger.notes)
+
+
+def test_the_names_a_call_rebinds_in_transformers_modules_are_recorded_and_put_back():
+    from transformers.models.llama import modeling_llama
+
+    from lightning_mem.liger import record_module_patches, undo_module_patches
+
+    rope, norm = modeling_llama.apply_rotary_pos_emb, modeling_llama.LlamaRMSNorm
+
+    def patch() -> str:  # what Liger's apply_liger_kernel_to_llama does to the module
+        modeling_llama.apply_rotary_pos_emb = lambda *args: args
+        modeling_llama.LlamaRMSNorm = type("OtherNorm", (torch.nn.Module,), {})
+        modeling_llama.added_by_the_call = 1  # added, not rebound: left (lazy packages gain names on import)
+        return "applied"
+
+    try:
+        result, patches = record_module_patches(patch)
+        assert result == "applied"
+        assert sorted((module.__name__, name) for module, name, _ in patches) == [
+            ("transformers.models.llama.modeling_llama", "LlamaRMSNorm"),
+            ("transformers.models.llama.modeling_llama", "apply_rotary_pos_emb")]
+        assert undo_module_patches(patches) == 2
+        assert modeling_llama.apply_rotary_pos_emb is rope and modeling_llama.LlamaRMSNorm is norm
+    finally:
+        modeling_llama.apply_rotary_pos_emb, modeling_llama.LlamaRMSNorm = rope, norm
+        vars(modeling_llama).pop("added_by_the_call", None)
+
+
+def test_the_callback_puts_back_what_liger_rebound_for_the_process_when_fit_ends(monkeypatch):
+    # Liger itself needs CUDA; its effect on the modeling module is what the callback undoes.
+    from transformers.models.llama import modeling_llama
+
+    from lightning_mem.callbacks import liger_kernels
+    from tests import memtest_utils as h
+
+    rope = modeling_llama.apply_rotary_pos_emb
+    applied = []
+
+    def fake_apply(model, **kernels):
+        modeling_llama.apply_rotary_pos_emb = lambda *args: args
+        applied.append((type(model).__name__, kernels))
+        return kernels
+
+    monkeypatch.setattr(liger_kernels, "apply_liger_kernels", fake_apply)
+    module = torch.nn.Module()
+    module.model = h.tiny_llama(layers=1)
+    callback = LigerKernels(rope=True, swiglu=False)
+    try:
+        callback.on_fit_start(None, module)
+        assert applied == [("LlamaForCausalLM", {"rms_norm": True, "swiglu": False, "rope": True})]
+        assert modeling_llama.apply_rotary_pos_emb is not rope  # on while fit runs
+        callback.teardown(None, module, "validate")
+        assert modeling_llama.apply_rotary_pos_emb is not rope  # not another stage's end
+        callback.teardown(None, module, "fit")
+        assert modeling_llama.apply_rotary_pos_emb is rope
+    finally:
+        modeling_llama.apply_rotary_pos_emb = rope
 
 
 @pytest.mark.gpu
