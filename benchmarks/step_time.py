@@ -19,10 +19,12 @@ and ``zero_grad(set_to_none=True)``, under the same autocast. Rounds alternate b
 load from other jobs falls on both alike; each round's first steps are a warm-up and are not
 timed. The figure is the ratio of the medians; absolute times depend on the machine and its load.
 
-``--options`` runs the recipe once more per option set (``compile``: the
-:class:`~lightning_mem.callbacks.CompileBlocks` callback; ``liger``:
-:class:`~lightning_mem.callbacks.LigerKernels`, CUDA only; ``compile+liger``), each against the
-plain bare loop. Compile time falls in the warm-up steps.
+``--options`` runs the recipe once more per option set, each against the plain bare loop. A set is
+``none`` or parts joined by ``+``: ``compile`` (the :class:`~lightning_mem.callbacks.CompileBlocks`
+callback), ``liger`` (:class:`~lightning_mem.callbacks.LigerKernels`, CUDA only), ``liger:<kernel>``
+(Liger's ``rms_norm``, ``swiglu`` or ``rope`` alone; several such parts: those kernels), and
+``no-shared-casts`` (the recipe without its :class:`~lightning_mem.callbacks.SharedCasts`, to time
+what that callback costs or saves). Compile time falls in the warm-up steps.
 
 To compare two versions of the recipe, run this file with ``--code <checkout>`` for each (rounds
 alternated by the caller): the recipe and the library are imported from that checkout, and the
@@ -46,7 +48,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 WARMUP = 5
-OPTIONS = ("none", "compile", "liger", "compile+liger")
+OPTIONS = ("none", "compile", "liger", "compile+liger")  # the usual sets; parts combine freely (option_parts)
+PARTS = ("compile", "liger", "liger:rms_norm", "liger:swiglu", "liger:rope", "no-shared-casts")
 AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
@@ -119,15 +122,42 @@ def vocab_size_of(model: str) -> int:
     return int(json.loads((Path(model) / "config.json").read_text())["vocab_size"])
 
 
+def option_parts(options: str) -> list[str]:
+    """The parts of one option set (``none``: no part), each one of :data:`PARTS`."""
+    parts = [] if options == "none" else options.split("+")
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        raise ValueError(f"unknown options {unknown} in {options!r}; a set is 'none' or parts of {PARTS} joined by '+'")
+    if "liger" in parts and any(part.startswith("liger:") for part in parts):
+        raise ValueError(f"{options!r}: 'liger' is every Liger kernel; name 'liger:<kernel>' parts alone to pick some")
+    return parts
+
+
 def _callbacks(options: str) -> list[Any]:
     from lightning_mem.callbacks import CompileBlocks, LigerKernels
+    from lightning_mem.liger import KERNELS
 
-    chosen = [] if options == "none" else options.split("+")
-    unknown = set(chosen) - {"compile", "liger"}
-    if unknown:
-        raise ValueError(f"unknown options {sorted(unknown)}; known: {OPTIONS}")
+    parts = option_parts(options)
+    kernels = [part.split(":", 1)[1] for part in parts if part.startswith("liger:")]
+    liger = [LigerKernels(**{name: name in kernels for name in KERNELS})] if kernels else []
+    liger = [LigerKernels()] if "liger" in parts else liger
     # Liger patches the modules first; the compiled forwards then trace Liger's kernels.
-    return ([LigerKernels()] if "liger" in chosen else []) + ([CompileBlocks()] if "compile" in chosen else [])
+    return liger + ([CompileBlocks()] if "compile" in parts else [])
+
+
+def _recipe_class(options: str) -> type:
+    """The SFT recipe's LightningModule, without its SharedCasts callback for ``no-shared-casts``."""
+    from recipes.sft import SFTModule
+
+    if "no-shared-casts" not in option_parts(options):
+        return SFTModule
+    from lightning_mem.callbacks.shared_casts import SharedCasts
+
+    class WithoutSharedCasts(SFTModule):
+        def configure_callbacks(self) -> list[Any]:
+            return [c for c in super().configure_callbacks() if not isinstance(c, SharedCasts)]
+
+    return WithoutSharedCasts
 
 
 def _free() -> None:
@@ -145,11 +175,10 @@ def recipe_steps(data: list[dict[str, torch.Tensor]], setup: Setup | None = None
     from lightning.pytorch import Callback, Trainer, seed_everything
     from torch.utils.data import DataLoader
 
-    from recipes.sft import SFTModule
-
     from lightning_mem.data.sft import with_targets
 
     setup = setup or Setup()
+    recipe = _recipe_class(options)
     # What the recipe's datamodule adds to each batch on the host (its targets and their count), so
     # that the step finds them with the batch, as in a run, and not on the device (a host sync).
     data = [b if "target_positions" in b else with_targets(b) for b in data]
@@ -172,7 +201,7 @@ def recipe_steps(data: list[dict[str, torch.Tensor]], setup: Setup | None = None
         torch._dynamo.reset()
     seed_everything(0, verbose=False)
     chunking = {} if setup.chunk_size is None else {"logits_chunk_size": setup.chunk_size}
-    module = SFTModule(setup.model, optimizer=setup.optimizer, export_dir=None, **chunking)
+    module = recipe(setup.model, optimizer=setup.optimizer, export_dir=None, **chunking)
     clock = Clock()
     trainer = Trainer(accelerator=setup.device, devices=1, precision=setup.precision, max_steps=len(data),
                       gradient_clip_val=1.0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -253,10 +282,16 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--precision", default="32-true", help="Lightning precision (bf16-mixed: autocast over fp32 weights)")
     parser.add_argument("--fused", action="store_true", help="fused AdamW instead of torch's default")
     parser.add_argument("--bare-loss", choices=sorted(LOSSES), default="chunked")
-    parser.add_argument("--options", default="none", help=f"comma-separated option sets for the recipe, of {OPTIONS}")
+    parser.add_argument("--options", default="none", help=f"comma-separated option sets for the recipe, such as {OPTIONS}"
+                                                         f" (a set: 'none' or parts of {PARTS} joined by '+')")
     parser.add_argument("--chunk-size", type=int, default=Setup.chunk_size,
                         help="scored tokens per logits chunk, the recipe's and the chunked bare loop's (0: unchunked)")
     args = parser.parse_args(argv)
+    for option in args.options.split(","):
+        try:
+            option_parts(option)
+        except ValueError as err:
+            parser.error(f"--options: {err}")
     sys.path.insert(0, args.code)
     if args.threads:
         torch.set_num_threads(args.threads)

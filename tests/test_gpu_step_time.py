@@ -18,11 +18,11 @@ from tests.helpers import TINY_MODEL
 
 def test_the_cpu_side_writes_the_bare_loop_and_the_recipe_beside_it(tmp_path):
     argv = ["--device", "cpu", "--models", str(TINY_MODEL), "--rows", "2", "--tokens", "32", "--steps", "2",
-            "--warmup", "1", "--precision", "32-true", "--options", "liger,none", "--out", str(tmp_path)]
+            "--warmup", "1", "--precision", "32-true", "--options", "liger:rope,none", "--out", str(tmp_path)]
     assert step_time.main(argv) == 0
     rows = json.loads((tmp_path / "gpu_step_time.json").read_text())
     assert [(r["run"], r["options"]) for r in rows] == [("bare loop (hf loss)", "none"), ("recipe", "none"),
-                                                        ("recipe", "liger")]
+                                                        ("recipe", "liger:rope")]
     bare, recipe, liger = rows
     for row in (bare, recipe):
         assert row["outcome"] == "ran" and row["steps"] == 2 and row["median_ms"] > 0
@@ -31,24 +31,45 @@ def test_the_cpu_side_writes_the_bare_loop_and_the_recipe_beside_it(tmp_path):
     assert recipe["time_ratio"] == pytest.approx(recipe["median_ms"] / bare["median_ms"])
     assert liger["outcome"].startswith("skipped: Liger's kernels are Triton kernels and need a CUDA device")
     with (tmp_path / "gpu_step_time.csv").open() as f:
-        assert [r["options"] for r in csv.DictReader(f)] == ["none", "none", "liger"]
+        assert [r["options"] for r in csv.DictReader(f)] == ["none", "none", "liger:rope"]
     table = (tmp_path / "gpu_step_time.md").read_text()
     assert step_time.TABLE_HEAD in table and "| recipe | none |" in table
 
 
 def test_liger_runs_last_and_models_are_the_shipped_architectures():
-    assert step_time.option_order(["liger", "none", "compile+liger", "compile"]) == [
-        "none", "compile", "liger", "compile+liger"]
+    assert step_time.option_order(["liger", "none", "liger:rope", "compile+liger", "no-shared-casts", "compile"]) == [
+        "none", "no-shared-casts", "compile", "liger", "liger:rope", "compile+liger"]
     assert step_time.model_folder("Qwen/Qwen2.5-1.5B") == str(HUB_ASSETS / "Qwen/Qwen2.5-1.5B")
     assert all((HUB_ASSETS / name / "config.json").is_file() for name in step_time.MODELS)
     with pytest.raises(FileNotFoundError, match="neither a config folder nor one of assets/hub's"):
         step_time.model_folder("Qwen/NoSuchModel")
 
 
+def test_an_option_set_is_parts_and_each_part_is_a_callback_or_the_recipe_without_shared_casts():
+    from lightning_mem.callbacks import CompileBlocks, LigerKernels, SharedCasts, TrainingDtypes
+
+    assert cpu_bench.option_parts("none") == [] and cpu_bench.option_parts("compile+liger") == ["compile", "liger"]
+    (some,) = cpu_bench._callbacks("liger:rms_norm+liger:rope")
+    assert isinstance(some, LigerKernels) and some.kernels == {"rms_norm": True, "swiglu": False, "rope": True}
+    every, compiled = cpu_bench._callbacks("compile+liger")  # Liger first: the compiled blocks trace its kernels
+    assert isinstance(every, LigerKernels) and all(every.kernels.values()) and isinstance(compiled, CompileBlocks)
+    assert cpu_bench._callbacks("no-shared-casts") == []
+    assert cpu_bench._recipe_class("compile").__name__ == "SFTModule"
+    without = cpu_bench._recipe_class("liger:swiglu+no-shared-casts")(str(TINY_MODEL), export_dir=None)
+    plain = cpu_bench._recipe_class("none")(str(TINY_MODEL), export_dir=None)
+    assert [type(c) for c in plain.configure_callbacks()] == [TrainingDtypes, SharedCasts]
+    assert [type(c) for c in without.configure_callbacks()] == [TrainingDtypes]
+    with pytest.raises(ValueError, match=r"unknown options \['liger:flce'\]"):
+        cpu_bench.option_parts("liger:flce")
+
+
 def test_bad_arguments_stop_before_any_model_is_built(capsys):
     with pytest.raises(SystemExit):
         step_time.main(["--device", "cpu", "--options", "turbo"])
-    assert "--options: unknown ['turbo']" in capsys.readouterr().err
+    assert "--options: unknown options ['turbo'] in 'turbo'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        step_time.main(["--device", "cpu", "--options", "none,liger+liger:rope"])
+    assert "'liger' is every Liger kernel" in capsys.readouterr().err
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit):
             step_time.main([])

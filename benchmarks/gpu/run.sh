@@ -18,7 +18,8 @@
 #                                                               -> $OUT/gpu_tiers.md (the rows for
 #    docs/benchmarks.md), $OUT/gpu_tiers.json, $OUT/runs/<config>/memory.{csv,png} and run.log
 # 4. `python -m benchmarks.gpu.step_time`: the recipe's SFT step against a bare loop (issue 37)
-#    -> $OUT/gpu_step_time.{md,json,csv}.
+#    -> $OUT/gpu_step_time.{md,json,csv}; then its parts at 0.5B (without SharedCasts, each Liger
+#    kernel alone) -> $OUT/step_time_parts/gpu_step_time.{md,json,csv}.
 # It ends with one summary: a line per step, printed even when a step crashed or was interrupted.
 # Options other than --skip-tests, --skip-tiers and --skip-step-time go to step 3 (--only, --steps, --timeout, --jobs,
 # --list; see --help there). $OUT defaults to runs/gpu, $PYTHON to python3, $WHEELS (the wheel
@@ -99,6 +100,9 @@ fi
 # 5 minutes at most; rows are written as they finish. Without CUDA it stops at once.
 if (( run_step_time )); then
   step gpu_step_time timeout 300 "$PYTHON" -m benchmarks.gpu.step_time --out "$OUT"
+  # Which part costs what at 0.5B, where Liger was slower than the bare loop (1.122x, 2026-11-26).
+  step gpu_step_time_parts timeout 180 "$PYTHON" -m benchmarks.gpu.step_time --out "$OUT/step_time_parts" \
+    --models Qwen/Qwen2.5-0.5B-Instruct --options none,no-shared-casts,liger,liger:rms_norm,liger:swiglu,liger:rope
 fi
 
 exit $status

@@ -16,9 +16,15 @@ reading; a figure is the median step after ``--warmup`` steps, tokens/s counts e
 batch, and the peak is ``torch.cuda.max_memory_allocated`` over the timed steps.
 
 Each option set (``compile``: ``CompileBlocks``; ``liger``: ``LigerKernels``, which needs the
-``liger-kernel`` wheel in ``.whl/``; ``compile+liger``) is one more recipe run beside the same bare
-loop. Liger patches model classes for the whole process, so its runs come after every other run.
-Rows that cannot run (no Liger, an out-of-memory) say why and the rest go on.
+``liger-kernel`` wheel in ``.whl/``; ``compile+liger``; one Liger kernel alone, ``liger:rms_norm``;
+the recipe without ``SharedCasts``, ``no-shared-casts``: ``benchmarks/step_time.py`` says the
+grammar) is one more recipe run beside the same bare loop. Liger's runs come after every other run
+(``LigerKernels`` puts back what Liger rebinds for the process when its fit ends; last, a fault
+there cannot reach the others). Rows that cannot run (no Liger, an out-of-memory) say why and the
+rest go on.
+
+    python -m benchmarks.gpu.step_time --models Qwen/Qwen2.5-0.5B-Instruct \
+        --options none,no-shared-casts,liger,liger:rms_norm,liger:swiglu,liger:rope   # which part costs what
 
 Writes ``gpu_step_time.json``, ``gpu_step_time.csv`` and ``gpu_step_time.md`` (the rows for
 docs/benchmarks.md) under ``--out`` and prints the table.
@@ -176,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or ROOT / "runs" / "gpu"))
     parser.add_argument("--models", nargs="+", default=list(MODELS), help="assets/hub names or config folders")
     parser.add_argument("--options", default="none,compile,liger",
-                        help=f"comma-separated option sets of the recipe runs, of {cpu_bench.OPTIONS}")
+                        help=f"comma-separated option sets of the recipe runs, such as {cpu_bench.OPTIONS} (a set:"
+                             f" 'none' or parts of {cpu_bench.PARTS} joined by '+')")
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=8, help="timed steps per run")
@@ -187,9 +194,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bare-loss", choices=sorted(cpu_bench.LOSSES), default="hf")
     args = parser.parse_args(argv)
     options = args.options.split(",")
-    unknown = sorted(set(options) - set(cpu_bench.OPTIONS))
-    if unknown:
-        parser.error(f"--options: unknown {unknown}; known: {cpu_bench.OPTIONS}")
+    for option in options:
+        try:
+            cpu_bench.option_parts(option)
+        except ValueError as err:
+            parser.error(f"--options: {err}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here (the CPU side: --device cpu)")
     for name in args.models:
