@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from lightning_mem.data.rows import DataFormatError, DataSource, _decode, _record, rename_columns
+from lightning_mem.data.rows import DataFormatError, DataSource, decode_utf8, row_record, rename_columns
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ def parse_rows(lines: list[bytes], indices: list[int], jsonl: str, columns: dict
     for raw, idx in zip(lines, indices):
         if jsonl:
             name = f"{jsonl}:{idx + 1}"
-            text = _decode(raw, Path(jsonl), idx)
+            text = decode_utf8(raw, Path(jsonl), idx)
             if not text.strip():
                 rows.append(None)
                 continue
@@ -172,7 +172,7 @@ def parse_rows(lines: list[bytes], indices: list[int], jsonl: str, columns: dict
                 row = json.loads(text)
             except json.JSONDecodeError as err:
                 raise DataFormatError(f"{name}: not valid JSON ({err.msg})") from None
-            row = rename_columns([_record(row, name)], columns)[0]
+            row = rename_columns([row_record(row, name)], columns)[0]
         else:
             row = json.loads(raw)  # written by DataSource.rows: columns already renamed
         rows.append(row)

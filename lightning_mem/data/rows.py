@@ -71,13 +71,15 @@ def _clean(value: Any) -> Any:
     return value
 
 
-def _record(row: Any, where: str) -> dict[str, Any]:
+def row_record(row: Any, where: str) -> dict[str, Any]:
+    """``row`` (a parsed JSON object) cleaned, with ``_where`` naming its file and line for errors."""
     if not isinstance(row, dict):
         raise DataFormatError(f"{where}: expected a JSON object, got {type(row).__name__}")
     return {**_clean(row), "_where": where}
 
 
-def _decode(data: bytes, p: Path, line_offset: int = 0) -> str:
+def decode_utf8(data: bytes, p: Path, line_offset: int = 0) -> str:
+    """``data`` (bytes of ``p`` from line ``line_offset + 1``) as text; not UTF-8: an error naming the line."""
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -89,21 +91,21 @@ def _read_jsonl(p: Path) -> list[dict[str, Any]]:
     rows = []
     with p.open("rb") as f:
         for lineno, raw in enumerate(f, start=1):
-            line = _decode(raw, p, lineno - 1)
+            line = decode_utf8(raw, p, lineno - 1)
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
                 raise DataFormatError(f"{p}:{lineno}: not valid JSON ({err.msg})") from None
-            rows.append(_record(row, f"{p}:{lineno}"))
+            rows.append(row_record(row, f"{p}:{lineno}"))
     return rows
 
 
 def _read_json(p: Path) -> list[dict[str, Any]]:
     # Read here rather than through Arrow: rows of different shapes (messages and prompt/completion,
     # string and conversational prompts) would otherwise be forced into one schema.
-    text = _decode(p.read_bytes(), p)
+    text = decode_utf8(p.read_bytes(), p)
     try:
         data = json.loads(text)
     except json.JSONDecodeError as err:
@@ -114,7 +116,7 @@ def _read_json(p: Path) -> list[dict[str, Any]]:
         data = next(iter(data.values()))  # {"data": [...]}: one top-level list of rows
     if not isinstance(data, list):
         raise DataFormatError(f"{p}: expected a JSON array of row objects, got {type(data).__name__}")
-    return [_record(row, f"{p}:row {i}") for i, row in enumerate(data)]
+    return [row_record(row, f"{p}:row {i}") for i, row in enumerate(data)]
 
 
 def _read_parquet(p: Path) -> list[dict[str, Any]]:
@@ -124,7 +126,7 @@ def _read_parquet(p: Path) -> list[dict[str, Any]]:
         table = pq.read_table(p)
     except Exception as err:  # pyarrow's messages do not name the file
         raise DataFormatError(f"{p}: not a readable Parquet file ({err})") from None
-    return [_record(row, f"{p}:row {i}") for i, row in enumerate(table.to_pylist())]
+    return [row_record(row, f"{p}:row {i}") for i, row in enumerate(table.to_pylist())]
 
 
 def _read_saved(p: Path, split: str | None, split_key: str) -> list[dict[str, Any]]:
@@ -140,7 +142,7 @@ def _read_saved(p: Path, split: str | None, split_key: str) -> list[dict[str, An
         data, where = data[split], f"{p}[{split}]"
     else:
         where = str(p)
-    return [_record(row, f"{where}:row {i}") for i, row in enumerate(data)]
+    return [row_record(row, f"{where}:row {i}") for i, row in enumerate(data)]
 
 
 def read_rows(path: str | Path, *, split: str | None = "train", split_key: str = "split") -> list[dict[str, Any]]:
@@ -175,7 +177,7 @@ def read_hub_rows(dataset: str, *, subset: str | None, split: str, key: str = "d
     if data is None:
         data = load_hub(dataset, subset=subset, split=split, key=key)
     where = f"{dataset}" + (f"/{subset}" if subset else "") + f"[{split}]"
-    return [_record(row, f"{where}:row {i}") for i, row in enumerate(data)]
+    return [row_record(row, f"{where}:row {i}") for i, row in enumerate(data)]
 
 
 def rename_columns(rows: list[dict[str, Any]], columns: dict[str, str] | None, *, key: str = "columns") -> list[dict[str, Any]]:
@@ -264,13 +266,13 @@ class DataSource:
         if path is not None and path.is_file() and path.suffix == ".jsonl":
             with path.open("rb") as f:
                 for lineno, raw in enumerate(f, start=1):
-                    line = _decode(raw, path, lineno - 1)
+                    line = decode_utf8(raw, path, lineno - 1)
                     if line.strip():
                         try:
                             row = json.loads(line)
                         except json.JSONDecodeError as err:
                             raise DataFormatError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
-                        return rename_columns([_record(row, f"{path}:{lineno}")], self.columns)[0]
+                        return rename_columns([row_record(row, f"{path}:{lineno}")], self.columns)[0]
             raise DataFormatError(f"{path}: no rows")
         rows = self.rows(which)
         if not rows:

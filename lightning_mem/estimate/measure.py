@@ -34,8 +34,8 @@ from lightning_mem.estimate.session import (
     MeasuredStep,
     PhaseEstimate,
     PhaseRecorder,
-    _attribution,
-    _recipe_parts,
+    attribution,
+    recipe_parts,
     model_vocab_sizes,
     recipe_for,
     sampled_tokens,
@@ -117,7 +117,7 @@ def measure_fit(
 
 def _fit_rank(config: str, overrides: list[str], recipe: str | None, steps: int, *,
               world_size: int) -> list[PhaseEstimate]:
-    _, cli_class, module_class, data_class = _recipe_parts(recipe_for(config, recipe))
+    _, cli_class, module_class, data_class = recipe_parts(recipe_for(config, recipe))
     shared = os.environ.get(SHARED_DIR_ENV) if world_size > 1 else None  # one run folder for all ranks
     with contextlib.nullcontext(shared) if shared else tempfile.TemporaryDirectory(prefix="lightning_mem_fit_") as tmp:
         args = ["--config", config, *overrides, f"--trainer.default_root_dir={tmp}",
@@ -136,7 +136,7 @@ def _fit_rank(config: str, overrides: list[str], recipe: str | None, steps: int,
         )
         trainer.callbacks.append(recorder)
         accounting = recorder.accounting() if isinstance(recorder, FSDP2Categories) else contextlib.nullcontext()
-        with _attribution(ledger, fake=False), mode, accounting:
+        with attribution(ledger, fake=False), mode, accounting:
             try:
                 trainer.fit(module, datamodule=cli.datamodule)
             except MeasuredStep:

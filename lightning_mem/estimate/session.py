@@ -110,7 +110,7 @@ def recipe_for(config: str | Path, recipe: str | None = None) -> str:
     return _RECIPES[parent]
 
 
-def _recipe_parts(module_name: str) -> tuple[Any, type, type, type]:
+def recipe_parts(module_name: str) -> tuple[Any, type, type, type]:
     """The recipe's CLI class, LightningModule class and LightningDataModule class, found in it."""
     from lightning.pytorch import LightningDataModule, LightningModule
     from lightning.pytorch.cli import LightningCLI
@@ -142,7 +142,7 @@ def _cli_class(module_class: type) -> type:
 
 def parse_config(recipe_module: str, args: list[str]) -> tuple[Any, Any, type]:
     """Parse ``args`` (``--config ...`` and overrides) with the recipe's own CLI; instantiate nothing."""
-    _, cli_class, module_class, data_class = _recipe_parts(recipe_module)
+    _, cli_class, module_class, data_class = recipe_parts(recipe_module)
 
     class _ParseOnly(cli_class):  # type: ignore[misc, valid-type]
         def instantiate_classes(self) -> None:
@@ -443,7 +443,7 @@ def in_section(ledger: MemoryLedger, category: str) -> Callable[[Callable], Call
 
 
 @contextlib.contextmanager
-def _attribution(ledger: MemoryLedger, fake: bool) -> Iterator[None]:
+def attribution(ledger: MemoryLedger, fake: bool) -> Iterator[None]:
     """Sections of library code whose allocations have a known category: the KV cache layers of
     transformers, the host copies of :mod:`lightning_mem.offload` and of activation offload."""
     from transformers import cache_utils
@@ -821,7 +821,7 @@ class EstimateRun(PhaseRecorder, StepIO):
         self.mode.fill_token = fill if self._eos is None else self._eos
         device = (self.device_model.applied(lambda: self._phase is not None) if self.device_model is not None
                   else contextlib.nullcontext())
-        with _attribution(self.ledger, self.fake), _weights_source(self.fake), device, self.mode, self.accounting():
+        with attribution(self.ledger, self.fake), _weights_source(self.fake), device, self.mode, self.accounting():
             self.trainer = Trainer(**self.trainer_arguments())
             if self.sharding.context_parallel > 1:
                 # The recipes state micro-batch budgets per rank of a context group and read its size
@@ -1273,9 +1273,27 @@ def _fake_params4bit() -> Iterator[None]:
     except ImportError:
         yield
         return
+    params4bit = bnb.nn.Params4bit
+    original = params4bit.__new__
+    params4bit.__new__ = _fake_params4bit_new(params4bit, original)
+    # bitsandbytes caches the code of its nested (double) quantization in a module-level dict on
+    # first use; made inside the estimate it would be a fake tensor's leftovers, and every later
+    # real quantization in the process would quantize the absmax with it (different bytes).
+    qmaps = bnb.functional.name2qmap
+    cached = dict(qmaps)
+    try:
+        yield
+    finally:
+        params4bit.__new__ = original
+        qmaps.clear()
+        qmaps.update(cached)
+
+
+def _fake_params4bit_new(params4bit: type, original: Callable[..., Any]) -> Callable[..., Any]:
+    """A ``Params4bit.__new__`` that makes fake data an instance of a class both FakeTensor and
+    Params4bit (see :func:`_fake_params4bit`); real data goes to ``original``."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    params4bit = bnb.nn.Params4bit
     attributes = ("blocksize", "compress_statistics", "quant_type", "quant_state", "quant_storage",
                   "bnb_quantized", "module")
 
@@ -1289,7 +1307,6 @@ def _fake_params4bit() -> Iterator[None]:
         return out
 
     fake_class = type("Params4bit", (FakeTensor, params4bit), {"__module__": __name__, "detach": detach})
-    original = params4bit.__new__
 
     def new(cls: type, data: torch.Tensor | None = None, requires_grad: bool = False, quant_state: Any = None,
             blocksize: int | None = None, compress_statistics: bool = True, quant_type: str = "fp4",
@@ -1310,18 +1327,7 @@ def _fake_params4bit() -> Iterator[None]:
         self.module = module
         return self
 
-    params4bit.__new__ = new
-    # bitsandbytes caches the code of its nested (double) quantization in a module-level dict on
-    # first use; made inside the estimate it would be a fake tensor's leftovers, and every later
-    # real quantization in the process would quantize the absmax with it (different bytes).
-    qmaps = bnb.functional.name2qmap
-    cached = dict(qmaps)
-    try:
-        yield
-    finally:
-        params4bit.__new__ = original
-        qmaps.clear()
-        qmaps.update(cached)
+    return new
 
 
 def _quantization_state(module: nn.Module) -> list[torch.Tensor]:
@@ -1507,6 +1513,40 @@ def _world_size(trainer_cfg: Any) -> int:
     return max(devices, 1) * int(trainer_cfg.num_nodes or 1)
 
 
+def _notes(run: EstimateRun, callbacks: list[Any] | None, size: int) -> list[str]:
+    """What the report says beside its figures: the device model, the sharding, the techniques the
+    fake-tensor fit runs differently from the real one, paged state, tensor/context parallelism."""
+    notes = []
+    if run.device_model is not None:
+        model = run.device_model
+        notes.append(f"CUDA device model (lightning_mem.estimate.cuda): micro-batches padded (masked attention),"
+                     f" {model.workspace_bytes / 2**20:.0f} MiB of cuBLAS/cuBLASLt workspaces ({model.blas_threads}"
+                     f" thread(s)), blocks rounded to {model.round_bytes} B")
+    if run.sharding.shard:
+        notes.append(f"{run.sharding.name}: per rank, {', '.join(run.sharding.shard)} are 1/{size} of the measured "
+                     f"bytes" + (f"; {', '.join(run.sharding.host)} on the host" if run.sharding.host else "")
+                     + ("; the largest block (x2, prefetch) and the root unit are gathered on the device"
+                        if run.sharding.gathered_units else "")
+                     + ("; gradients stay whole on the device until backward leaves their unit"
+                        if run.sharding.unit_gradients else ""))
+    # Techniques the fake-tensor fit runs differently from the real one (compiled blocks run eager).
+    notes += [cb.estimate_note for cb in callbacks or [] if getattr(cb, "estimate_note", None)]
+    if run.paged_bytes:
+        notes.append(f"paged optimizer state: {sum(run.paged_bytes.values()) / 2**30:.2f} GiB in CUDA managed memory, "
+                     "counted on the host (the driver moves its pages there when the card runs short; "
+                     "max_memory_allocated does not count it); the train phase counts the largest parameter's "
+                     f"{run.paged_working_set / 2**30:.2f} GiB on the device, its pages at its update")
+    tp, cp = run.sharding.tensor_parallel, run.sharding.context_parallel
+    if tp * cp > 1:
+        split = "activations" + (f" 1/{cp * tp}" if run.sharding.sequence_parallel else f" 1/{cp}")
+        notes.append(f"{run.sharding.name}: gathered units and unreduced gradients are 1/{tp} (a tensor-parallel"
+                     f" piece); outside generation {split} and logits 1/{cp} of the one-process run's"
+                     + ("" if run.sharding.sequence_parallel or tp == 1 else
+                        "; activations are not divided by the tensor-parallel size (an upper bound)")
+                     + (f"; the KV cache 1/{tp}" if tp > 1 else ""))
+    return notes
+
+
 def estimate(
     config: str | Path,
     overrides: list[str] | tuple[str, ...] = (),
@@ -1543,33 +1583,6 @@ def estimate(
         run = run_class(init, cfg, world_size=size, fake=fake, vocab=vocab, workdir=Path(tmp), full_loops=full_loops,
                         device_memory=device_memory)
         run.fit()
-    notes = []
-    if run.device_model is not None:
-        model = run.device_model
-        notes.append(f"CUDA device model (lightning_mem.estimate.cuda): micro-batches padded (masked attention),"
-                     f" {model.workspace_bytes / 2**20:.0f} MiB of cuBLAS/cuBLASLt workspaces ({model.blas_threads}"
-                     f" thread(s)), blocks rounded to {model.round_bytes} B")
-    if run.sharding.shard:
-        notes.append(f"{run.sharding.name}: per rank, {', '.join(run.sharding.shard)} are 1/{size} of the measured "
-                     f"bytes" + (f"; {', '.join(run.sharding.host)} on the host" if run.sharding.host else "")
-                     + ("; the largest block (x2, prefetch) and the root unit are gathered on the device"
-                        if run.sharding.gathered_units else "")
-                     + ("; gradients stay whole on the device until backward leaves their unit"
-                        if run.sharding.unit_gradients else ""))
-    # Techniques the fake-tensor fit runs differently from the real one (compiled blocks run eager).
-    notes += [cb.estimate_note for cb in init.trainer.callbacks or [] if getattr(cb, "estimate_note", None)]
-    if run.paged_bytes:
-        notes.append(f"paged optimizer state: {sum(run.paged_bytes.values()) / 2**30:.2f} GiB in CUDA managed memory, "
-                     "counted on the host (the driver moves its pages there when the card runs short; "
-                     "max_memory_allocated does not count it); the train phase counts the largest parameter's "
-                     f"{run.paged_working_set / 2**30:.2f} GiB on the device, its pages at its update")
-    tp, cp = run.sharding.tensor_parallel, run.sharding.context_parallel
-    if tp * cp > 1:
-        split = "activations" + (f" 1/{cp * tp}" if run.sharding.sequence_parallel else f" 1/{cp}")
-        notes.append(f"{run.sharding.name}: gathered units and unreduced gradients are 1/{tp} (a tensor-parallel"
-                     f" piece); outside generation {split} and logits 1/{cp} of the one-process run's"
-                     + ("" if run.sharding.sequence_parallel or tp == 1 else
-                        "; activations are not divided by the tensor-parallel size (an upper bound)")
-                     + (f"; the KV cache 1/{tp}" if tp > 1 else ""))
+    notes = _notes(run, init.trainer.callbacks, size)
     return Estimate(str(config), module_name, size, run.sharding.name, run.phases, notes, parsed=cfg,
                     paged_state_bytes=sum(run.paged_bytes.values()))

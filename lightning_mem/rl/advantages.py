@@ -15,7 +15,8 @@ from typing import Literal, get_args
 import torch
 from torch import Tensor
 
-from lightning_mem.rl.algorithms import Reduce, _identity, _masked, whiten
+from lightning_mem.rl.algorithms import Reduce, single_process, whiten
+from lightning_mem.rl.masking import masked as _masked
 
 AdvantageEstimator = Literal[
     "gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "opo", "grpo_passk"
@@ -73,7 +74,7 @@ def discounted_returns(rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Ten
 
 
 def reinforce_pp_advantages(
-    token_rewards: Tensor, mask: Tensor, *, gamma: float = 1.0, reduce: Reduce = _identity
+    token_rewards: Tensor, mask: Tensor, *, gamma: float = 1.0, reduce: Reduce = single_process
 ) -> Tensor:
     """REINFORCE++ (Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning LLMs"):
 
@@ -88,7 +89,7 @@ def reinforce_pp_advantages(
 
 
 def reinforce_pp_baseline_advantages(
-    scores: Tensor, group_ids: Tensor, mask: Tensor, *, reduce: Reduce = _identity
+    scores: Tensor, group_ids: Tensor, mask: Tensor, *, reduce: Reduce = single_process
 ) -> Tensor:
     """REINFORCE++-baseline (Hu 2025, sec. on reasoning tasks): subtract each prompt's mean score,
     give it to every token, then whiten over the batch's tokens (all ranks):

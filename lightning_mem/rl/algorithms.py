@@ -34,7 +34,8 @@ KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
 Reduce = Callable[[Tensor], Tensor]
 
 
-def _identity(t: Tensor) -> Tensor:
+def single_process(t: Tensor) -> Tensor:
+    """The :data:`Reduce` of one process: its own sum is the sum."""
     return t
 
 
@@ -47,13 +48,13 @@ def masked_sum(values: Tensor, mask: Tensor) -> Tensor:
     return _masked(values, mask).sum()
 
 
-def masked_mean(values: Tensor, mask: Tensor, reduce: Reduce = _identity) -> Tensor:
+def masked_mean(values: Tensor, mask: Tensor, reduce: Reduce = single_process) -> Tensor:
     """Mean over the tokens where ``mask`` is 1, over all ranks when ``reduce`` sums across them."""
     stats = reduce(torch.stack([masked_sum(values.to(torch.float64), mask), mask.sum().to(torch.float64)]))
     return (stats[0] / stats[1].clamp(min=1)).to(values.dtype)
 
 
-def masked_mean_var(values: Tensor, mask: Tensor, reduce: Reduce = _identity) -> tuple[Tensor, Tensor]:
+def masked_mean_var(values: Tensor, mask: Tensor, reduce: Reduce = single_process) -> tuple[Tensor, Tensor]:
     """Mean and unbiased (Bessel-corrected) variance over masked tokens, across ranks if asked.
 
     Computed from the sums of x and x**2 in float64 so that one all-reduce of three numbers
@@ -71,7 +72,7 @@ def masked_mean_var(values: Tensor, mask: Tensor, reduce: Reduce = _identity) ->
     return mean.to(values.dtype), var.clamp(min=0).to(values.dtype)
 
 
-def whiten(values: Tensor, mask: Tensor, *, shift_mean: bool = True, eps: float = 1e-8, reduce: Reduce = _identity) -> Tensor:
+def whiten(values: Tensor, mask: Tensor, *, shift_mean: bool = True, eps: float = 1e-8, reduce: Reduce = single_process) -> Tensor:
     """(x - mean) / sqrt(var + eps) over masked tokens; padding stays 0.
 
     ``shift_mean=False`` only rescales (keeps the mean): used for rewards, whose sign carries

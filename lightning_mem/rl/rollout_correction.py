@@ -36,7 +36,7 @@ from typing import Literal, get_args
 import torch
 from torch import Tensor
 
-from lightning_mem.rl.algorithms import _masked
+from lightning_mem.rl.masking import masked as _masked
 
 CorrectionMode = Literal["none", "tis", "mis"]
 CORRECTION_MODES: tuple[str, ...] = get_args(CorrectionMode)
