@@ -33,8 +33,48 @@ import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _lengths(long_tail: bool, n: int = 64) -> tuple[int, Any, Any]:
+    """The response width and ``n`` prompt and response lengths: short responses, or a long tail."""
+    import torch
+
+    if long_tail:
+        response = 192
+        prompts = torch.randint(16, 49, (n,))
+        lengths = torch.distributions.LogNormal(torch.tensor(24.0).log(), 1.0).sample((n,)).round().long().clamp(1, response)
+    else:
+        response = 6
+        prompts = torch.full((n,), 24)
+        lengths = torch.randint(1, response + 1, (n,))
+    return response, prompts, lengths
+
+
+def _experience(module: Any, response: int, prompts: Any, lengths: Any) -> Any:
+    """Random sequences of those lengths in groups of 8, with old log-probs near the actor's and
+    their advantages: what one PPO update takes."""
+    import torch
+
+    from lightning_mem.rl.rollout import Experience, policy_forward
+
+    n = len(prompts)
+    width = int((prompts + lengths).max())
+    attention = (torch.arange(width) < (prompts + lengths).unsqueeze(1)).long()
+    ids = torch.randint(3, 300, (n, width)) * attention
+    columns = (prompts.unsqueeze(1) + torch.arange(response)).clamp(max=width - 1)
+    response_mask = (torch.arange(response) < lengths.unsqueeze(1)).long()
+    response_ids = ids.gather(1, columns) * response_mask
+    base = Experience(input_ids=ids, attention_mask=attention, prompt_lengths=prompts,
+                      response_ids=response_ids, response_mask=response_mask, group_ids=torch.arange(n) // 8,
+                      scores=torch.randint(0, 2, (n,)).float())
+    with torch.no_grad():
+        base.old_logprobs = (policy_forward(module.actor, base, chunk_size=None).logprobs
+                             + 0.3 * torch.randn(n, response)) * response_mask
+    module.advantages(base)
+    return base
 
 
 def measure(steps: int, *, packing: bool = False, long_tail: bool = False, max_tokens: int | None = None,
@@ -44,7 +84,7 @@ def measure(steps: int, *, packing: bool = False, long_tail: bool = False, max_t
     import recipes.ppo as ppo
     from lightning_mem.models import load_causal_lm
     from lightning_mem.rl.config import GRPOConfig, KLConfig, PPOConfig
-    from lightning_mem.rl.rollout import Experience, GenerationConfig, policy_forward
+    from lightning_mem.rl.rollout import GenerationConfig
     from lightning_mem.estimate.tracker import MemoryLedger, TrackingMode
     from lightning_mem.step_io import StepIO
     from recipes.rewards import ArithmeticReward
@@ -66,15 +106,7 @@ def measure(steps: int, *, packing: bool = False, long_tail: bool = False, max_t
             self.actor.zero_grad(set_to_none=True)
 
     torch.manual_seed(0)
-    n = 64
-    if long_tail:
-        response = 192
-        prompts = torch.randint(16, 49, (n,))
-        lengths = torch.distributions.LogNormal(torch.tensor(24.0).log(), 1.0).sample((n,)).round().long().clamp(1, response)
-    else:
-        response = 6
-        prompts = torch.full((n,), 24)
-        lengths = torch.randint(1, response + 1, (n,))
+    response, prompts, lengths = _lengths(long_tail)
     ppo_settings = dict(num_mini_batches=2, max_grad_norm=None, max_tokens_per_microbatch=max_tokens)
     if packing:  # only named when on, so that an older checkout (no such key) still runs the padded case
         ppo_settings["packing"] = True
@@ -86,19 +118,7 @@ def measure(steps: int, *, packing: bool = False, long_tail: bool = False, max_t
         from lightning_mem.packed_attention import use_packed_sdpa
 
         use_packed_sdpa(module.actor)
-    width = int((prompts + lengths).max())
-    attention = (torch.arange(width) < (prompts + lengths).unsqueeze(1)).long()
-    ids = torch.randint(3, 300, (n, width)) * attention
-    columns = (prompts.unsqueeze(1) + torch.arange(response)).clamp(max=width - 1)
-    response_mask = (torch.arange(response) < lengths.unsqueeze(1)).long()
-    response_ids = ids.gather(1, columns) * response_mask
-    base = Experience(input_ids=ids, attention_mask=attention, prompt_lengths=prompts,
-                      response_ids=response_ids, response_mask=response_mask, group_ids=torch.arange(n) // 8,
-                      scores=torch.randint(0, 2, (n,)).float())
-    with torch.no_grad():
-        base.old_logprobs = (policy_forward(module.actor, base, chunk_size=None).logprobs
-                             + 0.3 * torch.randn(n, response)) * response_mask
-    module.advantages(base)
+    base = _experience(module, response, prompts, lengths)
     plans = []
     plain = module.stand_in.callbacks
 
@@ -119,7 +139,7 @@ def measure(steps: int, *, packing: bool = False, long_tail: bool = False, max_t
     with TrackingMode(ledger):  # after the timing: tracking slows every operator down
         module.update(base)
     seconds = statistics.median(times)
-    tokens = int(attention.sum())  # every sequence once: the two mini-batches split the batch
+    tokens = int(base.attention_mask.sum())  # every sequence once: the two mini-batches split the batch
     return {"update_s": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
             "micro_batches": len(plans[-1]) + len(plans[-2]), "update_peak_bytes": ledger.peak_bytes}
 

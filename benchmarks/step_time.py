@@ -268,7 +268,7 @@ def tokens_per_step(data: list[dict[str, torch.Tensor]]) -> float:
     return statistics.mean(int(b["attention_mask"].numel()) for b in data)
 
 
-def main(argv: list[str] | None = None) -> dict[str, float]:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=40, help="steps per round, warm-up included")
@@ -286,6 +286,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                                                          f" (a set: 'none' or parts of {PARTS} joined by '+')")
     parser.add_argument("--chunk-size", type=int, default=Setup.chunk_size,
                         help="scored tokens per logits chunk, the recipe's and the chunked bare loop's (0: unchunked)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    parser = _parser()
     args = parser.parse_args(argv)
     for option in args.options.split(","):
         try:
