@@ -215,8 +215,10 @@ class SFTModule(FreesGradientsAfterStep, ClipsGradients, LightningModule):
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss_sum, tokens = self.loss(batch)
-        # Tensors already on the device: logging them reads nothing back until the step is over.
-        self.log("train_loss", loss_sum.detach() / max(tokens, 1), prog_bar=True, on_step=True, on_epoch=False)
+        # Tensors on the device, logged without prog_bar: Lightning reads a prog_bar value back after
+        # every batch (a host sync per micro-batch on a GPU); the logger reads these at its log steps,
+        # and the recipes' progress bars show train_loss from those reads (callbacks/progress.py).
+        self.log("train_loss", loss_sum.detach() / max(tokens, 1), on_step=True, on_epoch=False)
         counted = batch.get("label_tokens")
         counted = torch.tensor(tokens, device=loss_sum.device) if counted is None else counted
         self.log("train_label_tokens", counted.float(), on_step=True, on_epoch=False, reduce_fx="sum")

@@ -1,4 +1,5 @@
-"""No device-to-host sync in the SFT training step (forward, backward, clipping, optimizer step).
+"""No device-to-host sync in the SFT training step (forward, backward, clipping, optimizer step),
+and between steps only at the steps the logger reads its values.
 
 A CPU has no syncs to time, so the check is structural: every operation that makes the host wait
 for the device on an accelerator is counted while the step runs -- reading a value
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import traceback
 
+import pytest
 import torch
 from lightning.pytorch import Callback
 from torch.overrides import TorchFunctionMode
@@ -98,18 +100,47 @@ class TargetsOnTheDevice(SFTModule):
         return super().training_step(batch, batch_idx)
 
 
-def _fit(tmp_path, module_class, *extra: str) -> SyncProbe:
+class RunProbe(Callback):
+    """What syncs the whole training run makes, by the batch that was running (Lightning's own work
+    after a batch included: its logger connector and the progress bar)."""
+
+    def __init__(self) -> None:
+        self.by_batch: dict[int, list[str]] = {}
+        self.steps: dict[int, int] = {}  # batch index -> the global step when it ended
+        self._modes: tuple | None = None
+        self._found: list[str] = []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._modes = (_HostCopies(self._found), _DeviceSyncs(self._found))
+        for mode in self._modes:
+            mode.__enter__()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.by_batch[batch_idx] = self._found = []  # from here until the next batch starts
+        for mode in self._modes:
+            mode.found = self._found
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.steps[batch_idx] = trainer.global_step
+        self.trainer = trainer
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        for mode in reversed(self._modes):
+            mode.__exit__(None, None, None)
+
+
+def _fit(tmp_path, module_class, *extra: str, probe: str = "SyncProbe", bar: bool = False) -> Callback:
     args = [
         "fit", "--config", CONFIG, f"--trainer.default_root_dir={tmp_path}", "--trainer.max_steps=2",
         "--trainer.val_check_interval=null", "--trainer.limit_val_batches=0", "--trainer.logger=false",
-        "--trainer.enable_progress_bar=false", "--trainer.callbacks=tests.test_host_syncs.SyncProbe",
+        f"--trainer.enable_progress_bar={str(bar).lower()}", f"--trainer.callbacks=tests.test_host_syncs.{probe}",
         "--trainer.precision=bf16-mixed", "--model.optimizer.init_args.fused=true",
         "--model.export_dir=null", "--model.lr_scheduler.init_args.warmup_steps=1", "--data.max_tokens_per_batch=256",
         *extra,
     ]  # fmt: skip
     cli = RecipeCLI(module_class, SFTDataModule, args=args, save_config_kwargs={"overwrite": True})
-    (probe,) = [cb for cb in cli.trainer.callbacks if type(cb).__name__ == "SyncProbe"]
-    return probe
+    (found,) = [cb for cb in cli.trainer.callbacks if type(cb).__name__ == probe]
+    return found
 
 
 #: Syncs that are not the recipe's: transformers' mask builder reads one value per forward -- whether
@@ -139,6 +170,44 @@ def test_packed_sft_training_step_makes_no_host_sync(tmp_path):
 def test_the_probe_sees_targets_found_on_the_device(tmp_path):
     probe = _fit(tmp_path, TargetsOnTheDevice)
     assert all(any("nonzero" in s for s in ours(found)) for found in probe.per_batch), probe.per_batch
+
+
+#: 6 optimizer steps of 2 micro-batches, the logger's reads every 3 steps, the recipes' progress bar on.
+ACCUMULATED_RUN = ("--trainer.max_steps=6", "--trainer.accumulate_grad_batches=2", "--trainer.log_every_n_steps=3")
+
+
+@pytest.mark.parametrize("bar", ["rich", "tqdm"])
+def test_between_batches_the_run_reads_the_device_only_at_log_steps(tmp_path, bar):
+    # Lightning reads every prog_bar value back after each batch, bar or no bar; the recipe logs its
+    # loss without prog_bar, and the recipes' bar reads it where the logger does: steps 3 and 6.
+    # The CLI gives a run the rich bar (rich is installed); tqdm's is the other one it may give.
+    tqdm = ["--trainer.callbacks+=lightning_mem.callbacks.progress.StepProgressBar"] if bar == "tqdm" else []
+    probe = _fit(tmp_path, SFTModule, *ACCUMULATED_RUN, *tqdm, probe="RunProbe", bar=True)
+    shown = [cb for cb in probe.trainer.callbacks if type(cb).__name__.startswith("Step")]
+    assert [type(cb).__name__ for cb in shown] == ["StepRichProgressBar" if bar == "rich" else "StepProgressBar"]
+    assert set(shown[0]._shown) >= {"train_loss"}  # what the bar shows after the last read
+    assert len(probe.by_batch) == 12
+    reads = {index: device_reads(found) for index, found in probe.by_batch.items() if device_reads(found)}
+    assert sorted(reads) == [5, 11] and [probe.steps[i] for i in sorted(reads)] == [3, 6]  # each ends a log step
+    assert all(len(found) == 1 and "progress.py" in found[0] for found in reads.values()), reads
+
+
+class LossOnTheBar(SFTModule):
+    """The recipe logging its loss as Lightning's progress bar metrics are logged (``prog_bar=True``)."""
+
+    def log(self, name, value, *args, **kwargs):
+        super().log(name, value, *args, **{**kwargs, "prog_bar": kwargs.get("prog_bar", name == "train_loss")})
+
+
+def test_the_probe_sees_lightnings_read_of_a_prog_bar_value_after_every_batch(tmp_path):
+    probe = _fit(tmp_path, LossOnTheBar, *ACCUMULATED_RUN, probe="RunProbe")  # no bar at all
+    assert all(any("to_item" in s for s in device_reads(found)) for found in probe.by_batch.values()), probe.by_batch
+
+
+def device_reads(found: list[str]) -> list[str]:
+    # Between batches the probe also sees the next batch's collate, which searches the host tensors
+    # for the targets (data/sft.py, before the batch moves to the device): host work, not a sync.
+    return [s for s in ours(found) if "with_targets" not in s]
 
 
 # ---------------------------------------------------------------------- the RL passes' micro-batches
