@@ -133,14 +133,21 @@ def option_parts(options: str) -> list[str]:
     return parts
 
 
+def option_sets(text: str) -> list[str]:
+    """``--options``: comma-separated option sets, each checked by :func:`option_parts`."""
+    sets = text.split(",")
+    for options in sets:
+        option_parts(options)
+    return sets
+
+
 def _callbacks(options: str) -> list[Any]:
     from lightning_mem.callbacks import CompileBlocks, LigerKernels
     from lightning_mem.liger import KERNELS
 
     parts = option_parts(options)
-    kernels = [part.split(":", 1)[1] for part in parts if part.startswith("liger:")]
+    kernels = KERNELS if "liger" in parts else [part.split(":", 1)[1] for part in parts if part.startswith("liger:")]
     liger = [LigerKernels(**{name: name in kernels for name in KERNELS})] if kernels else []
-    liger = [LigerKernels()] if "liger" in parts else liger
     # Liger patches the modules first; the compiled forwards then trace Liger's kernels.
     return liger + ([CompileBlocks()] if "compile" in parts else [])
 
@@ -292,11 +299,10 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = _parser()
     args = parser.parse_args(argv)
-    for option in args.options.split(","):
-        try:
-            option_parts(option)
-        except ValueError as err:
-            parser.error(f"--options: {err}")
+    try:
+        options = option_sets(args.options)
+    except ValueError as err:
+        parser.error(f"--options: {err}")
     sys.path.insert(0, args.code)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -312,7 +318,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         data = synthetic_batches(args.steps, args.rows, args.tokens, vocab_size_of(args.model))
     else:
         data = batches(args.steps)
-    options = args.options.split(",")
     recipe: dict[str, list[float]] = {name: [] for name in options}
     bare: list[float] = []
     for index in range(args.rounds):

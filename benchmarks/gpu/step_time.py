@@ -193,12 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-fused", dest="fused", action="store_false", help="torch's default AdamW, not the fused one")
     parser.add_argument("--bare-loss", choices=sorted(cpu_bench.LOSSES), default="hf")
     args = parser.parse_args(argv)
-    options = args.options.split(",")
-    for option in options:
-        try:
-            cpu_bench.option_parts(option)
-        except ValueError as err:
-            parser.error(f"--options: {err}")
+    try:
+        options = cpu_bench.option_sets(args.options)
+    except ValueError as err:
+        parser.error(f"--options: {err}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here (the CPU side: --device cpu)")
     for name in args.models:

@@ -22,8 +22,14 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_mem.liger import ModulePatch, apply_liger_kernels, check_liger, liger_settings, record_module_patches, \
-    undo_module_patches
+from lightning_mem.liger import (
+    ModulePatch,
+    apply_liger_kernels,
+    check_liger,
+    liger_settings,
+    record_module_patches,
+    undo_module_patches,
+)
 from lightning_mem.module_tree import find_hf_models
 
 class LigerKernels(Callback):

@@ -30,9 +30,11 @@ class _ReadsAtLogSteps:
     has reached a multiple of ``trainer.log_every_n_steps`` (or ``max_steps``) since the last read;
     ``metrics`` names the values of ``trainer.callback_metrics`` it then shows beside Lightning's."""
 
-    _read_step = 0
-    _shown: dict[str, Any] = {}
-    metrics: tuple[str, ...] = SHOWN
+    def __init__(self, *args: Any, metrics: tuple[str, ...] = SHOWN, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.metrics = tuple(metrics)
+        self._read_step = 0
+        self._shown: dict[str, Any] = {}
 
     def _read_due(self, trainer: Any) -> bool:
         step, every = int(trainer.global_step), max(int(trainer.log_every_n_steps or 1), 1)
@@ -64,10 +66,6 @@ class StepProgressBar(_ReadsAtLogSteps, TQDMProgressBar):
     steps (see the module); ``metrics``: the names it shows of those logged without ``prog_bar``.
     """
 
-    def __init__(self, *args: Any, metrics: tuple[str, ...] = SHOWN, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.metrics = tuple(metrics)
-
     @staticmethod
     def _by_steps(trainer: Any) -> bool:
         return trainer.max_steps is not None and trainer.max_steps > 0
@@ -98,10 +96,6 @@ class StepRichProgressBar(_ReadsAtLogSteps, RichProgressBar):
     of ``Epoch 3/-2`` over one epoch's batches. Without ``max_steps`` it is Lightning's bar, minus
     the negative epoch total of ``max_epochs: -1``. Training metrics as :class:`StepProgressBar`.
     """
-
-    def __init__(self, *args: Any, metrics: tuple[str, ...] = SHOWN, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.metrics = tuple(metrics)
 
     def _by_steps(self) -> bool:
         trainer = self._trainer
