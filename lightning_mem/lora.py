@@ -13,9 +13,11 @@ checkpoints are :mod:`lightning_mem.checkpointing`'s trainable-only checkpoints.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from dataclasses import asdict, dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -399,6 +401,65 @@ def saved_base(trainer: Any, name_or_path: str, cache_dir: str, *, seed: int) ->
         materialize_random_weights(name_or_path, cache, seed=seed)
     trainer.strategy.barrier("materialize_random_weights")
     return str(materialize_random_weights(name_or_path, cache, seed=seed))
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling with the adapters merged (a rollout), and the base weights back bit for bit after
+# ---------------------------------------------------------------------------------------------
+
+
+def _mergeable_lora_layers(model: nn.Module) -> list[nn.Module]:
+    """The LoRA layers whose active adapters can be merged into a plain floating base weight: not
+    a 4-bit base, not a DTensor shard, plain LoRA (no DoRA-style variant), no adapter bias, adapters
+    enabled and not merged already. The others keep computing their adapters beside the base."""
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:  # peft is a dependency; a model without it has no adapters to merge
+        return []
+    from torch.distributed.tensor import DTensor
+
+    layers = []
+    for module in model.modules():
+        if not isinstance(module, LoraLayer) or module.merged or module.disable_adapters:
+            continue
+        weight = getattr(module.get_base_layer(), "weight", None)
+        if weight is None or type(weight) not in (nn.Parameter, torch.Tensor) or isinstance(weight, DTensor):
+            continue
+        if not weight.is_floating_point() or weight.device.type == "meta":
+            continue
+        active = [a for a in module.active_adapters if a in module.lora_A]
+        if not active or any(a in getattr(module, "lora_variant", {}) or getattr(module, "lora_bias", {}).get(a)
+                             for a in active):
+            continue
+        layers.append(module)
+    return layers
+
+
+@contextlib.contextmanager
+def merged_adapters(model: nn.Module, *, enabled: bool = True) -> Iterator[int]:
+    """Inside: the model's LoRA adapters merged into their base weights (a forward then costs one
+    matmul per layer, not three); yields how many layers were merged.
+
+    peft's own ``unmerge`` subtracts the adapter again, which in bf16 does not give back the same
+    bits. Here each merged base weight is copied to the host first and copied back in place after
+    (same storage: compiled graphs and optimizers keep pointing at it), so the weights that train
+    are the ones that were there before, bit for bit. Costs one host copy of the merged layers'
+    weights, for the time of the block.
+    """
+    layers = _mergeable_lora_layers(model) if enabled else []
+    saved: list[tuple[nn.Module, torch.Tensor, torch.Tensor]] = []
+    try:
+        with torch.no_grad():
+            for layer in layers:
+                weight = layer.get_base_layer().weight
+                saved.append((layer, weight, weight.detach().to("cpu", copy=True)))
+                layer.merge(adapter_names=[a for a in layer.active_adapters if a in layer.lora_A])
+        yield len(layers)
+    finally:
+        with torch.no_grad():
+            for layer, weight, original in saved:
+                weight.detach().copy_(original)
+                layer.merged_adapters.clear()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -63,6 +63,9 @@ class TierProbe(Callback):
             rollout_rate = float(metrics["gen_tokens_per_s"])
             record.update(tokens=int(round(rollout_rate * float(metrics["time_rollout_s"]))), tokens_kind="generated",
                           rollout_tokens_per_s=rollout_rate)
+            # Each phase's seconds (rollout, score, train and the engine's transitions), as logged.
+            record["phase_s"] = {key[len("time_"):-len("_s")]: float(value) for key, value in metrics.items()
+                                 if key.startswith("time_") and key.endswith("_s")}
         self.batches.append(record)
 
     @staticmethod

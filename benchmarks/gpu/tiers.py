@@ -270,7 +270,9 @@ def batch_speed(batches: list[dict[str, Any]]) -> dict[str, Any]:
     timed = batches[1:] if len(batches) > 1 else batches
     seconds = sum(b["seconds"] for b in timed)
     rollout = [b["rollout_tokens_per_s"] for b in timed if "rollout_tokens_per_s" in b]
+    phases = sorted({name for b in timed for name in b.get("phase_s", {})})
     return {
+        "phase_s": {name: statistics.median(b["phase_s"].get(name, 0.0) for b in timed) for name in phases},
         "batches": len(batches),
         "median_s": statistics.median(b["seconds"] for b in timed),
         "tokens_per_s": sum(b["tokens"] for b in timed) / seconds if seconds > 0 else None,
@@ -389,7 +391,26 @@ def markdown(results: list[dict[str, Any]], *, date: str, device: str, command: 
     ]
     for result in results:
         lines += table_rows(result)
+    lines += phase_time_rows(results)
     return "\n".join(lines) + "\n"
+
+
+def phase_time_rows(results: list[dict[str, Any]]) -> list[str]:
+    """A PPO step's time by phase (median over the batches after the first): seconds and share of
+    the step, and the rollout's generated tokens/s. Empty when no config logged phase times."""
+    rows = []
+    for result in results:
+        speed = result.get("speed") or {}
+        phases, step = speed.get("phase_s") or {}, speed.get("median_s")
+        if not phases or not step:
+            continue
+        parts = ", ".join(f"{name} {seconds:.2f} s ({seconds / step:.0%})" for name, seconds in phases.items())
+        rate = speed.get("rollout_tokens_per_s")
+        rows.append(f"| {result['config']} | {step:.2f} | {parts} | {'n/a' if rate is None else f'{rate:,.0f}'} |")
+    if not rows:
+        return []
+    return ["", "Each PPO step by phase (median seconds, share of the step's median):", "",
+            "| config | step s | phases | rollout generated tokens/s |", "|---|---|---|---|", *rows]
 
 
 # ---------------------------------------------------------------------------------------------

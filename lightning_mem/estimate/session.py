@@ -1007,9 +1007,14 @@ class EstimateRun(PhaseRecorder, StepIO):
 
     @override
     def generation(self, model: nn.Module) -> contextlib.AbstractContextManager:
-        if self.full_loops or not self._measuring:  # the warm-up's responses end at once anyway
-            return contextlib.nullcontext()
-        return _last_decode_step(self, model)
+        from lightning_mem.rl.decode import estimated_decode
+
+        stack = contextlib.ExitStack()
+        # The static decode loop (kv_cache: static) runs its first decode step only, eager.
+        stack.enter_context(estimated_decode(self.mode.fill_token))
+        if not (self.full_loops or not self._measuring):  # the warm-up's responses end at once anyway
+            stack.enter_context(_last_decode_step(self, model))
+        return stack
 
     @override
     def rollout_engine(self, config: Any, generation: Any, **kwargs: Any) -> Any:

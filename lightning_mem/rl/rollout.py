@@ -9,6 +9,7 @@ per-token quantities (logprobs, values, advantages) are kept *response-aligned*,
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
@@ -17,7 +18,7 @@ from jsonargparse.typing import NonNegativeInt, PositiveFloat, PositiveInt
 from torch import Tensor
 
 from lightning_mem.padding import pad_sequences
-from lightning_mem.settings import LeftOpenUnitInterval, check_fields
+from lightning_mem.settings import LeftOpenUnitInterval, SettingError, check_fields
 
 
 
@@ -33,9 +34,20 @@ class GenerationConfig:
         top_p: nucleus sampling; 1.0 samples the full distribution (logprobs ignore the cut).
         top_k: 0 disables.
         do_sample: False is greedy decoding (evaluation only: PPO needs samples).
-        kv_cache: ``"dynamic"`` grows a cache per call (freed when generation returns);
-            ``"static"`` preallocates one for the longest prompt + ``max_new_tokens`` and reuses it
-            between rollouts unless the memory plan frees it (``free_kv_cache``).
+        kv_cache: ``"dynamic"``: Hugging Face ``generate``, its cache grown per call (freed when
+            generation returns). ``"static"``: the static decode loop
+            (:class:`~lightning_mem.rl.decode.StaticDecoder`): one cache preallocated for
+            ``prompt_bucket``-rounded prompts + ``max_new_tokens``, reused between rollouts unless
+            the memory plan frees it (``free_kv_cache``), a fixed-shape decode step and one host
+            sync per ``check_every`` tokens.
+        compile: ``torch.compile`` the static loop's decode step (``mode="reduce-overhead"``: CUDA
+            graphs on a GPU); compiled once per run and shape. Needs ``kv_cache: static``.
+        prompt_bucket: the static loop pads prompts to a multiple of this many columns, so that
+            rollouts whose longest prompt differs a little share one cache and one compiled step.
+        check_every: the static loop asks whether every response has ended once per this many
+            tokens (each ask is a host sync; the tokens after an end are padding either way).
+        merge_lora: a LoRA actor samples with its adapters merged into the base weights (one matmul
+            per layer instead of three); the base weights are put back bit for bit afterwards.
     """
 
     max_new_tokens: PositiveInt = 32
@@ -44,10 +56,17 @@ class GenerationConfig:
     top_k: NonNegativeInt = 0
     do_sample: bool = True
     kv_cache: Literal["dynamic", "static"] = "dynamic"
+    compile: bool = False
+    prompt_bucket: PositiveInt = 64
+    check_every: PositiveInt = 16
+    merge_lora: bool = True
 
     def __post_init__(self) -> None:
         # Every rule is a typed constraint: the CLI checks them while parsing, this in Python.
         check_fields(self)
+        if self.compile and self.kv_cache != "static":
+            raise SettingError("compile", "`compile: true` compiles the static decode loop's step: set"
+                               " `kv_cache: static` too", siblings=("kv_cache",))
 
 
 @dataclass
@@ -294,11 +313,19 @@ class RolloutEngine:
     weights_lost_in_sleep = False
 
     def __init__(self, config: GenerationConfig, *, eos_token_ids: list[int], pad_token_id: int) -> None:
+        from lightning_mem.rl.decode import StaticDecoder
+
         self.config = config
         self.eos_token_ids = list(eos_token_ids)
         self.pad_token_id = pad_token_id
-        self.kv_cache: Any = None
-        self._kv_shape = (0, 0)  # (batch size, length) the static cache was made for
+        self.decoder = StaticDecoder(prompt_bucket=config.prompt_bucket, compile=config.compile,
+                                     check_every=config.check_every)
+        self._fallback_said = False
+
+    @property
+    def kv_cache(self) -> Any:
+        """The static loop's preallocated cache, while it holds one."""
+        return self.decoder.cache
 
     # The engine interface. Nothing to start, and no weights to sync: generate runs the actor.
     def start(self) -> None:
@@ -321,25 +348,21 @@ class RolloutEngine:
     def sync_weights(self, actor: torch.nn.Module) -> int:
         return 0
 
-    def _static_cache(self, model: torch.nn.Module, batch_size: int, max_len: int) -> Any:
-        from transformers import StaticCache
-
-        cache = self.kv_cache
-        if cache is not None and (self._kv_shape[0] != batch_size or self._kv_shape[1] < max_len):
-            cache = None  # a different shape: drop it rather than grow it in place
-        if cache is None:
-            cache = StaticCache(config=model.config, max_cache_len=max_len)
-            self._kv_shape = (batch_size, max_len)
-        else:
-            cache.reset()
-        self.kv_cache = cache
-        return cache
-
     def free_kv_cache(self) -> bool:
         """Drop the preallocated cache (True if there was one); the next rollout allocates anew."""
-        had = self.kv_cache is not None
-        self.kv_cache = None
-        return had
+        return self.decoder.free()
+
+    def _static_loop_runs(self, model: torch.nn.Module) -> bool:
+        from lightning_mem.rl.decode import supports_static_decode
+
+        if self.config.kv_cache != "static":
+            return False
+        why_not = supports_static_decode(model)
+        if why_not is not None and not self._fallback_said:
+            warnings.warn(f"`generation.kv_cache: static`: {why_not}; sampling with Hugging Face `generate` instead",
+                          stacklevel=2)
+            self._fallback_said = True
+        return why_not is None
 
     @torch.no_grad()
     def generate(self, model: torch.nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, *, synced: bool = False) -> Experience:
@@ -349,6 +372,29 @@ class RolloutEngine:
         sharded model each forward is a collective, and a rank that stopped early would hang the
         others.
         """
+        from lightning_mem.lora import merged_adapters
+
+        cfg = self.config
+        was_training = model.training
+        model.eval()  # no dropout while sampling: the logprob pass must see the same distribution
+        try:
+            with merged_adapters(model, enabled=cfg.merge_lora):
+                if self._static_loop_runs(model):
+                    sequences = self.decoder.generate(
+                        model, prompt_ids, prompt_mask, max_new_tokens=cfg.max_new_tokens,
+                        eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id,
+                        temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, do_sample=cfg.do_sample,
+                        synced=synced,
+                    )
+                else:
+                    sequences = self._hf_generate(model, prompt_ids, prompt_mask, synced=synced)
+        finally:
+            model.train(was_training)
+        return experience_from_generation(
+            prompt_ids, prompt_mask, sequences, eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id
+        )
+
+    def _hf_generate(self, model: torch.nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, *, synced: bool) -> Tensor:
         cfg = self.config
         kwargs: dict[str, Any] = dict(
             max_new_tokens=cfg.max_new_tokens,
@@ -362,19 +408,7 @@ class RolloutEngine:
         else:
             # Greedy: no sampling knobs, or generate warns that they are ignored.
             kwargs.update(temperature=None, top_p=None, top_k=None)
-        if cfg.kv_cache == "static":
-            kwargs["past_key_values"] = self._static_cache(model, prompt_ids.shape[0], prompt_ids.shape[1] + cfg.max_new_tokens)
-        was_training = model.training
-        model.eval()  # no dropout while sampling: the logprob pass must see the same distribution
-        try:
-            sequences = model.generate(
-                input_ids=prompt_ids, attention_mask=prompt_mask, synced_gpus=synced, **kwargs
-            )
-        finally:
-            model.train(was_training)
-        return experience_from_generation(
-            prompt_ids, prompt_mask, sequences, eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id
-        )
+        return model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, synced_gpus=synced, **kwargs)
 
 
 def greedy_rollout(engine: Any, model: torch.nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, *,
