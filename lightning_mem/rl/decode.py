@@ -25,6 +25,14 @@ of one or two (docs/ppo.md, "Speed on a GPU").
 - **One host sync per ``check_every`` tokens**, to stop when every row has ended (under
   ``synced`` the ranks agree on it with one all-reduce, so sharded forwards stay in lockstep).
 
+- **Grouped-query attention without copies.** With a mask, transformers' ``sdpa`` attention
+  repeats each key/value head for every query head of its group (``repeat_kv``) before calling
+  SDPA: at Qwen2.5-0.5B's 14 query heads over 2 key/value heads, each decode step writes and reads
+  the whole KV cache seven times over, tens of GB per step at a rollout's batch. The decode step
+  runs :func:`grouped_decode_attention` instead, which puts a group's query heads on SDPA's query
+  axis (one query token: they share the mask) and reads each key/value head once. (transformers
+  5.24 does the same, but not under ``torch.compile``; 5.17 never.)
+
 The attention mask is the decoder's own ``[batch, 1, 1, cache]`` tensor (prompt padding off,
 columns not yet written off), passed as a prepared 4D mask so the model builds none. That needs an
 attention whose mask is a tensor: ``sdpa`` (boolean) or ``eager`` (additive); other
@@ -62,6 +70,50 @@ def estimated_decode(fill_token: int) -> Iterator[None]:
         yield
     finally:
         _ESTIMATED.reset(token)
+
+
+#: The attention the decode step runs under (registered with transformers on first use).
+DECODE_ATTENTION = "lightning_mem_grouped_decode"
+
+
+def grouped_decode_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                             dropout: float = 0.0, scaling: float | None = None, **kwargs: Any) -> tuple[Tensor, None]:
+    """Attention for one query token per row over a KV cache, reading each key/value head once.
+
+    ``query`` is ``[B, Hq, 1, D]``, ``key``/``value`` ``[B, Hkv, L, D]`` with ``Hq = G * Hkv`` (query
+    head ``h`` reads key/value head ``h // G``, as ``repeat_kv`` lays them out). Viewed as
+    ``[B, Hkv, G, D]``, the G query heads of a group become G query rows of one SDPA call against
+    their key/value head; with one token they share the mask (``[B, 1, 1, L]``, boolean or additive),
+    and no causal mask applies among them. Anything else goes to transformers' own ``sdpa``."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    batch, heads, q_len, dim = query.shape
+    kv_heads = key.shape[1]
+    shared_mask = attention_mask is None or (attention_mask.dim() == 4 and attention_mask.shape[1] == attention_mask.shape[2] == 1)
+    if q_len != 1 or heads == kv_heads or not shared_mask or kwargs.get("s_aux") is not None or dropout:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim)
+    out = torch.nn.functional.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask, scale=scaling)
+    return out.reshape(batch, heads, 1, dim).transpose(1, 2).contiguous(), None
+
+
+def _register_decode_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(DECODE_ATTENTION, grouped_decode_attention)
+
+
+@contextlib.contextmanager
+def decode_attention(model: nn.Module) -> Iterator[None]:
+    """Inside: ``model`` attends with :func:`grouped_decode_attention` (its config names it)."""
+    _register_decode_attention()
+    config = _text_model(model).config
+    before = config._attn_implementation
+    config._attn_implementation = DECODE_ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
 
 
 def _text_model(model: nn.Module) -> nn.Module:
@@ -193,8 +245,9 @@ class StaticDecoder:
         cache_name = cache_argument(model)
 
         def step(input_ids: Tensor, position_ids: Tensor, mask: Tensor, cache: Any) -> Tensor:
-            out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
-                        use_cache=True, logits_to_keep=1, **{cache_name: cache})
+            with decode_attention(model):
+                out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                            use_cache=True, logits_to_keep=1, **{cache_name: cache})
             return out.logits[:, -1, :]
 
         return step
