@@ -535,7 +535,7 @@ class PPOModule(LightningModule):
             rows = [row for row in rows for _ in range(group)]
         synced = self.trainer.world_size > 1
         with step_io(self.trainer).generation(self.actor):
-            exp = self.rollout_engine.generate(self.actor, prompt_ids, prompt_mask, synced=synced)
+            exp = self.rollout_engine.generate(self.actor, prompt_ids, prompt_mask, synced=synced, group_size=group)
             if self.advantage_estimator in GREEDY_BASELINE:  # ReMax: each prompt's greedy answer, the baseline
                 exp.baseline_responses = self._decode(greedy_rollout(self.rollout_engine, self.actor, prompt_ids,
                                                                      prompt_mask, synced=synced))

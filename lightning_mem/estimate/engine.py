@@ -148,7 +148,8 @@ class ReservedEngine(RolloutEngine):
 
     # -- a rollout -------------------------------------------------------------------------------
     @torch.no_grad()
-    def generate(self, model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, *, synced: bool = False) -> Experience:
+    def generate(self, model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, *, synced: bool = False,
+                 group_size: int = 1) -> Experience:
         if self.weights is None:
             self.start()
             self.sync_weights(model)

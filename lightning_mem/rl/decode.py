@@ -150,20 +150,22 @@ def sample_tokens(logits: Tensor, *, temperature: float, top_k: int, top_p: floa
     restricted to the top-k / nucleus when those are set. No host sync."""
     if not do_sample:
         return logits.argmax(dim=-1)
-    scores = logits.float() / temperature
+    # At most two [B, V] fp32 tensors at once (at a rollout's 512 rows and 152k tokens, 311 MB each).
+    scores = logits.to(torch.float32, copy=True).div_(temperature)
     if top_k and top_k < scores.shape[-1]:
         kth = scores.topk(top_k, dim=-1).values[:, -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
+        scores.masked_fill_(scores < kth, float("-inf"))
     if top_p < 1.0:
         ordered, order = scores.sort(dim=-1, descending=True)
-        cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
+        mass = ordered.softmax(dim=-1)
         # Drop a token once the mass before it already reaches top_p (the first token always stays).
-        drop = (cumulative - ordered.softmax(dim=-1)) >= top_p
-        scores = scores.scatter(-1, order, ordered.masked_fill(drop, float("-inf")))
+        drop = (mass.cumsum(dim=-1) - mass) >= top_p
+        scores.scatter_(-1, order, ordered.masked_fill_(drop, float("-inf")))
+        del ordered, order, mass, drop
     probs = scores.softmax(dim=-1)
+    del scores
     # The exponential race: argmax p_i / E_i with E_i ~ Exp(1) picks i with probability p_i.
-    race = torch.empty_like(probs).exponential_()
-    return (probs / race).argmax(dim=-1)
+    return probs.div_(torch.empty_like(probs).exponential_()).argmax(dim=-1)
 
 
 class StaticDecoder:
@@ -268,9 +270,13 @@ class StaticDecoder:
     @torch.no_grad()
     def generate(self, model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, *, max_new_tokens: int,
                  eos_token_ids: list[int], pad_token_id: int, temperature: float = 1.0, top_k: int = 0,
-                 top_p: float = 1.0, do_sample: bool = True, synced: bool = False) -> Tensor:
+                 top_p: float = 1.0, do_sample: bool = True, synced: bool = False, group_size: int = 1) -> Tensor:
         """``[rows, width + max_new_tokens]``: the left-padded prompts, then each row's tokens (the
-        end-of-sequence token included; ``pad_token_id`` after it), as ``generate`` returns them."""
+        end-of-sequence token included; ``pad_token_id`` after it), as ``generate`` returns them.
+
+        ``group_size`` > 1 says the rows come in runs of that many copies of one prompt (GRPO's
+        groups, ``repeat_interleave``): each prompt is prefilled once and its KV copied to its
+        group's rows (:meth:`_shared_prefill`)."""
         rows, width = prompt_ids.shape
         device = prompt_ids.device
         padded = bucketed(width, self.prompt_bucket)
@@ -285,8 +291,11 @@ class StaticDecoder:
 
         # Prefill, eager: the padded prompts fill columns [0, padded) of the cache.
         positions = (mask.long().cumsum(dim=-1) - 1).clamp(min=0)
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                       logits_to_keep=1, **{cache_name: cache}).logits[:, -1, :]
+        if group_size > 1 and rows % group_size == 0:
+            logits = self._shared_prefill(model, ids, mask, positions, cache, group_size)
+        else:
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                           logits_to_keep=1, **{cache_name: cache}).logits[:, -1, :]
         # Columns a decode step may attend to: the prompt's real tokens, then each written token.
         step_mask = self._mask_buffer(mask, length, logits.dtype, additive=(attn == "eager"))
         position = positions[:, -1:] + 1
@@ -311,6 +320,30 @@ class StaticDecoder:
             logits = step(token[:, None].to(prompt_ids.dtype), position, step_mask, cache)
             position = position + 1
         return torch.cat([prompt_ids, out], dim=1)
+
+    @staticmethod
+    def _shared_prefill(model: nn.Module, ids: Tensor, mask: Tensor, positions: Tensor, cache: Any, group: int) -> Tensor:
+        """Prefill each group's prompt once, then copy its keys and values into the static cache's
+        rows of that group (a broadcast copy, no repeated tensor). Its activations are those of
+        ``rows / group`` prompts; the last position's logits are repeated for the group's draws."""
+        from transformers import DynamicCache
+
+        rows = ids.shape[0]
+        first = slice(None, None, group)
+        shared = DynamicCache(config=_text_model(model).config)
+        logits = model(input_ids=ids[first], attention_mask=mask[first], position_ids=positions[first], use_cache=True,
+                       logits_to_keep=1, **{cache_argument(model): shared}).logits[:, -1, :]
+        width = ids.shape[1]
+        for static, filled in zip(cache.layers, shared.layers):
+            keys, values = filled.keys, filled.values  # [rows / group, heads, width, dim]
+            if not static.is_initialized:  # sized for every row: it reads shapes, dtype and device only
+                static.lazy_initialization(keys.new_empty((rows, *keys.shape[1:])), values.new_empty((rows, *values.shape[1:])))
+            for target, source in ((static.keys, keys), (static.values, values)):
+                view = target.view(rows // group, group, *target.shape[1:])[:, :, :, :width]
+                view.copy_(source.unsqueeze(1).expand_as(view))
+            static.cumulative_length.fill_(width)
+            filled.keys = filled.values = None
+        return logits.repeat_interleave(group, dim=0)
 
     @staticmethod
     def _all_done(finished: Tensor, synced: bool) -> bool:

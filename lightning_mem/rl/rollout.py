@@ -365,12 +365,14 @@ class RolloutEngine:
         return why_not is None
 
     @torch.no_grad()
-    def generate(self, model: torch.nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, *, synced: bool = False) -> Experience:
+    def generate(self, model: torch.nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, *, synced: bool = False,
+                 group_size: int = 1) -> Experience:
         """Sample one response per row of the left-padded ``prompt_ids``.
 
         ``synced=True`` keeps every rank running forward passes until all ranks are done: with a
         sharded model each forward is a collective, and a rank that stopped early would hang the
-        others.
+        others. ``group_size`` > 1: the rows are runs of that many copies of a prompt (GRPO), which
+        the static loop prefills once each.
         """
         from lightning_mem.lora import merged_adapters
 
@@ -384,7 +386,7 @@ class RolloutEngine:
                         model, prompt_ids, prompt_mask, max_new_tokens=cfg.max_new_tokens,
                         eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id,
                         temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, do_sample=cfg.do_sample,
-                        synced=synced,
+                        synced=synced, group_size=group_size,
                     )
                 else:
                     sequences = self._hf_generate(model, prompt_ids, prompt_mask, synced=synced)

@@ -282,7 +282,8 @@ class VLLMRolloutEngine(RolloutEngine):
         ]
 
     @torch.no_grad()
-    def generate(self, model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, *, synced: bool = False) -> Experience:
+    def generate(self, model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, *, synced: bool = False,
+                 group_size: int = 1) -> Experience:
         """Sample one response per row of the left-padded ``prompt_ids`` with vLLM (``model`` is the
         actor: its weights must have been synced; it is not run). ``exp.engine_logprobs`` holds the
         engine's logprob of each sampled token (a diagnostic; PPO's come from the actor)."""

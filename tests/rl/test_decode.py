@@ -150,3 +150,22 @@ def test_settings_and_what_the_loop_refuses(tiny):
     flash = _model()
     flash.config._attn_implementation = "flash_attention_2"
     assert "flash_attention_2" in supports_static_decode(flash)
+
+
+def test_groups_prefilled_once_sample_as_if_each_row_had_its_own_prefill(tiny):
+    """GRPO's rows (each prompt `group` times in a row): prefilled once per prompt, copied to its rows;
+    greedy output equals the plain loop's, and the prefill ran on rows / group rows."""
+    ids, mask = _prompts(7, rows=3)
+    group = 4
+    ids, mask = ids.repeat_interleave(group, dim=0), mask.repeat_interleave(group, dim=0)
+    plain = StaticDecoder(prompt_bucket=8).generate(tiny, ids, mask, max_new_tokens=6, eos_token_ids=[EOS],
+                                                     pad_token_id=PAD, do_sample=False)
+    seen = []
+    hook = tiny.model.embed_tokens.register_forward_hook(lambda m, a, out: seen.append(tuple(a[0].shape)))
+    try:
+        shared = StaticDecoder(prompt_bucket=8).generate(tiny, ids, mask, max_new_tokens=6, eos_token_ids=[EOS],
+                                                          pad_token_id=PAD, do_sample=False, group_size=group)
+    finally:
+        hook.remove()
+    assert torch.equal(shared, plain)
+    assert seen[0] == (3, 8) and all(shape == (12, 1) for shape in seen[1:])
