@@ -147,10 +147,25 @@ def test_rows_put_each_phases_peaks_beside_its_estimate():
     assert skipped == ["| `z.yaml` | none, no cap | skipped: needs deepspeed | train | 14.30 | n/a | n/a | n/a | n/a | n/a |"]
 
 
+def test_a_ppo_step_is_told_by_phase():
+    batches = [{"seconds": 9.0, "tokens": 100, "tokens_kind": "generated", "rollout_tokens_per_s": 10.0,
+                "phase_s": {"rollout": 8.0, "score": 0.5, "train": 0.5}},  # the first: warm-up, left out
+               {"seconds": 4.0, "tokens": 100, "tokens_kind": "generated", "rollout_tokens_per_s": 50.0,
+                "phase_s": {"rollout": 2.0, "score": 1.0, "train": 1.0}},
+               {"seconds": 6.0, "tokens": 100, "tokens_kind": "generated", "rollout_tokens_per_s": 30.0,
+                "phase_s": {"rollout": 4.0, "score": 1.0, "train": 1.0}}]
+    speed = tiers.batch_speed(batches)
+    assert speed["phase_s"] == {"rollout": 3.0, "score": 1.0, "train": 1.0} and speed["median_s"] == 5.0
+    (row,) = tiers.phase_time_rows([{"config": "p.yaml", "speed": speed}])[-1:]
+    assert row == "| p.yaml | 5.00 | rollout 3.00 s (60%), score 1.00 s (20%), train 1.00 s (20%) | 40 |"
+    assert tiers.phase_time_rows([{"config": "s.yaml", "speed": tiers.batch_speed([batches[0] | {"phase_s": {}}])}]) == []
+
+
 def test_run_sh_measures_a_config_and_writes_the_rows(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": sys.executable, "WHEELS": str(tmp_path / "no-wheels"),
            "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([str(REPO / "benchmarks/gpu/run.sh"), "--skip-tests", "--skip-step-time", "--config", "configs/sft/tiny_cpu.yaml",
+    done = subprocess.run([str(REPO / "benchmarks/gpu/run.sh"), "--skip-tests", "--skip-step-time", "--skip-rollout",
+                           "--config", "configs/sft/tiny_cpu.yaml",
                            "--steps", "1", "--workdir", str(tmp_path / "work")],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
@@ -341,3 +356,16 @@ def test_the_ladder_rows_set_each_measured_peak_beside_torchtunes_figure():
     assert rows[1]["ratio"] == pytest.approx(int(15.84 * GiB) / int(17.6 * GiB))
     text = ladder.markdown(rows, date="2026-11-26", device="H100", command="c")
     assert "| adamw8bit | 17.6 GiB | 15.84 | 17.00 | 0.90 | 1.50 | 5,461 | fits |" in text
+
+
+def test_rollout_speed_rows_on_cpu(tmp_path):
+    """The rollout benchmark's CPU side: the tiny shape, two paths, a row each with a rate."""
+    done = subprocess.run([sys.executable, "-m", "benchmarks.gpu.rollout_speed", "--shapes", "tiny", "--paths",
+                           "generate,static", "--new-tokens", "4", "--out", str(tmp_path)],
+                          cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=HANG_GUARD_S)
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = json.loads((tmp_path / "rollout_speed.json").read_text())
+    assert [r["path"] for r in results] == ["generate", "static"]
+    assert all(64 <= r["tokens"] <= 64 * 4 and r["tokens_per_s"] > 0 for r in results)  # a row may end early
+    assert "| tiny (64 x 48+4) | static |" in (tmp_path / "rollout_speed.md").read_text()

@@ -20,8 +20,11 @@
 # 4. `python -m benchmarks.gpu.step_time`: the recipe's SFT step against a bare loop (issue 37)
 #    -> $OUT/gpu_step_time.{md,json,csv}; then its parts at 0.5B (without SharedCasts, each Liger
 #    kernel alone) -> $OUT/step_time_parts/gpu_step_time.{md,json,csv}.
+# 5. `python -m benchmarks.gpu.rollout_speed`: the PPO rollout's paths (generate, the static decode loop
+#    eager and compiled, LoRA merged or not) at the two 24 GB PPO configs' shapes (issue 43)
+#    -> $OUT/rollout_speed.{md,json}; stopped after 6 minutes at most, rows written as they finish.
 # It ends with one summary: a line per step, printed even when a step crashed or was interrupted.
-# Options other than --skip-tests, --skip-tiers and --skip-step-time go to step 3 (--only, --steps, --timeout, --jobs,
+# Options other than --skip-tests, --skip-tiers, --skip-step-time and --skip-rollout go to step 3 (--only, --steps, --timeout, --jobs,
 # --list; see --help there). $OUT defaults to runs/gpu, $PYTHON to python3, $WHEELS (the wheel
 # folder) to .whl, $SITE to /tmp/site.
 set -uo pipefail
@@ -34,12 +37,14 @@ SITE="${SITE:-/tmp/site}"
 run_tests=1
 run_tiers=1
 run_step_time=1
+run_rollout=1
 tier_args=()
 for arg in "$@"; do
   case "$arg" in
     --skip-tests) run_tests=0 ;;
     --skip-tiers) run_tiers=0 ;;
     --skip-step-time) run_step_time=0 ;;
+    --skip-rollout) run_rollout=0 ;;
     *) tier_args+=("$arg") ;;
   esac
 done
@@ -103,6 +108,11 @@ if (( run_step_time )); then
   # Which part costs what at 0.5B, where Liger was slower than the bare loop (1.122x, 2026-11-26).
   step gpu_step_time_parts timeout 180 "$PYTHON" -m benchmarks.gpu.step_time --out "$OUT/step_time_parts" \
     --models Qwen/Qwen2.5-0.5B-Instruct --options none,no-shared-casts,liger,liger:rms_norm,liger:swiglu,liger:rope
+fi
+
+# -- PPO rollout paths (issue 43) -> $OUT/rollout_speed.{md,json}.
+if (( run_rollout )); then
+  step rollout_speed timeout 360 "$PYTHON" -m benchmarks.gpu.rollout_speed --out "$OUT"
 fi
 
 exit $status
