@@ -17,7 +17,7 @@ from jsonargparse.typing import NonNegativeInt, PositiveFloat, PositiveInt
 from torch import Tensor
 
 from lightning_mem.padding import pad_sequences
-from lightning_mem.settings import LeftOpenUnitInterval, check_fields
+from lightning_mem.settings import LeftOpenUnitInterval, SettingError, check_fields
 
 
 
@@ -30,8 +30,10 @@ class GenerationConfig:
             token is kept (truncated) and scored as it is.
         temperature: sampling temperature; the PPO logprobs are taken at the same temperature, so
             the ratio pi/pi_old compares the distributions that were actually sampled from.
-        top_p: nucleus sampling; 1.0 samples the full distribution (logprobs ignore the cut).
-        top_k: 0 disables.
+        top_p: must be 1.0 (the full distribution). PPO's log-probs score the plain temperature
+            softmax, so a nucleus cut would sample another distribution than the one scored; the
+            key stays so that configs naming 1.0 keep working (docs/ppo.md, "What the rollout samples").
+        top_k: must be 0 (no cut), for the same reason.
         do_sample: False is greedy decoding (evaluation only: PPO needs samples).
         kv_cache: ``"dynamic"`` grows a cache per call (freed when generation returns);
             ``"static"`` preallocates one for the longest prompt + ``max_new_tokens`` and reuses it
@@ -48,6 +50,13 @@ class GenerationConfig:
     def __post_init__(self) -> None:
         # Every rule is a typed constraint: the CLI checks them while parsing, this in Python.
         check_fields(self)
+        # Refused rather than modelled: a cut's kept set moves with the weights, so the update's
+        # log-probs would renormalise over another set than the rollout's (and -inf outside it).
+        why = ": the log-prob pass scores the full softmax at `temperature`, so a cut would sample another distribution"
+        if self.top_p != 1.0:
+            raise SettingError("top_p", f" must be 1.0, got {self.top_p!r}{why}", siblings=("temperature",))
+        if self.top_k != 0:
+            raise SettingError("top_k", f" must be 0, got {self.top_k!r}{why}", siblings=("temperature",))
 
 
 @dataclass
@@ -349,27 +358,22 @@ class RolloutEngine:
         sharded model each forward is a collective, and a rank that stopped early would hang the
         others.
         """
+        from lightning_mem.rl.sampling import checkpoint_settings_hidden, hf_generation_config
+
         cfg = self.config
-        kwargs: dict[str, Any] = dict(
-            max_new_tokens=cfg.max_new_tokens,
-            do_sample=cfg.do_sample,
-            eos_token_id=self.eos_token_ids,
-            pad_token_id=self.pad_token_id,
-            use_cache=True,
-        )
-        if cfg.do_sample:
-            kwargs.update(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
-        else:
-            # Greedy: no sampling knobs, or generate warns that they are ignored.
-            kwargs.update(temperature=None, top_p=None, top_k=None)
+        # Only what `cfg` says: none of the checkpoint's own sampling settings (see rl/sampling.py).
+        settings = hf_generation_config(cfg, eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id)
+        kwargs: dict[str, Any] = {}
         if cfg.kv_cache == "static":
             kwargs["past_key_values"] = self._static_cache(model, prompt_ids.shape[0], prompt_ids.shape[1] + cfg.max_new_tokens)
         was_training = model.training
         model.eval()  # no dropout while sampling: the logprob pass must see the same distribution
         try:
-            sequences = model.generate(
-                input_ids=prompt_ids, attention_mask=prompt_mask, synced_gpus=synced, **kwargs
-            )
+            with checkpoint_settings_hidden(model, settings):
+                sequences = model.generate(
+                    input_ids=prompt_ids, attention_mask=prompt_mask, synced_gpus=synced,
+                    generation_config=settings, **kwargs
+                )
         finally:
             model.train(was_training)
         return experience_from_generation(
