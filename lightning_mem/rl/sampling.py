@@ -14,7 +14,9 @@ in every update, silently. So:
   fills each ``None`` field from ``model.generation_config``), and says once, in one line, which
   of the checkpoint's settings are not used.
 
-The vLLM engine's equivalent is in :mod:`lightning_mem.rl.vllm_engine` (``generation_config="vllm"``).
+The vLLM engine (:mod:`lightning_mem.rl.vllm_engine`) starts with ``generation_config="vllm"``
+(vLLM's own defaults, not the folder's) and gives every sampling parameter explicitly; it says
+what it leaves out with :func:`say_ignored` too.
 """
 
 from __future__ import annotations
@@ -96,6 +98,17 @@ def say_once(message: str) -> None:
         warnings.warn(message, UserWarning, stacklevel=3)
 
 
+def say_ignored(checkpoint_configs: list[Any], used: Any) -> None:
+    """Say once, in one line, which of the checkpoints' sampling settings the rollout leaves out."""
+    ignored: dict[str, Any] = {}
+    for config in checkpoint_configs:
+        ignored.update(ignored_settings(config, used))
+    if ignored:
+        listed = ", ".join(f"{key}={value!r}" for key, value in sorted(ignored.items()))
+        say_once(f"the checkpoint's sampling settings are not used (the rollout samples only what"
+                 f" `generation` says, the distribution PPO scores): {listed}")
+
+
 @contextlib.contextmanager
 def checkpoint_settings_hidden(model: torch.nn.Module, used: Any) -> Iterator[None]:
     """Within the block, every Hugging Face model in ``model`` carries a plain generation config,
@@ -104,13 +117,7 @@ def checkpoint_settings_hidden(model: torch.nn.Module, used: Any) -> Iterator[No
     HFGenerationConfig = _hf_config_type()
     modules = _generating_modules(model)
     kept = [m.generation_config for m in modules]
-    ignored: dict[str, Any] = {}
-    for config in kept:
-        ignored.update(ignored_settings(config, used))
-    if ignored:
-        listed = ", ".join(f"{key}={value!r}" for key, value in sorted(ignored.items()))
-        say_once(f"the checkpoint's sampling settings are not used (the rollout samples only what"
-                 f" `generation` says, the distribution PPO scores): {listed}")
+    say_ignored(kept, used)
     try:
         for m in modules:
             m.generation_config = HFGenerationConfig()

@@ -178,3 +178,31 @@ def test_a_cut_the_log_probs_cannot_model_is_refused_naming_the_key(key, value, 
     with pytest.raises(ValueError, match=rf"^`model.generation.{key}` {rule}, got {value}: the log-prob pass scores"
                                          r" the full softmax at `model.generation.temperature`"), settings_at("model.generation"):
         GenerationConfig(**{key: value})
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(1800)
+def test_vllm_rollouts_sample_the_scored_softmax(checkpoint, actor, monkeypatch):
+    """The same two tests for the vLLM engine, started on the same folder (vLLM reads its
+    generation_config.json unless told not to) with the actor's weights synced in."""
+    from lightning_mem.rl.engines import RolloutEngineConfig
+    from lightning_mem.rl.vllm_engine import VLLMRolloutEngine
+
+    monkeypatch.setattr(sampling, "_said", set())
+    engine = VLLMRolloutEngine(GenerationConfig(max_new_tokens=1, temperature=0.7), RolloutEngineConfig(name="vllm", max_num_seqs=256),
+                               model_path=str(checkpoint), eos_token_ids=[EOS], pad_token_id=PAD)
+    try:
+        with pytest.warns(UserWarning, match=r"sampling settings are not used.*repetition_penalty=1\.1"):
+            engine.start()
+        engine.sync_weights(actor)
+        torch.manual_seed(1234)  # the engine draws each request's seed from torch's generator
+        counts, probs, n = token_odds(sample(engine, actor, 4000), 0)
+        assert len(counts) >= 5 and chi_square_p(counts, probs, n) > P_MIN, counts.most_common(8)
+        engine.config = GenerationConfig(max_new_tokens=2, temperature=0.7)
+        batches = sample(engine, actor, 8000)
+        commonest = token_odds(batches, 0)[0].most_common(1)[0][0]
+        counts, probs, n = token_odds(batches, 1, given_first=commonest)
+        assert n >= 1500 and len(counts) >= 5
+        assert chi_square_p(counts, probs, n) > P_MIN, counts.most_common(8)
+    finally:
+        engine.close()
