@@ -42,16 +42,16 @@ _said: set[str] = set()
 def hf_generation_config(config: Any, *, eos_token_ids: list[int], pad_token_id: int) -> Any:
     """A fresh ``transformers.GenerationConfig`` holding only what ``config`` (our
     :class:`~lightning_mem.rl.rollout.GenerationConfig`) says: the length cap, greedy or sampling,
-    and for sampling the temperature (top-k/top-p only where set; PPO refuses them)."""
+    and for sampling the temperature, with no top-k or top-p cut."""
     from transformers import GenerationConfig as HFGenerationConfig
 
     settings: dict[str, Any] = dict(
         max_new_tokens=config.max_new_tokens, do_sample=config.do_sample,
         eos_token_id=list(eos_token_ids), pad_token_id=pad_token_id, use_cache=True,
-        # Set, not left to the merge: transformers' own fallback for top_k is 50.
-        top_k=0, top_p=1.0,
     )
     if config.do_sample:
+        # All three set, none left to the merge (transformers' own fallback for top_k is 50). Greedy
+        # sets none of them: generate warns about sampling settings it would not use.
         settings.update(temperature=config.temperature, top_k=config.top_k, top_p=config.top_p)
     return HFGenerationConfig(**settings)
 
@@ -65,8 +65,8 @@ def _plain_defaults() -> dict[str, Any]:
 
 
 def ignored_settings(checkpoint_config: Any, used: Any) -> dict[str, Any]:
-    """The checkpoint's settings that differ from both the plain defaults and what the rollout
-    uses: what hiding them changes."""
+    """The checkpoint's settings that differ from what the rollout uses (its own value, else the
+    plain default): what hiding them changes."""
     if checkpoint_config is None:
         return {}
     defaults, ours = _plain_defaults(), used.to_dict()
@@ -91,22 +91,19 @@ def _hf_config_type() -> type:
     return HFGenerationConfig
 
 
-def say_once(message: str) -> None:
-    """Warn once per process: the CLI and each rollout would otherwise repeat it."""
-    if message not in _said:
-        _said.add(message)
-        warnings.warn(message, UserWarning, stacklevel=3)
-
-
 def say_ignored(checkpoint_configs: list[Any], used: Any) -> None:
-    """Say once, in one line, which of the checkpoints' sampling settings the rollout leaves out."""
+    """Say once per process, in one line, which of the checkpoints' sampling settings the rollout
+    leaves out (read from the first sampled rollout: a greedy one ignores every sampling setting)."""
+    if not used.do_sample or "ignored" in _said:
+        return
     ignored: dict[str, Any] = {}
     for config in checkpoint_configs:
         ignored.update(ignored_settings(config, used))
+    _said.add("ignored")
     if ignored:
         listed = ", ".join(f"{key}={value!r}" for key, value in sorted(ignored.items()))
-        say_once(f"the checkpoint's sampling settings are not used (the rollout samples only what"
-                 f" `generation` says, the distribution PPO scores): {listed}")
+        warnings.warn(f"the checkpoint's sampling settings are not used (the rollout samples only what"
+                      f" `generation` says, the distribution PPO scores): {listed}", UserWarning, stacklevel=3)
 
 
 @contextlib.contextmanager
