@@ -17,6 +17,7 @@ from jsonargparse.typing import NonNegativeInt, PositiveFloat, PositiveInt
 from torch import Tensor
 
 from lightning_mem.padding import pad_sequences
+from lightning_mem.rl.sampling import checkpoint_settings_hidden, hf_generation_config
 from lightning_mem.settings import LeftOpenUnitInterval, SettingError, check_fields
 
 
@@ -358,8 +359,6 @@ class RolloutEngine:
         sharded model each forward is a collective, and a rank that stopped early would hang the
         others.
         """
-        from lightning_mem.rl.sampling import checkpoint_settings_hidden, hf_generation_config
-
         cfg = self.config
         # Only what `cfg` says: none of the checkpoint's own sampling settings (see rl/sampling.py).
         settings = hf_generation_config(cfg, eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id)
