@@ -28,6 +28,7 @@ runs the config's real fit on 2 ranks to hold it to what each rank holds.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import importlib
 import inspect
@@ -1442,6 +1443,19 @@ def _two_of_each_shape(plan: list[list[int]], lengths: Any) -> list[list[int]]:
     return kept
 
 
+def _new_tokens(kwargs: dict[str, Any], n: int | None = None) -> Any:
+    """``generate``'s length cap in ``kwargs`` (a keyword or its ``generation_config``'s); with ``n``,
+    a copy of ``kwargs`` whose cap is ``n``."""
+    config = kwargs.get("generation_config")
+    if n is None:
+        return kwargs["max_new_tokens"] if "max_new_tokens" in kwargs else config.max_new_tokens
+    if "max_new_tokens" in kwargs or config is None:
+        return {**kwargs, "max_new_tokens": n}
+    capped = copy.deepcopy(config)
+    capped.max_new_tokens = n
+    return {**kwargs, "generation_config": capped}
+
+
 @contextlib.contextmanager
 def _last_decode_step(run: EstimateRun, model: nn.Module) -> Iterator[None]:
     """Generation's memory peak without its whole loop: ``model.generate`` runs twice, for real.
@@ -1460,14 +1474,14 @@ def _last_decode_step(run: EstimateRun, model: nn.Module) -> Iterator[None]:
     """
     generate = model.generate
 
-    def last_step(*args: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
-                  **kwargs: Any) -> torch.Tensor:
+    def last_step(*args: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        # The rollout hands its length cap in a GenerationConfig (rl/sampling.py), not as a keyword.
+        max_new_tokens = _new_tokens(kwargs)
         if args or max_new_tokens <= 3:
-            return generate(*args, input_ids=input_ids, attention_mask=attention_mask,
-                            max_new_tokens=max_new_tokens, **kwargs)
+            return generate(*args, input_ids=input_ids, attention_mask=attention_mask, **_new_tokens(kwargs, max_new_tokens))
         fill = run.mode.fill_token
         rows, prompt = input_ids.shape
-        first = generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=2, **kwargs)
+        first = generate(input_ids=input_ids, attention_mask=attention_mask, **_new_tokens(kwargs, 2))
         if kwargs.get("past_key_values") is not None:  # static: the step's shapes do not grow
             pad = torch.full((rows, prompt + max_new_tokens - first.shape[1]), fill, dtype=first.dtype)
             return torch.cat([first, pad], dim=1)
@@ -1477,7 +1491,7 @@ def _last_decode_step(run: EstimateRun, model: nn.Module) -> Iterator[None]:
         mask = torch.cat([attention_mask, torch.ones((rows, done), dtype=attention_mask.dtype)], dim=1)
         with run.ledger.unmeasured(), torch.no_grad():
             cache = _grown_cache(model, ids[:, :-1], mask[:, :-1])
-        return generate(input_ids=ids, attention_mask=mask, max_new_tokens=1, past_key_values=cache, **kwargs)
+        return generate(input_ids=ids, attention_mask=mask, past_key_values=cache, **_new_tokens(kwargs, 1))
 
     model.generate = last_step
     try:

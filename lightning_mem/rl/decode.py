@@ -18,10 +18,10 @@ of one or two (docs/ppo.md, "Speed on a GPU").
   it goes through ``torch.compile`` (``mode="reduce-overhead"``: CUDA graphs on a GPU), which
   compiles it once per shape. The prefill runs eager (its width changes with the prompts).
 - **The tempered softmax, nothing else.** Tokens are drawn from ``softmax(logits / temperature)``
-  (with the top-k / top-p cut when set, and greedy when not sampling), exactly the distribution the
-  PPO log-prob pass computes; no repetition penalty, no n-gram ban, nothing from the checkpoint.
-  Sampling is the exponential race (``argmax(p / E)``, ``E ~ Exp(1)``), which draws from ``p``
-  without a host sync and without sorting the vocabulary; only top-p sorts.
+  (greedy when not sampling), exactly the distribution the PPO log-prob pass computes; no
+  repetition penalty, no n-gram ban, no cut, nothing from the checkpoint. Sampling is the
+  exponential race (``argmax(p / E)``, ``E ~ Exp(1)``), which draws from ``p`` without a host sync
+  and without sorting the vocabulary.
 - **One host sync per ``check_every`` tokens**, to stop when every row has ended (under
   ``synced`` the ranks agree on it with one all-reduce, so sharded forwards stay in lockstep).
 
@@ -145,25 +145,14 @@ def bucketed(width: int, bucket: int) -> int:
     return -(-width // bucket) * bucket
 
 
-def sample_tokens(logits: Tensor, *, temperature: float, top_k: int, top_p: float, do_sample: bool) -> Tensor:
+def sample_tokens(logits: Tensor, *, temperature: float, do_sample: bool) -> Tensor:
     """One token per row of ``logits`` (``[B, V]``): greedy, or a draw from the tempered softmax
-    restricted to the top-k / nucleus when those are set. No host sync."""
+    (the distribution PPO's log-prob pass scores; no top-k or top-p cut, which
+    :class:`~lightning_mem.rl.rollout.GenerationConfig` refuses). No host sync, no sort."""
     if not do_sample:
         return logits.argmax(dim=-1)
     # At most two [B, V] fp32 tensors at once (at a rollout's 512 rows and 152k tokens, 311 MB each).
-    scores = logits.to(torch.float32, copy=True).div_(temperature)
-    if top_k and top_k < scores.shape[-1]:
-        kth = scores.topk(top_k, dim=-1).values[:, -1:]
-        scores.masked_fill_(scores < kth, float("-inf"))
-    if top_p < 1.0:
-        ordered, order = scores.sort(dim=-1, descending=True)
-        mass = ordered.softmax(dim=-1)
-        # Drop a token once the mass before it already reaches top_p (the first token always stays).
-        drop = (mass.cumsum(dim=-1) - mass) >= top_p
-        scores.scatter_(-1, order, ordered.masked_fill_(drop, float("-inf")))
-        del ordered, order, mass, drop
-    probs = scores.softmax(dim=-1)
-    del scores
+    probs = logits.to(torch.float32, copy=True).div_(temperature).softmax(dim=-1)
     # The exponential race: argmax p_i / E_i with E_i ~ Exp(1) picks i with probability p_i.
     return probs.div_(torch.empty_like(probs).exponential_()).argmax(dim=-1)
 
@@ -269,8 +258,8 @@ class StaticDecoder:
     # -- a rollout ---------------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, *, max_new_tokens: int,
-                 eos_token_ids: list[int], pad_token_id: int, temperature: float = 1.0, top_k: int = 0,
-                 top_p: float = 1.0, do_sample: bool = True, synced: bool = False, group_size: int = 1) -> Tensor:
+                 eos_token_ids: list[int], pad_token_id: int, temperature: float = 1.0, do_sample: bool = True,
+                 synced: bool = False, group_size: int = 1) -> Tensor:
         """``[rows, width + max_new_tokens]``: the left-padded prompts, then each row's tokens (the
         end-of-sequence token included; ``pad_token_id`` after it), as ``generate`` returns them.
 
@@ -287,7 +276,7 @@ class StaticDecoder:
         cache = self._cache_for(model, rows, length)
         cache_name = cache_argument(model)
         attn = _text_model(model).config._attn_implementation
-        sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, do_sample=do_sample)
+        sampling = dict(temperature=temperature, do_sample=do_sample)
 
         # Prefill, eager: the padded prompts fill columns [0, padded) of the cache.
         positions = (mask.long().cumsum(dim=-1) - 1).clamp(min=0)

@@ -140,9 +140,16 @@ class PhaseMemoryPlan:
 
 
 def release_cached_memory() -> None:
-    """Give the allocator's unused cached blocks back to the device (and collect garbage first,
-    so that tensors only kept alive by reference cycles are released too)."""
-    gc.collect()
+    """Give the allocator's unused cached blocks back to the device, after collecting the garbage
+    cycles made since the last collection (a tensor only a cycle keeps alive frees its block too).
+
+    Only the young generations are collected: what the phase just made. A full collection walks the
+    whole heap, about 490,000 objects once the recipes are imported, for 0.2-0.6 s a phase on CPU
+    (a third of a tiny GRPO step, three times a step); measured on the tiny GRPO fit, the full
+    collections after each phase found no tensor, only 30-40 small objects in cycles. Cycles that
+    survived into the oldest generation are left to Python's own full collections.
+    """
+    gc.collect(1)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
 

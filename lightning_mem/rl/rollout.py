@@ -18,6 +18,7 @@ from jsonargparse.typing import NonNegativeInt, PositiveFloat, PositiveInt
 from torch import Tensor
 
 from lightning_mem.padding import pad_sequences
+from lightning_mem.rl.sampling import checkpoint_settings_hidden, hf_generation_config
 from lightning_mem.settings import LeftOpenUnitInterval, SettingError, check_fields
 
 
@@ -31,8 +32,10 @@ class GenerationConfig:
             token is kept (truncated) and scored as it is.
         temperature: sampling temperature; the PPO logprobs are taken at the same temperature, so
             the ratio pi/pi_old compares the distributions that were actually sampled from.
-        top_p: nucleus sampling; 1.0 samples the full distribution (logprobs ignore the cut).
-        top_k: 0 disables.
+        top_p: must be 1.0 (the full distribution). PPO's log-probs score the plain temperature
+            softmax, so a nucleus cut would sample another distribution than the one scored; the
+            key stays so that configs naming 1.0 keep working (docs/ppo.md, "What the rollout samples").
+        top_k: must be 0 (no cut), for the same reason.
         do_sample: False is greedy decoding (evaluation only: PPO needs samples).
         kv_cache: ``"dynamic"``: Hugging Face ``generate``, its cache grown per call (freed when
             generation returns). ``"static"``: the static decode loop
@@ -67,6 +70,13 @@ class GenerationConfig:
         if self.compile and self.kv_cache != "static":
             raise SettingError("compile", "`compile: true` compiles the static decode loop's step: set"
                                " `kv_cache: static` too", siblings=("kv_cache",))
+        # Refused rather than modelled: a cut's kept set moves with the weights, so the update's
+        # log-probs would renormalise over another set than the rollout's (and -inf outside it).
+        why = ": the log-prob pass scores the full softmax at `temperature`, so a cut would sample another distribution"
+        if self.top_p != 1.0:
+            raise SettingError("top_p", f" must be 1.0, got {self.top_p!r}{why}", siblings=("temperature",))
+        if self.top_k != 0:
+            raise SettingError("top_k", f" must be 0, got {self.top_k!r}{why}", siblings=("temperature",))
 
 
 @dataclass
@@ -380,37 +390,24 @@ class RolloutEngine:
         was_training = model.training
         model.eval()  # no dropout while sampling: the logprob pass must see the same distribution
         try:
-            with merged_adapters(model, enabled=cfg.merge_lora):
+            # Neither path takes a sampling setting from the checkpoint; the run says once which it leaves out.
+            settings = hf_generation_config(cfg, eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id)
+            with merged_adapters(model, enabled=cfg.merge_lora), checkpoint_settings_hidden(model, settings):
                 if self._static_loop_runs(model):
                     sequences = self.decoder.generate(
                         model, prompt_ids, prompt_mask, max_new_tokens=cfg.max_new_tokens,
                         eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id,
-                        temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, do_sample=cfg.do_sample,
+                        temperature=cfg.temperature, do_sample=cfg.do_sample,
                         synced=synced, group_size=group_size,
                     )
                 else:
-                    sequences = self._hf_generate(model, prompt_ids, prompt_mask, synced=synced)
+                    sequences = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, synced_gpus=synced,
+                                               generation_config=settings)
         finally:
             model.train(was_training)
         return experience_from_generation(
             prompt_ids, prompt_mask, sequences, eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id
         )
-
-    def _hf_generate(self, model: torch.nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, *, synced: bool) -> Tensor:
-        cfg = self.config
-        kwargs: dict[str, Any] = dict(
-            max_new_tokens=cfg.max_new_tokens,
-            do_sample=cfg.do_sample,
-            eos_token_id=self.eos_token_ids,
-            pad_token_id=self.pad_token_id,
-            use_cache=True,
-        )
-        if cfg.do_sample:
-            kwargs.update(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
-        else:
-            # Greedy: no sampling knobs, or generate warns that they are ignored.
-            kwargs.update(temperature=None, top_p=None, top_k=None)
-        return model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, synced_gpus=synced, **kwargs)
 
 
 def greedy_rollout(engine: Any, model: torch.nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, *,

@@ -152,6 +152,9 @@ class VLLMRolloutEngine(RolloutEngine):
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             enable_prefix_caching=False,  # every rollout's prompts are new, and weights change between them
             logprobs_mode="processed_logprobs",  # after temperature, like the trainer's logprobs
+            # vLLM's defaults, not the folder's generation_config.json: the rollout samples only what
+            # `generation` says (rl/sampling.py). Our stop tokens already hold the folder's eos ids.
+            generation_config="vllm",
             trust_remote_code=self.trust_remote_code,
             seed=cfg.seed if cfg.seed is not None else 0,
         )
@@ -165,6 +168,7 @@ class VLLMRolloutEngine(RolloutEngine):
             # On CPU gpu_memory_utilization would reserve that fraction of host memory: size the
             # KV cache explicitly instead.
             kwargs["kv_cache_memory_bytes"] = cfg.cpu_kv_cache_space_gb << 30
+        self._say_ignored_settings()
         _forget_stale_vllm_groups()
         made_group = not torch.distributed.is_initialized()
         with _trainer_threads_kept():
@@ -172,6 +176,17 @@ class VLLMRolloutEngine(RolloutEngine):
         # vLLM made this process's (single-process) group: close() destroys it, with vLLM's record of it.
         self._owns_group = made_group and torch.distributed.is_initialized()
         self.sleeping = 0
+
+    def _say_ignored_settings(self) -> None:
+        from transformers import GenerationConfig as HFGenerationConfig
+
+        from lightning_mem.rl.sampling import hf_generation_config, say_ignored
+
+        try:
+            folder = HFGenerationConfig.from_pretrained(self.model_path)
+        except OSError:  # no generation_config.json: nothing to leave out
+            return
+        say_ignored([folder], hf_generation_config(self.config, eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id))
 
     def close(self) -> None:
         """Shut the engine down (end of fit): its weights and KV cache are freed, and the
@@ -267,6 +282,8 @@ class VLLMRolloutEngine(RolloutEngine):
         cfg = self.config
         common = dict(
             max_tokens=cfg.max_new_tokens,
+            # Explicit, so that no default (vLLM's, or a folder's) can change the distribution.
+            repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, min_p=0.0, min_tokens=0,
             stop_token_ids=self.eos_token_ids,
             logprobs=0,  # the sampled token's own logprob only
             detokenize=False,

@@ -94,12 +94,10 @@ def test_sampling_draws_the_tempered_softmax():
     """The exponential race draws from softmax(logits / T): frequencies over many draws match it."""
     torch.manual_seed(0)
     logits = torch.tensor([2.0, 1.0, 0.0, -1.0, 0.5])
-    draws = sample_tokens(logits.expand(40000, -1), temperature=0.7, top_k=0, top_p=1.0, do_sample=True)
+    draws = sample_tokens(logits.expand(40000, -1), temperature=0.7, do_sample=True)
     freq = torch.bincount(draws, minlength=5).double() / draws.numel()
     torch.testing.assert_close(freq, (logits / 0.7).softmax(-1).double(), atol=0.01, rtol=0)
-    # top-k 2 keeps the two largest; top-p 0.5 the smallest set reaching half the mass.
-    assert set(sample_tokens(logits.expand(2000, -1), temperature=1.0, top_k=2, top_p=1.0, do_sample=True).tolist()) == {0, 1}
-    assert set(sample_tokens(logits.expand(2000, -1), temperature=1.0, top_k=0, top_p=0.5, do_sample=True).tolist()) == {0}
+    assert sample_tokens(logits[None], temperature=0.7, do_sample=False).tolist() == [0]
 
 
 def test_lora_rollout_samples_merged_and_puts_the_weights_back_bit_for_bit():
