@@ -154,7 +154,7 @@ class BatchPlan:
 
     def padded_tokens(self, lengths: np.ndarray) -> np.ndarray:
         """Each batch's right-padded size, ``longest x count``."""
-        return self.reduce(np.maximum, lengths) * self.sizes()
+        return self.reduce(np.maximum, lengths).astype(np.int64) * self.sizes()
 
 
 def _split_plan_to_multiple(plan: BatchPlan, multiple: int, lengths: np.ndarray) -> BatchPlan:
@@ -246,8 +246,11 @@ class TokenBudgetSampler(DistributedSampler):
         # DistributedSampler only needs a sized dataset; the lengths array is one.
         super().__init__(lengths, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
         # Arrays, not lists: a million-row set's lengths come from the tokenized cache's int32
-        # column without a Python int per row (int64 here so that length x count cannot overflow).
-        self.lengths = np.asarray(lengths, dtype=np.int64)
+        # column without a Python int per row, and are shared, not copied (padded sizes are
+        # computed in int64: a length times a count).
+        self.lengths = np.asarray(lengths)
+        if self.lengths.dtype.kind not in "iu":
+            self.lengths = self.lengths.astype(np.int64)
         self.max_tokens = max_tokens
         self.batch_size = batch_size
         self.sort_window = sort_window
@@ -255,10 +258,12 @@ class TokenBudgetSampler(DistributedSampler):
             raise ValueError(f"`weights` has {len(weights)} entries for {len(self.lengths)} samples")
         if accumulate_grad_batches < 1:
             raise ValueError(f"`accumulate_grad_batches` must be >= 1, got {accumulate_grad_batches}")
-        self.weights = None if weights is None else np.asarray(weights, dtype=np.float64)
         self.accumulate_grad_batches = accumulate_grad_batches
         self.position_fn: Callable[[], int] | None = None
         self.batches = self._plan()
+        # Each batch's summed weight (8 bytes a batch), for the steps' totals; nothing per row is kept.
+        self.batch_weights = (None if weights is None
+                              else self.batches.reduce(np.add, np.asarray(weights, dtype=np.float64)))
 
     def _order(self) -> np.ndarray:
         """The (seeded) sample order the plan groups: int64, 8 bytes a sample."""
@@ -285,8 +290,6 @@ class TokenBudgetSampler(DistributedSampler):
                 " twice per epoch to give every rank the same step count",
                 stacklevel=2,
             )
-        if self.weights is not None:  # each batch's summed weight, for the steps' totals
-            self.batch_weights = batches.reduce(np.add, self.weights)
         return batches
 
     def _group(self, order: np.ndarray) -> BatchPlan | list[list[int]]:
@@ -329,7 +332,7 @@ class TokenBudgetSampler(DistributedSampler):
             epoch, skip = divmod(self.position_fn(), len(self))
         ordered = self._epoch_order(epoch)
         mine = ordered[self.rank :: self.num_replicas][: len(self)]
-        if self.weights is None:
+        if self.batch_weights is None:
             return (self.batches[int(b)] for b in mine[skip:])
         step_weights = self._step_weights(ordered)
         return (_with_weight(self.batches[int(mine[i])], float(step_weights[i])) for i in range(skip, len(mine)))
