@@ -297,16 +297,12 @@ class TokenBudgetSampler(DistributedSampler):
         differently (:class:`lightning_mem.data.packing.PackedBatchSampler` packs rows)."""
         if self.batch_size is not None:
             return BatchPlan(order, np.append(np.arange(0, len(order), self.batch_size), len(order)))
-        flat, starts = [], []
-        for start in range(0, len(order), self.sort_window):
-            window = order[start : start + self.sort_window]
-            # Longest first; a stable sort keeps the shuffled order among equal lengths.
-            window = window[np.argsort(-self.lengths[window], kind="stable")]
-            flat.append(window)
-            starts.append(start + _budget_starts(self.lengths[window], self.max_tokens))
-        if not flat:
-            return BatchPlan(order, np.zeros(1, dtype=np.int64))
-        return BatchPlan(np.concatenate(flat), np.append(np.concatenate(starts), len(order)))
+        # Windows of ``sort_window`` samples, each longest first; a stable sort keeps the shuffled
+        # order among equal lengths. One sort of the whole order, not one per window.
+        window = np.arange(len(order), dtype=np.int64) // self.sort_window
+        flat = order[np.lexsort((-self.lengths[order].astype(np.int64), window))]
+        starts = _budget_starts(self.lengths[flat], self.max_tokens, self.sort_window)
+        return BatchPlan(flat, np.append(starts, len(order)))
 
     def _epoch_order(self, epoch: int) -> np.ndarray:
         """Every rank's batch numbers of ``epoch`` in order; rank ``r`` takes ``[r::num_replicas]``."""
@@ -347,15 +343,17 @@ class TokenBudgetSampler(DistributedSampler):
         return real / max(padded, 1)
 
 
-def _budget_starts(lengths: np.ndarray, max_tokens: int) -> np.ndarray:
-    """Where each batch starts in a window sorted longest first, packed greedily to ``max_tokens``
-    padded tokens (:func:`pack_by_token_budget` on sorted lengths): a batch's first sample is its
-    longest, so it takes ``max_tokens // that length`` samples (at least one)."""
+def _budget_starts(lengths: np.ndarray, max_tokens: int, window: int) -> np.ndarray:
+    """Where each batch starts in windows of ``window`` samples, each sorted longest first, packed
+    greedily to ``max_tokens`` padded tokens (:func:`pack_by_token_budget` on sorted lengths, no
+    batch across windows): a batch's first sample is its longest, so it takes ``max_tokens // that
+    length`` samples (at least one; samples of length 0 share one batch)."""
     starts, at, n = [], 0, len(lengths)
     while at < n:
         starts.append(at)
+        end = min(n, (at // window + 1) * window)
         longest = int(lengths[at])
-        at += max(1, max_tokens // longest) if longest else n - at  # empty samples: one batch
+        at = min(end, at + max(1, max_tokens // longest)) if longest else end
     return np.asarray(starts, dtype=np.int64)
 
 
