@@ -113,15 +113,16 @@ def pad_batches_to_multiple(batches: list[list[int]], multiple: int, lengths: Se
 class BatchPlan:
     """An epoch's batches of sample indices as two numpy arrays, not a list of Python lists.
 
-    ``flat`` holds every batch's indices one after another (int64, 8 bytes a sample served) and
-    ``offsets`` where each batch starts (int64, 8 bytes a batch, plus one). At ten million rows a
-    list of lists holds a Python int per row in every rank's private memory (about 36 bytes each,
-    0.36 GB a rank, more while it is built); these arrays hold 8 bytes a row. ``plan[i]`` is batch
+    ``flat`` holds every batch's indices one after another (int32, 4 bytes a sample served; int64
+    past 2**31 samples) and ``offsets`` where each batch starts (int64, 8 bytes a batch, plus one).
+    At ten million rows a list of lists holds a Python int per row in every rank's private memory
+    (about 36 bytes each, 0.36 GB a rank, more while it is built); these arrays hold 4 bytes a row. ``plan[i]`` is batch
     ``i`` as a list of ints, made when it is served; iterating yields every batch in turn.
     """
 
     def __init__(self, flat: np.ndarray, offsets: np.ndarray) -> None:
-        self.flat = np.ascontiguousarray(flat, dtype=np.int64)
+        wide = len(flat) and int(np.max(flat)) >= 2**31
+        self.flat = np.ascontiguousarray(flat, dtype=np.int64 if wide else np.int32)
         self.offsets = np.ascontiguousarray(offsets, dtype=np.int64)
 
     @classmethod

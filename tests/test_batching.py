@@ -145,7 +145,7 @@ def test_the_numpy_plan_is_the_list_packers_plan(max_tokens, sort_window):
 @pytest.mark.parametrize("kind", ["max_tokens", "batch_size", "prompts"])
 def test_the_plan_holds_eight_bytes_a_row_and_a_batch(kind):
     """At ten million rows a list of lists held a Python int per row in every rank (about 36 bytes
-    each); the plan is two int64 arrays: 8 bytes a sample served plus 8 bytes a batch (and one)."""
+    each); the plan is two arrays: 4 bytes a sample served (int32) plus 8 bytes a batch (and one)."""
     from lightning_mem.batching import BatchPlan
     from lightning_mem.data.prompts import FullBatchSampler
 
@@ -157,9 +157,9 @@ def test_the_plan_holds_eight_bytes_a_row_and_a_batch(kind):
         options = {"max_tokens": 512} if kind == "max_tokens" else {"batch_size": 8}
         sampler = TokenBudgetSampler(lengths, num_replicas=2, seed=0, weights=lengths, **options)
     plan = sampler.batches
-    assert type(plan) is BatchPlan and plan.flat.dtype == plan.offsets.dtype == np.int64
+    assert type(plan) is BatchPlan and plan.flat.dtype == np.int32 and plan.offsets.dtype == np.int64
     served = int(plan.sizes().sum())
-    assert plan.nbytes == 8 * served + 8 * (len(plan) + 1)
+    assert plan.nbytes == 4 * served + 8 * (len(plan) + 1)
     assert served == (rows // 8 // 2 * 2 * 8 if kind == "prompts" else rows)
     assert sampler.lengths.dtype == np.int32  # the cache's column, shared: no copy per sampler
     if kind != "prompts":

@@ -267,3 +267,8 @@ def take_ragged(dataset: Any, indices: Any, name: str) -> list[np.ndarray]:
     values = np.concatenate(pieces)
     ends = np.cumsum([len(piece) for piece in pieces])
     return [values[end - len(piece) : end] for piece, end in zip(pieces, ends)]
+
+
+def narrow_index(positions: np.ndarray) -> np.ndarray:
+    """Row positions as int32 while they fit (4 bytes a row, not numpy's 8): every rank keeps one."""
+    return positions.astype(np.int32) if not len(positions) or positions.max() < 2**31 else positions

@@ -29,6 +29,7 @@ from lightning_mem.data.cache import (
     column,
     default_cache_root,
     map_rows,
+    narrow_index,
     open_arrow,
     parse_rows,
     raw_rows,
@@ -123,7 +124,7 @@ class PromptDataset(Dataset):
 
     def __init__(self, table: Any) -> None:
         self.table = table
-        self.positions = np.flatnonzero(column(table, "status") == KEPT)
+        self.positions = narrow_index(np.flatnonzero(column(table, "status") == KEPT))  # 4 bytes a row
         self.lengths: np.ndarray = column(table, "length")[self.positions]
         self.rows = _Rows(table, self.positions)
 
