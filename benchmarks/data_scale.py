@@ -1,8 +1,11 @@
-"""The SFT data path at scale: time to the first step and peak RSS per rank, for a cold start and a
-second start, on a generated chat set of 100k-1M rows, 2 CPU ranks over gloo (torchrun).
+"""The data path at scale: time to the first step and each rank's memory (RSS, PSS, USS), for a
+cold start and a second start, on a generated SFT chat set or PPO prompt set of 100k-10M rows, 2 CPU
+ranks over gloo (torchrun).
 
     python benchmarks/data_scale.py generate --rows 1000000 --out /tmp/chat_1m.jsonl
+    python benchmarks/data_scale.py generate --kind prompts --rows 1000000 --out /tmp/prompts_1m.jsonl
     python benchmarks/data_scale.py run --data /tmp/chat_1m.jsonl --code . --label after --num-proc 2
+    python benchmarks/data_scale.py run --recipe ppo --data /tmp/prompts_1m.jsonl --num-proc 2
     python benchmarks/data_scale.py run --data /tmp/chat_100k.jsonl --code /tmp/before --label before
 
 ``generate`` writes a seeded synthetic chat set whose lengths look like real instruction data:
@@ -10,12 +13,24 @@ prompt and response lengths (characters; the tiny tokenizer is one token a chara
 log-normal distributions (medians 140 and 260, long right tails, clipped to 4096), four in five
 rows ``prompt``/``completion`` and one in five a two-turn ``messages`` conversation.
 
-``run`` starts the SFT recipe (``configs/sft/tiny_cpu.yaml``, 2 ranks under ``torchrun``, the
-checkout ``--code``) on that file for one step, twice: a cold start (an empty tokenized cache for
+``--kind prompts`` writes PPO prompt rows (``prompt`` of the same prompt lengths, ``answer``).
+
+``run`` starts the SFT recipe (``configs/sft/tiny_cpu.yaml``; ``--recipe ppo``:
+``configs/ppo/tiny_cpu.yaml`` from the random-init tiny model) under ``torchrun``, 2 ranks, the
+checkout ``--code``, on that file for one step, twice: a cold start (an empty tokenized cache for
 code that has one) and a second start (the cache of the first). A callback (written to a temporary
 folder and put on ``PYTHONPATH``, so that any checkout can run it) records on every rank, at the
-end of the first training step, the wall time since the launch and the rank's peak RSS
-(``getrusage`` ``ru_maxrss``: the largest the process ever was). Prints one JSON line per start.
+end of the first training step, the wall time since the launch, the rank's peak RSS (``getrusage``
+``ru_maxrss``: the largest the process ever was) and, from ``psutil``'s ``memory_full_info()``:
+
+- ``rss``: resident pages, shared ones included: the memory-mapped token ids count here once
+  touched, in every rank, though the page cache holds them once per machine;
+- ``pss``: each shared page divided by the processes that map it: summed over the ranks, what
+  they take from the machine;
+- ``uss``: pages only this rank holds (its heap, its private arrays): what each more rank adds.
+
+Run it once on a file of a few hundred rows for the no-data start that the others are read
+against. Prints one JSON line per start.
 """
 
 from __future__ import annotations
@@ -36,15 +51,19 @@ ROOT = Path(__file__).resolve().parents[1]
 
 PROBE = '''
 import json, os, resource, time
+import psutil
 from lightning.pytorch.callbacks import Callback
 
 class FirstStepProbe(Callback):
-    """Writes the time and this rank's peak RSS at the end of the first training step."""
+    """Writes the time and this rank's memory (peak RSS; RSS, PSS, USS now) at the end of the first
+    training step."""
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if batch_idx == 0:
             out = os.environ["DATA_SCALE_PROBE"]
+            now = psutil.Process().memory_full_info()
             with open(f"{out}/rank{trainer.global_rank}.json", "w") as f:
-                json.dump({"t": time.time(), "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}, f)
+                json.dump({"t": time.time(), "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+                           "rss": now.rss, "pss": now.pss, "uss": now.uss}, f)
             trainer.should_stop = True  # every rank runs this, so they stop together
 '''
 
@@ -57,7 +76,7 @@ def _text(rng: np.random.Generator, chars: int) -> str:
     return " ".join(words)[:chars]
 
 
-def generate(rows: int, out: Path, seed: int = 0) -> None:
+def generate(rows: int, out: Path, seed: int = 0, kind: str = "chat") -> None:
     rng = np.random.default_rng(seed)
     prompt_len = np.clip(rng.lognormal(np.log(140), 0.9, size=rows), 8, 4096).astype(int)
     response_len = np.clip(rng.lognormal(np.log(260), 0.8, size=rows), 2, 4096).astype(int)
@@ -66,7 +85,9 @@ def generate(rows: int, out: Path, seed: int = 0) -> None:
     with out.open("w") as f:
         for i in range(rows):
             p, r = _text(rng, int(prompt_len[i])), _text(rng, int(response_len[i]))
-            if conversation[i]:
+            if kind == "prompts":
+                row = {"prompt": p, "answer": str(int(response_len[i]))}
+            elif conversation[i]:
                 half_p, half_r = len(p) // 2, len(r) // 2
                 row = {"messages": [{"role": "user", "content": p[:half_p]}, {"role": "assistant", "content": r[:half_r]},
                                     {"role": "user", "content": p[half_p:] or "go on"}, {"role": "assistant", "content": r[half_r:] or "ok"}]}
@@ -80,20 +101,32 @@ def generate(rows: int, out: Path, seed: int = 0) -> None:
           f" p99 {np.percentile(response_len, 99):.0f}", file=sys.stderr)
 
 
-def start(code: Path, data: Path, extra: list[str], threads: int, timeout: int) -> dict:
-    """One 2-rank start of the SFT recipe, stopped after its first step; the probe's figures per rank.
-    (``max_steps`` stays a real run's size: the recipe refuses a warm-up longer than the run.)"""
+#: Each recipe's command line after ``--config``: its data on the generated file, one step's worth.
+RECIPE_ARGS = {
+    "sft": ["--data.val_file", "null", "--data.max_length", "256", "--data.max_tokens_per_batch", "1024",
+            "--trainer.max_steps", "100"],
+    "ppo": ["--data.max_prompt_length", "256", "--data.batch_size", "4", "--model.generation.max_new_tokens", "4",
+            "--trainer.max_epochs", "1"],
+}
+
+
+def _per_rank(ranks: list[dict], key: str) -> list[float]:
+    return [round(r[key] / 1e9, 3) for r in ranks]
+
+
+def start(code: Path, data: Path, extra: list[str], threads: int, timeout: int, recipe: str = "sft") -> dict:
+    """One 2-rank start of a recipe, stopped after its first step; the probe's figures per rank.
+    (SFT's ``max_steps`` stays a real run's size: the recipe refuses a warm-up longer than the run.)"""
     probe_dir = Path(tempfile.mkdtemp(prefix="data_scale_"))
     (probe_dir / "first_step_probe.py").write_text(PROBE)
     env = {**os.environ, "PYTHONPATH": f"{code}:{probe_dir}", "DATA_SCALE_PROBE": str(probe_dir),
            "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "recipes.sft", "fit",
-        "--config", str(code / "configs/sft/tiny_cpu.yaml"), "--trainer.devices", "2", "--trainer.max_steps", "100",
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", f"recipes.{recipe}", "fit",
+        "--config", str(code / f"configs/{recipe}/tiny_cpu.yaml"), "--trainer.devices", "2",
         "--trainer.default_root_dir", str(probe_dir / "run"), "--trainer.limit_val_batches", "0",
         "--trainer.callbacks+=first_step_probe.FirstStepProbe", "--model.name_or_path", str(code / "assets/tiny-llama"),
-        "--data.train_file", str(data), "--data.val_file", "null", "--data.max_length", "256",
-        "--data.max_tokens_per_batch", "1024", *extra,
+        "--data.train_file", str(data), *RECIPE_ARGS[recipe], *extra,
     ]
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=code, env=env, capture_output=True, text=True, timeout=timeout)
@@ -106,6 +139,7 @@ def start(code: Path, data: Path, extra: list[str], threads: int, timeout: int) 
     return {
         "first_step_s": round(max(r["t"] for r in ranks) - t0, 1),
         "peak_rss_gb_per_rank": [round(r["peak_rss_kb"] / 1e6, 2) for r in ranks],
+        **({f"{key}_gb_per_rank": _per_rank(ranks, key) for key in ("rss", "pss", "uss")} if "uss" in ranks[0] else {}),
         "process_wall_s": round(wall, 1),
     }
 
@@ -117,17 +151,19 @@ def main() -> None:
     gen.add_argument("--rows", type=int, default=1_000_000)
     gen.add_argument("--out", type=Path, required=True)
     gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--kind", choices=("chat", "prompts"), default="chat", help="SFT chat rows or PPO prompt rows")
     run = sub.add_parser("run", help="cold and second start of a checkout on a data file")
     run.add_argument("--data", type=Path, required=True)
     run.add_argument("--code", type=Path, default=ROOT, help="the checkout to run (its recipes and lightning_mem)")
     run.add_argument("--label", default="")
+    run.add_argument("--recipe", choices=tuple(RECIPE_ARGS), default="sft")
     run.add_argument("--num-proc", type=int, default=None, help="data.num_proc (code with a tokenized cache only)")
     run.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each rank")
     run.add_argument("--starts", type=int, default=2, help="starts in a row: the first cold, the others on its cache")
     run.add_argument("--timeout", type=int, default=7200)
     args = parser.parse_args()
     if args.command == "generate":
-        generate(args.rows, args.out, args.seed)
+        generate(args.rows, args.out, args.seed, args.kind)
         return
     code = args.code.resolve()
     cached = (code / "lightning_mem/data/cache.py").exists()
@@ -137,8 +173,8 @@ def main() -> None:
         extra = ["--data.cache_dir", str(cache_dir)] + (["--data.num_proc", str(args.num_proc)] if args.num_proc else [])
     try:
         for i in range(args.starts):
-            result = start(code, args.data.resolve(), extra, args.threads, args.timeout)
-            row = {"label": args.label, "start": "cold" if i == 0 else "second", "rows": sum(1 for _ in args.data.open("rb")),
+            result = start(code, args.data.resolve(), extra, args.threads, args.timeout, args.recipe)
+            row = {"label": args.label, "recipe": args.recipe, "start": "cold" if i == 0 else "second", "rows": sum(1 for _ in args.data.open("rb")),
                    "cache": cached, "num_proc": args.num_proc if cached else None, **result,
                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_1m": round(os.getloadavg()[0], 2)}
             print(json.dumps(row), flush=True)

@@ -110,6 +110,83 @@ def pad_batches_to_multiple(batches: list[list[int]], multiple: int, lengths: Se
     return [list(b) for b in batches] + extra
 
 
+class BatchPlan:
+    """An epoch's batches of sample indices as two numpy arrays, not a list of Python lists.
+
+    ``flat`` holds every batch's indices one after another (int32, 4 bytes a sample served; int64
+    past 2**31 samples) and ``offsets`` where each batch starts (int64, 8 bytes a batch, plus one).
+    At ten million rows a list of lists holds a Python int per row in every rank's private memory
+    (about 36 bytes each, 0.36 GB a rank, more while it is built); these arrays hold 4 bytes a row. ``plan[i]`` is batch
+    ``i`` as a list of ints, made when it is served; iterating yields every batch in turn.
+    """
+
+    def __init__(self, flat: np.ndarray, offsets: np.ndarray) -> None:
+        wide = len(flat) and int(np.max(flat)) >= 2**31
+        self.flat = np.ascontiguousarray(flat, dtype=np.int64 if wide else np.int32)
+        self.offsets = np.ascontiguousarray(offsets, dtype=np.int64)
+
+    @classmethod
+    def from_lists(cls, batches: Sequence[Sequence[int]]) -> BatchPlan:
+        sizes = np.fromiter((len(b) for b in batches), dtype=np.int64, count=len(batches))
+        flat = np.fromiter((i for b in batches for i in b), dtype=np.int64, count=int(sizes.sum()))
+        return cls(flat, np.concatenate(([0], np.cumsum(sizes))))
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: int) -> list[int]:
+        return self.flat[self.offsets[i] : self.offsets[i + 1]].tolist()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return (self[i] for i in range(len(self)))
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.nbytes + self.offsets.nbytes
+
+    def sizes(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def reduce(self, ufunc: np.ufunc, values: np.ndarray) -> np.ndarray:
+        """``ufunc`` over each batch of ``values[index]`` (``np.maximum``: each batch's longest)."""
+        if not len(self):
+            return values[:0]
+        return ufunc.reduceat(values[self.flat], self.offsets[:-1])
+
+    def padded_tokens(self, lengths: np.ndarray) -> np.ndarray:
+        """Each batch's right-padded size, ``longest x count``."""
+        return self.reduce(np.maximum, lengths).astype(np.int64) * self.sizes()
+
+
+def _split_plan_to_multiple(plan: BatchPlan, multiple: int, lengths: np.ndarray) -> BatchPlan:
+    """:func:`split_batches_to_multiple` on a :class:`BatchPlan`, with the same choices: the batch
+    of most padded tokens (then most samples, then the first) that holds more than one sample is
+    split in two, until the count is a multiple or no batch can be split."""
+    offsets = plan.offsets
+    while (len(offsets) - 1) % multiple:
+        step = BatchPlan(plan.flat, offsets)
+        sizes = step.sizes()
+        cost = np.where(sizes > 1, step.padded_tokens(lengths), -1)
+        if not len(cost) or cost.max() < 0:
+            break
+        i = int(np.argmax(np.where(cost == cost.max(), sizes, -1)))
+        offsets = np.insert(offsets, i + 1, offsets[i] + sizes[i] // 2)
+    return BatchPlan(plan.flat, offsets)
+
+
+def _pad_plan_to_multiple(plan: BatchPlan, multiple: int, lengths: np.ndarray) -> BatchPlan:
+    """:func:`pad_batches_to_multiple` on a :class:`BatchPlan`: repeats of the cheapest batches
+    (padded tokens, then the first) appended until the count is a multiple."""
+    missing = -len(plan) % multiple
+    if not missing or not len(plan):
+        return plan
+    cheapest = np.lexsort((np.arange(len(plan)), plan.padded_tokens(lengths)))
+    extra = [plan[int(cheapest[k % len(cheapest)])] for k in range(missing)]
+    tail = BatchPlan.from_lists(extra)
+    return BatchPlan(np.concatenate((plan.flat, tail.flat)),
+                     np.concatenate((plan.offsets, plan.offsets[-1] + tail.offsets[1:])))
+
+
 class MicroBatch(list):
     """One micro-batch's sample indices, with the summed ``weights`` (e.g. label tokens) of every
     micro-batch of the same optimizer step on *all* ranks: the denominator of a token-mean loss
@@ -170,8 +247,11 @@ class TokenBudgetSampler(DistributedSampler):
         # DistributedSampler only needs a sized dataset; the lengths array is one.
         super().__init__(lengths, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
         # Arrays, not lists: a million-row set's lengths come from the tokenized cache's int32
-        # column without a Python int per row (int64 here so that length x count cannot overflow).
-        self.lengths = np.asarray(lengths, dtype=np.int64)
+        # column without a Python int per row, and are shared, not copied (padded sizes are
+        # computed in int64: a length times a count).
+        self.lengths = np.asarray(lengths)
+        if self.lengths.dtype.kind not in "iu":
+            self.lengths = self.lengths.astype(np.int64)
         self.max_tokens = max_tokens
         self.batch_size = batch_size
         self.sort_window = sort_window
@@ -179,20 +259,27 @@ class TokenBudgetSampler(DistributedSampler):
             raise ValueError(f"`weights` has {len(weights)} entries for {len(self.lengths)} samples")
         if accumulate_grad_batches < 1:
             raise ValueError(f"`accumulate_grad_batches` must be >= 1, got {accumulate_grad_batches}")
-        self.weights = None if weights is None else np.asarray(weights, dtype=np.float64)
         self.accumulate_grad_batches = accumulate_grad_batches
         self.position_fn: Callable[[], int] | None = None
         self.batches = self._plan()
+        # Each batch's summed weight (8 bytes a batch), for the steps' totals; nothing per row is kept.
+        self.batch_weights = (None if weights is None
+                              else self.batches.reduce(np.add, np.asarray(weights, dtype=np.float64)))
 
-    def _plan(self) -> list[list[int]]:
-        order = list(range(len(self.lengths)))
+    def _order(self) -> np.ndarray:
+        """The (seeded) sample order the plan groups: int64, 8 bytes a sample."""
         if self.shuffle:
             g = torch.Generator().manual_seed(self.seed)
-            order = torch.randperm(len(order), generator=g).tolist()
-        batches = self._group(order)
-        batches = split_batches_to_multiple(batches, self.num_replicas, self.lengths)
+            return torch.randperm(len(self.lengths), generator=g).numpy()
+        return np.arange(len(self.lengths), dtype=np.int64)
+
+    def _plan(self) -> BatchPlan:
+        batches = self._group(self._order())
+        if not isinstance(batches, BatchPlan):  # a subclass's grouping as lists
+            batches = BatchPlan.from_lists(batches)
+        batches = _split_plan_to_multiple(batches, self.num_replicas, self.lengths)
         planned = len(batches)
-        batches = pad_batches_to_multiple(batches, self.num_replicas, self.lengths)
+        batches = _pad_plan_to_multiple(batches, self.num_replicas, self.lengths)
         #: Batches served twice per epoch so that every rank gets the same step count (see
         #: :func:`pad_batches_to_multiple`); 0 unless there are fewer samples than ranks or every
         #: batch is a single sample.
@@ -206,59 +293,69 @@ class TokenBudgetSampler(DistributedSampler):
             )
         return batches
 
-    def _group(self, order: list[int]) -> list[list[int]]:
+    def _group(self, order: np.ndarray) -> BatchPlan | list[list[int]]:
         """The epoch-independent batches of the (seeded) sample ``order``; a subclass may group
         differently (:class:`lightning_mem.data.packing.PackedBatchSampler` packs rows)."""
         if self.batch_size is not None:
-            return [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
-        batches = []
-        for start in range(0, len(order), self.sort_window):
-            window = np.asarray(order[start : start + self.sort_window], dtype=np.int64)
-            # Longest first; a stable sort keeps the shuffled order among equal lengths.
-            window = window[np.argsort(-self.lengths[window], kind="stable")].tolist()
-            batches += pack_by_token_budget(window, self.lengths, self.max_tokens)
-        return batches
+            return BatchPlan(order, np.append(np.arange(0, len(order), self.batch_size), len(order)))
+        # Windows of ``sort_window`` samples, each longest first; a stable sort keeps the shuffled
+        # order among equal lengths. One sort of the whole order, not one per window.
+        window = np.arange(len(order), dtype=np.int64) // self.sort_window
+        flat = order[np.lexsort((-self.lengths[order].astype(np.int64), window))]
+        starts = _budget_starts(self.lengths[flat], self.max_tokens, self.sort_window)
+        return BatchPlan(flat, np.append(starts, len(order)))
 
-    def _epoch_order(self, epoch: int) -> list[list[int]]:
-        """Every rank's batches of ``epoch`` in order; rank ``r`` takes ``[r::num_replicas]``."""
-        order = range(len(self.batches))
+    def _epoch_order(self, epoch: int) -> np.ndarray:
+        """Every rank's batch numbers of ``epoch`` in order; rank ``r`` takes ``[r::num_replicas]``."""
         if self.shuffle:
             g = torch.Generator().manual_seed(self.seed + 1 + epoch)
-            order = torch.randperm(len(self.batches), generator=g).tolist()
-        return [self.batches[i] for i in order]
+            return torch.randperm(len(self.batches), generator=g).numpy()
+        return np.arange(len(self.batches), dtype=np.int64)
 
     def _epoch_batches(self, epoch: int) -> list[list[int]]:
-        return self._epoch_order(epoch)[self.rank :: self.num_replicas]
+        return [self.batches[int(i)] for i in self._epoch_order(epoch)[self.rank :: self.num_replicas]]
 
-    def _step_weights(self, ordered: list[list[int]]) -> list[float]:
+    def _step_weights(self, ordered: np.ndarray) -> np.ndarray:
         """Per local batch position, the total weight of its optimizer step over all ranks."""
         per_rank, world, accumulate = len(self), self.num_replicas, self.accumulate_grad_batches
-        totals = []
-        for start in range(0, per_rank, accumulate):
-            stop = min(start + accumulate, per_rank)
-            step = ordered[start * world : stop * world]  # local positions start..stop-1 of every rank
-            totals.append(float(sum(self.weights[i] for batch in step for i in batch)))
-        return [totals[position // accumulate] for position in range(per_rank)]
+        # Batch j of the epoch's order is local position j // world of rank j % world.
+        step_of = np.arange(per_rank * world) // world // accumulate
+        totals = np.bincount(step_of, weights=self.batch_weights[ordered[: per_rank * world]])
+        return totals[np.arange(per_rank) // accumulate]
 
     def __iter__(self) -> Iterator[list[int]]:  # type: ignore[override]
         epoch, skip = self.epoch, 0
         if self.position_fn is not None:
             epoch, skip = divmod(self.position_fn(), len(self))
         ordered = self._epoch_order(epoch)
-        batches = ordered[self.rank :: self.num_replicas]
-        if self.weights is None:
-            return iter(batches[skip:])
+        mine = ordered[self.rank :: self.num_replicas][: len(self)]
+        if self.batch_weights is None:
+            return (self.batches[int(b)] for b in mine[skip:])
         step_weights = self._step_weights(ordered)
-        return iter(_with_weight(batches[i], step_weights[i]) for i in range(skip, len(batches)))
+        return (_with_weight(self.batches[int(mine[i])], float(step_weights[i])) for i in range(skip, len(mine)))
 
     def __len__(self) -> int:
         return len(self.batches) // self.num_replicas
 
     def padding_efficiency(self) -> float:
         """Real tokens / padded tokens over the plan: 1.0 means no padding at all."""
-        real = sum(self.lengths[i] for b in self.batches for i in b)
-        padded = sum(padded_tokens([self.lengths[i] for i in b]) for b in self.batches)
+        real = int(self.lengths[self.batches.flat].sum())
+        padded = int(self.batches.padded_tokens(self.lengths).sum())
         return real / max(padded, 1)
+
+
+def _budget_starts(lengths: np.ndarray, max_tokens: int, window: int) -> np.ndarray:
+    """Where each batch starts in windows of ``window`` samples, each sorted longest first, packed
+    greedily to ``max_tokens`` padded tokens (:func:`pack_by_token_budget` on sorted lengths, no
+    batch across windows): a batch's first sample is its longest, so it takes ``max_tokens // that
+    length`` samples (at least one; samples of length 0 share one batch)."""
+    starts, at, n = [], 0, len(lengths)
+    while at < n:
+        starts.append(at)
+        end = min(n, (at // window + 1) * window)
+        longest = int(lengths[at])
+        at = min(end, at + max(1, max_tokens // longest)) if longest else end
+    return np.asarray(starts, dtype=np.int64)
 
 
 def _with_weight(indices: list[int], step_weight: float) -> MicroBatch:

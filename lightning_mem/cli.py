@@ -442,13 +442,11 @@ def _count_steps_in_progress_bar(trainer: Any) -> None:
 def check_numbers(config: Any) -> None:
     """Fail on settings that would only fail deep inside torch or Lightning, naming the key.
 
-    ``trainer.accumulate_grad_batches`` < 1 (a ZeroDivisionError later) and any negative or
-    non-finite ``...init_args.lr`` (an optimizer's or scheduler's).
+    The trainer's counts (:func:`check_trainer_numbers`) and any negative or non-finite
+    ``...init_args.lr`` (an optimizer's or scheduler's).
     """
     flat = config.as_dict() if hasattr(config, "as_dict") else dict(config)
-    accumulate = flat.get("trainer", {}).get("accumulate_grad_batches")
-    if accumulate is not None and (isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1):
-        raise SettingError("trainer.accumulate_grad_batches", f" must be an int >= 1, got {accumulate!r}")
+    check_trainer_numbers(flat.get("trainer") or {})
 
     def walk(node: Any, key: str) -> None:
         if isinstance(node, dict):
@@ -459,6 +457,43 @@ def check_numbers(config: Any) -> None:
                 raise SettingError(key, f" must be a finite learning rate >= 0, got {node!r}")
 
     walk(flat, "")
+
+
+#: The trainer's integer counts and the least value each takes (the parser has checked they are
+#: ints). Below it, Lightning raises from the Trainer's constructor or its loops (a traceback after
+#: the model is built), or ``accumulate_grad_batches`` divides by zero later.
+TRAINER_LEAST: dict[str, tuple[int, str]] = {
+    "max_steps": (-1, " (-1: no limit)"),
+    "max_epochs": (-1, " (-1: no limit)"),
+    "min_steps": (0, ""),
+    "min_epochs": (0, ""),
+    "accumulate_grad_batches": (1, ""),
+    "num_nodes": (1, ""),
+    "check_val_every_n_epoch": (1, ""),
+    "reload_dataloaders_every_n_epochs": (0, ""),
+    "log_every_n_steps": (0, ""),
+    "num_sanity_val_steps": (-1, " (-1: every validation batch)"),
+}
+#: Batch limits: a fraction in [0, 1] or a whole number of batches (Lightning's own rule).
+TRAINER_BATCH_LIMITS = ("limit_train_batches", "limit_val_batches", "limit_test_batches",
+                        "limit_predict_batches", "overfit_batches", "val_check_interval")
+
+
+def check_trainer_numbers(trainer: dict[str, Any]) -> None:
+    """Raise a :class:`SettingError` naming the first ``trainer.<key>`` whose number Lightning would
+    refuse (``max_steps: -5``), so that it fails as one line before any model is built."""
+    for key, (least, note) in TRAINER_LEAST.items():
+        value = trainer.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise SettingError(f"trainer.{key}", f" must be an int >= {least}{note}, got {value!r}")
+    for key in TRAINER_BATCH_LIMITS:
+        value = trainer.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue  # None, or a time for val_check_interval ("00:00:10:00"), which Lightning parses
+        if not (0 <= value <= 1 or (value > 1 and float(value).is_integer())):
+            raise SettingError(f"trainer.{key}", f" must be a fraction in [0, 1] or a whole number of batches, got {value!r}")
 
 
 def _dataclass_in(annotation: Any) -> type | None:

@@ -19,7 +19,9 @@ Two ways through the output layer:
   cast to the compute dtype (autocast's) **once in the forward**, whatever the chunk count, and
   its gradient is written once. With one chunk and no entropy (SFT's cross-entropy) the gradients
   are computed in the forward and backward only scales them; otherwise backward recomputes the
-  logits in vocabulary slices, casting each slice of the weight once more (no compute-dtype copy
+  logits in vocabulary slices over all rows, each slice's transient within one and a half chunks
+  of fp32 logits (so lowering ``chunk_size`` lowers the backward's peak too), casting each slice
+  of the weight once more (no compute-dtype copy
   is kept from forward to backward: it would sit at the step's peak). Lightning's bf16-mixed autocast runs
   with its cast cache off, so calling the head per chunk (and again per recompute) cast the fp32
   weight twice per chunk and its gradient once per chunk, plus an fp32 add per chunk.
@@ -150,11 +152,33 @@ def _score_chunk(
 #: 441 rows at a 151,936-token vocabulary, the whole micro-batch below 2**26 / vocab rows).
 AUTO_CHUNK_ELEMENTS = 2**26
 
-#: Logit elements per ``[rows, vocabulary slice]`` of the recomputing backward (128 MiB in fp32,
-#: with its 64 MiB compute-dtype copy). It runs while the weight's gradient (fp32) and every saved
-#: activation are alive, the step's peak: at the Qwen2.5-0.5B architecture with 8 x 1,024 tokens,
-#: 2**26 put the estimated peak 0.19 GiB higher (docs/benchmarks.md).
+#: Logit elements per ``[rows, vocabulary slice]`` of the recomputing backward at most (128 MiB in
+#: fp32, with its 64 MiB compute-dtype copy). It runs while the weight's gradient (fp32) and every
+#: saved activation are alive, the step's peak: at the Qwen2.5-0.5B architecture with 8 x 1,024
+#: tokens, 2**26 put the estimated peak 0.19 GiB higher (docs/benchmarks.md). A smaller chunk
+#: narrows the slice further (:func:`backward_slice_width`).
 BACKWARD_SLICE_ELEMENTS = 2**25
+
+
+def backward_slice_width(n: int, vocab: int, hidden: int, rows: int, *, compute_bytes: int,
+                         weight_copy_bytes: int, entropy: bool) -> int:
+    """Vocabulary columns per slice of the recomputing backward over ``n`` rows.
+
+    A user lowers ``chunk_size`` (``rows``) to fit: the backward's transient must fall with it, to
+    at most one and a half chunks of fp32 logits (``rows x vocab x 4`` bytes). Beside the slice, the
+    backward holds two ``[n, hidden]`` tensors in the compute dtype (the rows' cast, a slice's
+    product with the weight); each column of a slice holds ``n`` fp32 logits turned into their
+    gradient in place, their compute-dtype copy (``compute_bytes``, 0 in fp32), the probabilities
+    under an entropy gradient, and a row of the weight (``weight_copy_bytes``: its cast and the
+    gradient product before its cast). Narrower than needed costs time (many small products).
+    At most :data:`BACKWARD_SLICE_ELEMENTS` logits a slice, at least one column.
+    """
+    chunk = min(rows, n) * vocab * 4
+    beside = 2 * n * hidden * (compute_bytes or 4)
+    budget = max(chunk * 3 // 2 - beside, chunk)  # a chunk too small for the rows' own tensors: one chunk
+    per_column = n * (4 + compute_bytes + (4 if entropy else 0)) + hidden * weight_copy_bytes
+    width = min(budget // max(per_column, 1), BACKWARD_SLICE_ELEMENTS // max(n, 1), vocab)
+    return max(1, width)
 
 
 def rows_per_chunk(chunk_size: int | str | None, rows: int, vocab: int) -> int:
@@ -322,7 +346,7 @@ class _FusedScores(torch.autograd.Function):
                 del grad, p
         if not with_entropy or not entropy_grad:
             ctx.mark_non_differentiable(entropy)
-        ctx.temperature, ctx.dtype = temperature, dtype
+        ctx.temperature, ctx.dtype, ctx.rows = temperature, dtype, rows
         ctx.entropy_grad = with_entropy and entropy_grad
         ctx.eager = (dh, dw, db, dl) if eager else None
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy if with_entropy else None)
@@ -350,7 +374,7 @@ class _FusedScores(torch.autograd.Function):
             return gh, gw, gb, None, None, None, None, None, None
         del eager
         return (*_recomputed_grads(hidden, weight, bias, targets, lse, entropy, g_lp, g_ent, ctx.temperature,
-                                   ctx.dtype, (want_h, want_w, want_b)),
+                                   ctx.dtype, ctx.rows, (want_h, want_w, want_b)),
                 None, None, None, None, None, None)
 
 
@@ -366,11 +390,12 @@ def _scaled(grad: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.mul(grad, scale, out=out)  # scaled and cast in one pass
 
 
-def _recomputed_grads(hidden, weight, bias, targets, lse, entropy, g_lp, g_ent, temperature, dtype, wants):
+def _recomputed_grads(hidden, weight, bias, targets, lse, entropy, g_lp, g_ent, temperature, dtype, rows, wants):
     """Gradients w.r.t. hidden, weight and bias for per-token upstream gradients, in vocabulary
-    slices over all rows: each slice's logits are made again from that slice of the weight, cast to
-    the compute dtype here (the forward keeps no compute-dtype copy of the weight for backward), and
-    each slice of the weight gradient is written once (no accumulation over chunks)."""
+    slices over all rows (as wide as one chunk of ``rows`` allows, :func:`backward_slice_width`):
+    each slice's logits are made again from that slice of the weight, cast to the compute dtype
+    here (the forward keeps no compute-dtype copy of the weight for backward), and each slice of the
+    weight gradient is written once (no accumulation over chunks)."""
     want_h, want_w, want_b = wants
     n, vocab = hidden.shape[0], weight.shape[0]
     with torch.autocast(weight.device.type, enabled=False):
@@ -378,7 +403,11 @@ def _recomputed_grads(hidden, weight, bias, targets, lse, entropy, g_lp, g_ent, 
         gh = hidden.new_zeros(hidden.shape, dtype=torch.float32) if want_h else None
         gw = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device) if want_w else None
         gb = torch.empty(vocab, dtype=bias.dtype, device=weight.device) if want_b else None
-        width = max(1, min(vocab, BACKWARD_SLICE_ELEMENTS // max(n, 1)))
+        size = torch.empty((), dtype=dtype).element_size()
+        width = backward_slice_width(
+            n, vocab, weight.shape[1], rows, compute_bytes=0 if dtype == torch.float32 else size,
+            weight_copy_bytes=(size if weight.dtype != dtype else 0) + (size if want_w and weight.dtype != dtype else 0),
+            entropy=g_ent is not None)
         g_lp = g_lp.float().unsqueeze(-1)
         for start in range(0, vocab, width):
             stop = min(start + width, vocab)

@@ -1,6 +1,13 @@
+import numpy as np
 import pytest
 
-from lightning_mem.batching import TokenBudgetSampler, pack_by_token_budget, padded_tokens, split_batches_to_multiple
+from lightning_mem.batching import (
+    TokenBudgetSampler,
+    pack_by_token_budget,
+    pad_batches_to_multiple,
+    padded_tokens,
+    split_batches_to_multiple,
+)
 
 
 def test_pack_respects_budget_and_keeps_every_index():
@@ -111,3 +118,49 @@ def test_property_every_sample_served_once_per_epoch_equal_steps():
 def test_padding_is_announced_once_on_rank_zero():
     with pytest.warns(UserWarning, match="served twice"):
         TokenBudgetSampler([9, 9, 9], max_tokens=10, num_replicas=2, rank=0)
+
+
+# -- the plan's memory per row (issue #45): numpy arrays, not a Python int per row ----------------
+
+
+def _reference_plan(lengths, max_tokens, sort_window, seed, world):
+    """The plan as the list-based packer makes it (the code before the numpy plan)."""
+    import torch
+
+    order = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(seed)).tolist()
+    batches = []
+    for start in range(0, len(order), sort_window):
+        window = sorted(order[start : start + sort_window], key=lambda i: -lengths[i])  # stable
+        batches += pack_by_token_budget(window, lengths, max_tokens)
+    return pad_batches_to_multiple(split_batches_to_multiple(batches, world, lengths), world, lengths)
+
+
+@pytest.mark.parametrize("max_tokens, sort_window", [(128, 512), (40, 7), (1000, 1)])
+def test_the_numpy_plan_is_the_list_packers_plan(max_tokens, sort_window):
+    lengths = [1 + (i * 37) % 61 for i in range(997)]
+    sampler = TokenBudgetSampler(lengths, max_tokens=max_tokens, num_replicas=2, seed=5, sort_window=sort_window)
+    assert list(sampler.batches) == _reference_plan(lengths, max_tokens, sort_window, 5, 2)
+
+
+@pytest.mark.parametrize("kind", ["max_tokens", "batch_size", "prompts"])
+def test_the_plan_holds_eight_bytes_a_row_and_a_batch(kind):
+    """At ten million rows a list of lists held a Python int per row in every rank (about 36 bytes
+    each); the plan is two arrays: 4 bytes a sample served (int32) plus 8 bytes a batch (and one)."""
+    from lightning_mem.batching import BatchPlan
+    from lightning_mem.data.prompts import FullBatchSampler
+
+    rows = 10_007
+    lengths = np.array([1 + (i * 13) % 200 for i in range(rows)], dtype=np.int32)  # as the cache holds them
+    if kind == "prompts":
+        sampler = FullBatchSampler(lengths, batch_size=8, num_replicas=2, seed=0)
+    else:
+        options = {"max_tokens": 512} if kind == "max_tokens" else {"batch_size": 8}
+        sampler = TokenBudgetSampler(lengths, num_replicas=2, seed=0, weights=lengths, **options)
+    plan = sampler.batches
+    assert type(plan) is BatchPlan and plan.flat.dtype == np.int32 and plan.offsets.dtype == np.int64
+    served = int(plan.sizes().sum())
+    assert plan.nbytes == 4 * served + 8 * (len(plan) + 1)
+    assert served == (rows // 8 // 2 * 2 * 8 if kind == "prompts" else rows)
+    assert sampler.lengths.dtype == np.int32  # the cache's column, shared: no copy per sampler
+    if kind != "prompts":
+        assert sampler.batch_weights.dtype == np.float64 and sampler.batch_weights.nbytes == 8 * len(plan)

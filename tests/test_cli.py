@@ -69,6 +69,10 @@ def test_ppo_offers_no_validate(capsys):
     ("override", "message"),
     [
         ("--trainer.accumulate_grad_batches=0", r"`trainer.accumulate_grad_batches` must be an int >= 1, got 0"),
+        ("--trainer.max_epochs=-2", r"`trainer.max_epochs` must be an int >= -1 \(-1: no limit\), got -2"),
+        ("--trainer.num_sanity_val_steps=-3", r"`trainer.num_sanity_val_steps` must be an int >= -1"),
+        ("--trainer.limit_train_batches=1.5", r"`trainer.limit_train_batches` must be a fraction in \[0, 1\] or a whole"),
+        ("--trainer.limit_val_batches=-1", r"`trainer.limit_val_batches` must be a fraction in \[0, 1\] or a whole"),
         ("--model.optimizer.init_args.lr=-0.001", r"`model.optimizer.init_args.lr` must be a finite learning rate >= 0"),
     ],
 )
@@ -267,6 +271,16 @@ def test_the_recipe_command_prints_a_bad_setting_as_one_line(tmp_path):
     assert "Traceback" not in result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert errors == [f"error: `model.name_or_path`: model path '{tmp_path / 'no-such-model'}' does not exist"]
+
+
+def test_a_negative_max_steps_is_one_line_at_the_command_line(tmp_path):
+    # Lightning's own check raises from the Trainer's constructor, after the model is built.
+    result = run_recipe("sft", "fit", "--config", CONFIG, f"--trainer.default_root_dir={tmp_path}",
+                        "--trainer.max_steps", "-5")
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: `trainer.max_steps` must be an int >= -1 (-1: no limit), got -5"]
 
 
 def test_unactionable_library_lines_are_dropped_and_others_kept(caplog):

@@ -262,8 +262,9 @@ N_ROWS, HID = 45, 24
 class WeightTraffic(TorchDispatchMode):
     """Counts, per step, the elements of the output layer's ``[vocab, hidden]`` weight cast to another
     dtype, and the elements of ``[vocab, hidden]`` gradients written in the weight's dtype by an
-    elementwise op (a cast, an add into an accumulator, a copy, a scale) outside the matmuls. (At
-    these sizes the recomputing backward's vocabulary slice is the whole vocabulary.)"""
+    elementwise op (a cast, an add into an accumulator, a copy, a scale) outside the matmuls; a
+    slice of a weight-sized gradient counts its own elements (the recomputing backward writes the
+    gradient a vocabulary slice at a time)."""
 
     CASTS = {"_to_copy", "copy_"}
     WRITES = {"_to_copy", "copy_", "add", "add_", "mul", "mul_"}
@@ -285,8 +286,9 @@ class WeightTraffic(TorchDispatchMode):
                        and source.untyped_storage().data_ptr() == self.weight.untyped_storage().data_ptr())
         if name in self.CASTS and from_weight and result.dtype != self.weight.dtype:
             self.weight_casts += result.numel()
-        elif (name in self.WRITES and result.dtype == self.weight.dtype and tuple(result.shape) == self.shape
-              and result.data_ptr() != self.weight.data_ptr()):
+        elif (name in self.WRITES and result.dtype == self.weight.dtype
+              and result.untyped_storage().nbytes() == self.weight.untyped_storage().nbytes()
+              and result.untyped_storage().data_ptr() != self.weight.untyped_storage().data_ptr()):
             self.gradient_writes += result.numel()
         return out
 
@@ -489,3 +491,76 @@ def test_the_head_keeps_no_weight_copy_into_the_backward_and_slices_its_recomput
     width = BACKWARD_SLICE_ELEMENTS // rows
     assert BACKWARD_SLICE_ELEMENTS < AUTO_CHUNK_ELEMENTS
     assert backward_peak <= gradient + width * rows * 6 + width * hidden * 2 + small
+
+
+# -- the recomputing backward's transient follows the chunk size (issue #45) -------------------------
+
+import weakref  # noqa: E402
+
+from torch.utils._pytree import tree_flatten  # noqa: E402
+from torch.utils.weak import WeakIdKeyDictionary  # noqa: E402
+
+
+class NewStorageBytes(TorchDispatchMode):
+    """Bytes of the storages made inside the mode and still alive, and their peak: exact, also on
+    fake tensors. A storage first seen as an op's input existed before (an in-place op's output is
+    its input's storage); one first seen as an output is new, and counted until it is freed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.now = self.peak = 0
+
+    def _freed(self, nbytes: int) -> None:
+        self.now -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for t in tree_flatten((args, kwargs))[0]:
+            if isinstance(t, torch.Tensor):
+                self.seen.setdefault(t.untyped_storage(), False)
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            storage = t.untyped_storage() if isinstance(t, torch.Tensor) else None
+            if storage is not None and storage not in self.seen:
+                self.seen[storage] = True
+                self.now += storage.nbytes()
+                self.peak = max(self.peak, self.now)
+                weakref.finalize(storage, self._freed, storage.nbytes())
+        return out
+
+
+def _backward_transient(rows: int, chunk_size: int, *, entropy: bool, autocast: bool) -> int:
+    """Peak bytes the head's recomputing backward allocates above the gradients it returns (the
+    weight's fp32, the hidden rows' fp32), for a per-token upstream gradient (PPO's), on fake
+    tensors at Qwen2.5-0.5B's head (151,936 x 896)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    hidden = 896
+    with FakeTensorMode():
+        weight = nn.Parameter(torch.empty(BIG_VOCAB, hidden))
+        states = torch.empty(rows, hidden, requires_grad=True)
+        targets, per_token = torch.zeros(rows, dtype=torch.long), torch.empty(rows)
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False, enabled=autocast):
+            logprobs, ent = fused_logprobs(states, targets, weight, chunk_size=chunk_size, with_entropy=entropy)
+        loss = -(logprobs * per_token).sum() + (ent.sum() if entropy else 0)
+        tracker = NewStorageBytes()
+        with tracker:
+            loss.backward()
+        assert weight.grad is not None and states.grad is not None
+    returned = BIG_VOCAB * hidden * 4 + rows * hidden * 4
+    assert tracker.now == returned  # nothing else outlives the backward
+    return tracker.peak - returned
+
+
+@pytest.mark.parametrize("entropy", [False, True], ids=["logprobs", "entropy"])
+@pytest.mark.parametrize("autocast", [True, False], ids=["bf16", "fp32"])
+def test_the_recomputing_backwards_transient_falls_with_the_chunk(entropy, autocast):
+    """Lowering ``chunk_size`` must lower the backward's peak as well as the forward's: at most one
+    and a half chunks of ``[chunk, vocab]`` fp32 logits, everything it makes counted (the logits'
+    slices, the weight's slices, the rows' casts). Before issue #45 the slices were 2**25 logits
+    whatever the chunk: 6.0x a 64-row chunk at 2,048 rows (bf16), 120x an 8-row one at 128 rows."""
+    transients = {}
+    for rows, chunk in ((2048, 256), (2048, 64), (128, 8)):
+        transients[chunk] = _backward_transient(rows, chunk, entropy=entropy, autocast=autocast)
+        assert transients[chunk] <= 1.5 * chunk * BIG_VOCAB * 4, (chunk, transients[chunk] / (chunk * BIG_VOCAB * 4))
+    assert transients[64] < transients[256] / 2  # a quarter of the chunk: 0.25-0.36 of the transient

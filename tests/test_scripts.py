@@ -63,3 +63,23 @@ def test_plot_metrics_draws_each_column_and_names_a_missing_one(tmp_path):
     assert moving_average([0.5, 0.7, 0.9], 2) == pytest.approx([0.5, 0.6, 0.8])
     with pytest.raises(KeyError, match=r"metrics.csv: no column `reward` \(columns: step, reward_mean, kl\)"):
         plot(metrics, ["reward_mean", "reward"], tmp_path / "x.png")
+
+
+def test_the_readmes_demo_figure_is_the_recorded_runs():
+    """The README's demo sentence states the range that `scripts/demo_figure.py` measured (more
+    than one seed, whole per cents rounded outwards), and that record is of the demo's current
+    config, data and model (rerun the script when they change)."""
+    import math
+    import re
+
+    from scripts.demo_figure import README_CLAIM, RECORD, fingerprint
+    from tests.helpers import REPO
+
+    record = json.loads(RECORD.read_text())
+    assert len(record["greedy_exact"]) >= 2
+    assert record["inputs"] == fingerprint(), "the demo's inputs changed: rerun scripts/demo_figure.py"
+    claim = re.search(README_CLAIM, (REPO / "README.md").read_text())
+    assert claim, "README: no 'answers between X % and Y % of the shipped prompts exactly'"
+    low, high = map(int, claim.groups())
+    rates = record["greedy_exact"].values()
+    assert (low, high) == (math.floor(100 * min(rates)), math.ceil(100 * max(rates)))

@@ -17,7 +17,7 @@ from jsonargparse.typing import PositiveInt
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_mem.batching import TokenBudgetSampler, resume_where_stopped
+from lightning_mem.batching import BatchPlan, TokenBudgetSampler, resume_where_stopped
 from lightning_mem.data.cache import (
     BLANK,
     DROPPED,
@@ -29,6 +29,7 @@ from lightning_mem.data.cache import (
     column,
     default_cache_root,
     map_rows,
+    narrow_index,
     open_arrow,
     parse_rows,
     raw_rows,
@@ -123,7 +124,7 @@ class PromptDataset(Dataset):
 
     def __init__(self, table: Any) -> None:
         self.table = table
-        self.positions = np.flatnonzero(column(table, "status") == KEPT)
+        self.positions = narrow_index(np.flatnonzero(column(table, "status") == KEPT))  # 4 bytes a row
         self.lengths: np.ndarray = column(table, "length")[self.positions]
         self.rows = _Rows(table, self.positions)
 
@@ -162,14 +163,12 @@ class FullBatchSampler(TokenBudgetSampler):
     micro-batches, and so the number of collective calls, follows from it.
     """
 
-    def _plan(self) -> list[list[int]]:
-        order = list(range(len(self.lengths)))
-        if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed)
-            order = torch.randperm(len(order), generator=g).tolist()
+    def _plan(self) -> BatchPlan:
+        order = self._order()
         full = len(order) // self.batch_size * self.batch_size
-        batches = [order[i : i + self.batch_size] for i in range(0, full, self.batch_size)]
-        return batches[: len(batches) - len(batches) % self.num_replicas]
+        count = full // self.batch_size
+        count -= count % self.num_replicas
+        return BatchPlan(order[: count * self.batch_size], np.arange(count + 1, dtype=np.int64) * self.batch_size)
 
 
 class PromptDataModule(LightningDataModule):

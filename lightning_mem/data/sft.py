@@ -28,6 +28,7 @@ from lightning_mem.data.cache import (
     column,
     default_cache_root,
     map_rows,
+    narrow_index,
     open_arrow,
     parse_rows,
     raw_rows,
@@ -179,7 +180,8 @@ class TokenizedDataset(Dataset):
         status = column(table, "status")
         #: Positions of the kept examples in the cached table (dropped rows and blank lines stay
         #: in it, so that nothing had to be rewritten to drop them).
-        self.positions = np.flatnonzero(status == KEPT)
+        # int32 (4 bytes a row) while the table's rows fit it: a private array in every rank.
+        self.positions = narrow_index(np.flatnonzero(status == KEPT))
         self.lengths: np.ndarray = column(table, "length")[self.positions]
         #: Tokens each example is scored on: labels that a previous position predicts (the first
         #: token is never a target).
