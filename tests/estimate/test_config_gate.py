@@ -8,7 +8,7 @@ within 5 %. Every phase's peak must be at most the tier's device memory less the
 The gate is its own step of ``make test`` (marker ``config_gate``, two workers), after the main
 suite. PPO configs are in it too: their estimate runs generation's prefill and last decode
 step, two micro-batches per shape and the first mini-batch (the shortcuts of
-``lightning_mem.estimate.session.EstimateRun``), a minute or two per config on 2 cores, not the
+``lightning_mem.estimate.run.EstimateRun``), a minute or two per config on 2 cores, not the
 whole loops.
 """
 
