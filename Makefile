@@ -50,7 +50,7 @@ test: install
 # The memory estimator's gate over every shipped GPU-tier config: a minute or two of fake-tensor
 # work per config, single-threaded Python, so it runs on two workers as a step of its own.
 test-gate: install
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -m "config_gate and not slow" -n 2 tests/estimate/test_config_gate.py tests/estimate/test_cuda_model.py
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -m "config_gate and not slow" -n 2 --dist loadgroup tests/estimate/test_config_gate.py tests/estimate/test_cuda_model.py
 
 # Every shipped GPU-tier config trains 2 steps on CPU as its tiny twin (the tiny model, lengths cut,
 # gloo ranks; strategy, optimizer, callbacks, memory plan and precision as shipped). Each twin is

@@ -311,7 +311,7 @@ def test_run_sh_ends_with_one_summary_after_a_step_crashes(tmp_path):
 
 
 def _parsed(args: list[str]) -> dict:
-    from lightning_mem.estimate.session import parse_config
+    from lightning_mem.estimate.recipe_config import parse_config
 
     _, config, _ = parse_config("recipes.sft", args)
     as_dict = config.as_dict()

@@ -163,7 +163,7 @@ def test_an_installed_wheel_finds_its_assets_and_knows_its_version(installed_whe
 
 def test_the_estimators_hub_lookup_works_from_an_installed_wheel(installed_wheel, tmp_path):
     probe = (
-        "from lightning_mem.estimate.session import config_folder;"
+        "from lightning_mem.estimate.recipe_config import config_folder;"
         "print(config_folder('meta-llama/Llama-3.1-8B', key='model.name_or_path'))"
     )
     env = {**os.environ, "PYTHONPATH": str(installed_wheel), "HF_HUB_OFFLINE": "1"}

@@ -1,14 +1,17 @@
 """Will it fit? A per-phase, per-rank memory estimate of a recipe config, from the recipe's own
 fit run on fake tensors (``python -m lightning_mem.estimate --config ...``).
 
-See docs/will_it_fit.md. :func:`estimate` is the entry point; :mod:`.tracker` counts the bytes,
-:mod:`.session` runs the recipe's ``Trainer.fit``, :mod:`.report` and :mod:`.suggest` turn it into an
-answer; :func:`measure_fit` (:mod:`.measure`) runs the config's real fit under the same tracker, on
+See docs/will_it_fit.md. :func:`estimate` (:mod:`.estimator`) is the entry point: it parses the
+config (:mod:`.recipe_config`) and runs the recipe's ``Trainer.fit`` on fake tensors (:mod:`.run`,
+:mod:`.fake`), whose phases :mod:`.recorder` records and :mod:`.tracker` counts, one rank's view of
+them under a sharding strategy (:mod:`.sharding`, :mod:`.rank_view`); :mod:`.report` and
+:mod:`.suggest` turn it into an answer; :func:`measure_fit` (:mod:`.measure`) runs the config's real fit under the same tracker, on
 one or several CPU ranks (:mod:`.sharded`), which is what the estimate is held to.
 """
 
 from lightning_mem.estimate.report import MARGIN_BYTES, MARGIN_FRACTION, parse_size, tier_of, usable_bytes
-from lightning_mem.estimate.session import Estimate, PhaseEstimate, estimate
+from lightning_mem.estimate.estimator import Estimate, estimate
+from lightning_mem.estimate.recorder import PhaseEstimate
 from lightning_mem.estimate.measure import measure_fit
 from lightning_mem.estimate.tracker import CATEGORIES, MemoryLedger, TrackingMode
 

@@ -11,7 +11,8 @@ import warnings
 from collections.abc import Iterator
 
 from lightning_mem.estimate import report
-from lightning_mem.estimate.session import estimate, recipe_for
+from lightning_mem.estimate.estimator import estimate
+from lightning_mem.estimate.recipe_config import recipe_for
 from lightning_mem.estimate.suggest import suggest
 
 

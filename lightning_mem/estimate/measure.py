@@ -30,16 +30,8 @@ from typing import Any
 
 from typing_extensions import override
 
-from lightning_mem.estimate.session import (
-    MeasuredStep,
-    PhaseEstimate,
-    PhaseRecorder,
-    attribution,
-    recipe_parts,
-    model_vocab_sizes,
-    recipe_for,
-    sampled_tokens,
-)
+from lightning_mem.estimate.recipe_config import model_vocab_sizes, recipe_for, recipe_parts, sampled_tokens
+from lightning_mem.estimate.recorder import MeasuredStep, PhaseEstimate, PhaseRecorder, attribution
 from lightning_mem.estimate.sharded import DEFAULT_TIMEOUT_S, SHARED_DIR_ENV, FSDP2Categories, is_fsdp2, run_ranks
 from lightning_mem.estimate.tracker import MemoryLedger, TrackingMode
 

@@ -3,9 +3,9 @@
 :func:`run_ranks` starts ``world_size`` processes (gloo, CPU tensors) that form one process group,
 runs a function in each and gathers each rank's phases: :func:`~lightning_mem.estimate.measure_fit`
 runs a config's own fit this way, to hold the estimate's per-rank figures (derived from one
-unsharded process, :func:`~lightning_mem.estimate.session.shard_per_rank`) to what each rank holds.
+unsharded process, :func:`~lightning_mem.estimate.sharding.shard_per_rank`) to what each rank holds.
 
-:class:`FSDP2Categories` is what a :class:`~lightning_mem.estimate.session.PhaseRecorder` of an
+:class:`FSDP2Categories` is what a :class:`~lightning_mem.estimate.recorder.PhaseRecorder` of an
 FSDP2-sharded fit tells the ledger besides the operators' outputs, per rank:
 
 * a ``DTensor`` counts as its local shard (parameters, gradients, optimizer state);
@@ -37,7 +37,8 @@ import torch
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 from torch import nn
 
-from lightning_mem.estimate.session import HOST, PhaseEstimate, in_section, patched
+from lightning_mem.estimate.recorder import PhaseEstimate, in_section, patched
+from lightning_mem.estimate.tracker import HOST
 
 #: How long the ranks may take before they are stopped (a hang guard: the tiny model takes seconds).
 DEFAULT_TIMEOUT_S = 1800.0
@@ -108,7 +109,7 @@ def _rank_main(rank: int, world_size: int, port: int, target: Callable[..., list
 
 
 class FSDP2Categories:
-    """What a :class:`~lightning_mem.estimate.session.PhaseRecorder` of a really FSDP2-sharded fit
+    """What a :class:`~lightning_mem.estimate.recorder.PhaseRecorder` of a really FSDP2-sharded fit
     tells the ledger: shards and gathered units, and, with ``cpu_offload``, the host.
 
     Mixed in before the recorder class; ``offload`` says whether the strategy offloads to the host.

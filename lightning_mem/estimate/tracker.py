@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import SUPPORTED_NODES, tree_flatten, tree_map
 
 from lightning_mem.offload import local_tensor
 
@@ -196,9 +198,51 @@ class MemoryLedger:
 
 
 def _is_fake(x: Any) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
     return isinstance(x, FakeTensor)
+
+
+# An operator's arguments and outputs are tensors and scalars in plain tuples, lists and dicts. torch's
+# pytree walks them through its node registry, a few microseconds a node, on every operator the
+# estimate runs (about a tenth of its time); these walk exact tuples, lists and dicts directly, in
+# pytree's order, and hand anything else that pytree treats as a node (a namedtuple, torch.Size,
+# an OrderedDict, any registered type) to pytree itself.
+_PYTREE_NODES = (tuple, list, dict, deque)
+
+
+def _pytree_node(tree: Any) -> bool:
+    return isinstance(tree, _PYTREE_NODES) or type(tree) in SUPPORTED_NODES
+
+
+def _gather_leaves(tree: Any, out: list[Any]) -> bool:
+    kind = type(tree)
+    if kind is tuple or kind is list:
+        return all(_gather_leaves(x, out) for x in tree)
+    if kind is dict:
+        return all(_gather_leaves(x, out) for x in tree.values())
+    if _pytree_node(tree):  # a node of pytree's own kind: ask it
+        return False
+    out.append(tree)
+    return True
+
+
+def leaves_of(tree: Any) -> list[Any]:
+    """``tree_flatten(tree)[0]``, faster for plain tuples, lists and dicts."""
+    out: list[Any] = []
+    return out if _gather_leaves(tree, out) else tree_flatten(tree)[0]
+
+
+def map_leaves(fn: Callable[[Any], Any], tree: Any) -> Any:
+    """``tree_map(fn, tree)``, faster for plain tuples, lists and dicts."""
+    kind = type(tree)
+    if kind is tuple:
+        return tuple(map_leaves(fn, x) for x in tree)
+    if kind is list:
+        return [map_leaves(fn, x) for x in tree]
+    if kind is dict:
+        return {k: map_leaves(fn, v) for k, v in tree.items()}
+    if _pytree_node(tree):
+        return tree_map(fn, tree)
+    return fn(tree)
 
 
 class TrackingMode(TorchDispatchMode):
@@ -223,16 +267,15 @@ class TrackingMode(TorchDispatchMode):
         kwargs = kwargs or {}
         out = self._run(func, args, kwargs) if self.fake else func(*args, **kwargs)
         if self.fixed_sampling and not self.fake and func.overloadpacket.__name__ in _SAMPLING_OPS:
-            out = tree_map(lambda t: self._realize(t, self.fill_token), out)
-        flat, _ = tree_flatten(out)
-        for t in flat:
+            out = map_leaves(lambda t: self._realize(t, self.fill_token), out)
+        for t in leaves_of(out):
             if isinstance(t, torch.Tensor):
                 self.ledger.track(t)
         return out
 
     # -- fake execution with real integers ------------------------------------------------------
     def _run(self, func, args, kwargs):  # noqa: ANN001
-        leaves, _ = tree_flatten((args, kwargs))
+        leaves = leaves_of((args, kwargs))
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         has_fake = any(_is_fake(x) for x in tensors)
         name = func.overloadpacket.__name__
@@ -259,14 +302,16 @@ class TrackingMode(TorchDispatchMode):
             finally:
                 self.fake_mode.cache_enabled = cached
         else:
-            with self.fake_mode:
-                fake_out = func(*args, **kwargs)
+            # The fake mode's own handler, called as the dispatcher would call it with the mode
+            # entered: entering and leaving the mode for each operator cost as much as the walk
+            # of its arguments did.
+            fake_out = self.fake_mode.__torch_dispatch__(func, (), args, kwargs)
         if func._schema.is_mutable and tensors and not _is_fake(args[0]) and isinstance(args[0], torch.Tensor):
             return args[0]  # a real tensor written with fake values: it keeps its (worst-case) values
         if not tensors:  # a factory: small integer tensors are made for real
-            return tree_map(lambda t: self._realize_factory(func, args, kwargs, t), fake_out)
+            return map_leaves(lambda t: self._realize_factory(func, args, kwargs, t), fake_out)
         fill = self.fill_token if name in _SAMPLING_OPS else 0
-        return tree_map(lambda t: self._realize(t, fill), fake_out)
+        return map_leaves(lambda t: self._realize(t, fill), fake_out)
 
     @staticmethod
     def _small_int(t: Any) -> bool:

@@ -1,7 +1,7 @@
 """What Ulysses attention holds that one process running the whole sequence does not.
 
 The estimate runs a context-parallel config as one process over whole sequences and divides the
-activations by the context-parallel size (:func:`~lightning_mem.estimate.session.shard_per_rank`).
+activations by the context-parallel size (:func:`~lightning_mem.estimate.sharding.shard_per_rank`).
 Measured against the real 2-rank fits (the tracker's live tensors at each rank's peak), that
 division misses what the all-to-all exchanges of :func:`lightning_mem.context_parallel.ulysses_attention`
 allocate:

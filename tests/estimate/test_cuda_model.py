@@ -17,6 +17,7 @@ from lightning_mem.estimate.cuda import (
     padded_attention_masks,
 )
 from lightning_mem.estimate.tracker import MemoryLedger
+from tests.shipped_estimates import PPO_0_5B_GROUP, shipped_estimate
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -86,10 +87,9 @@ H100_PPO_0_5B = {"rollout": 16_593_176_064, "score": 2_610_343_424, "train": 13_
 
 
 @pytest.mark.config_gate
+@pytest.mark.xdist_group(PPO_0_5B_GROUP)  # the config gate's estimate of the same config, read again
 def test_the_ppo_0_5b_estimate_holds_to_its_h100_measurement():
-    from lightning_mem.estimate import estimate
-
-    result = estimate(ROOT / "configs/ppo/qwen2.5-0.5b-instruct_1x24gb.yaml")
+    result = shipped_estimate(ROOT / "configs/ppo/qwen2.5-0.5b-instruct_1x24gb.yaml", 1)
     ratios = {p.phase: p.device_peak_bytes / H100_PPO_0_5B[p.phase] for p in result.phases}
     assert set(ratios) == set(H100_PPO_0_5B)
     for phase, ratio in ratios.items():

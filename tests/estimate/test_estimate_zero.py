@@ -2,7 +2,7 @@
 
 The estimator does not run DeepSpeed's engine (its collectives and flat buffers do not run on fake
 tensors). It runs the recipe's step with the client optimizer stepping fp32 master copies, as
-DeepSpeed's ZeRO optimizer does (``_MasterWeights``), and derives each rank's share from the
+DeepSpeed's ZeRO optimizer does (``MasterWeights``), and derives each rank's share from the
 measured categories (``shard_per_rank``), taking the peak where one rank holds most.
 """
 
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from lightning_mem.estimate import estimate
-from lightning_mem.estimate.session import _MasterWeights, shard_per_rank, sharding_of
+from lightning_mem.estimate.sharding import MasterWeights, shard_per_rank, sharding_of
 from lightning_mem.estimate.tracker import CATEGORIES, MemoryLedger, TrackingMode
 from lightning_mem.strategies.zero_config import zero_tier
 
@@ -32,7 +32,7 @@ def test_master_weights_step_is_an_fp32_master_step_copied_back():
     reference = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
     ledger = MemoryLedger()
     with TrackingMode(ledger):
-        opt = _MasterWeights.wrap(torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.01), ledger)
+        opt = MasterWeights.wrap(torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.01), ledger)
         model(torch.randn(4, 16, dtype=torch.bfloat16)).float().square().sum().backward()
         grads = [p.grad.float() for p in model.parameters()]
         opt.step()
@@ -53,7 +53,7 @@ def test_master_weights_step_is_an_fp32_master_step_copied_back():
 
 def test_master_weights_leave_fp32_optimizers_alone():
     opt = torch.optim.AdamW(nn.Linear(4, 4).parameters())
-    assert _MasterWeights.wrap(opt, MemoryLedger()) is opt
+    assert MasterWeights.wrap(opt, MemoryLedger()) is opt
 
 
 def test_zero_tiers_per_rank_bytes():

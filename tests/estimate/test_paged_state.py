@@ -12,7 +12,7 @@ import pytest
 
 from lightning_mem.estimate import estimate
 from lightning_mem.estimate.measure import filling_rows
-from lightning_mem.estimate.session import PAGED_MIN_NUMEL
+from lightning_mem.estimate.recorder import PAGED_MIN_NUMEL
 from tests.helpers import REPO
 
 CONFIG = REPO / "configs" / "sft" / "tiny_cpu.yaml"

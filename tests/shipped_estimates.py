@@ -1,0 +1,27 @@
+"""One estimate of a shipped config per test process: the gate's tests that read the same config share it.
+
+The config gate and the H100 check both estimate ``configs/ppo/qwen2.5-0.5b-instruct_1x24gb.yaml``, a
+minute or more each on two cores; they carry one ``xdist_group`` mark, so ``make test-gate``
+(``--dist loadgroup``) runs them in one worker, where the second reads the first one's estimate.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+#: The xdist group of the PPO 0.5B config's tests (the gate's and the H100 check).
+PPO_0_5B_GROUP = "ppo-0.5b-estimate"
+
+
+def shipped_estimate(path: Path, world_size: int) -> Any:
+    """``estimate(path, [], world_size=world_size)``, computed once per process (read it, do not change it)."""
+    return _estimate(Path(path).resolve(), world_size)
+
+
+@functools.cache
+def _estimate(path: Path, world_size: int) -> Any:
+    from lightning_mem.estimate import estimate
+
+    return estimate(path, [], world_size=world_size)
