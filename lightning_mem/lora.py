@@ -423,9 +423,9 @@ def _mergeable_lora_layers(model: nn.Module) -> list[nn.Module]:
         if not isinstance(module, LoraLayer) or module.merged or module.disable_adapters:
             continue
         weight = getattr(module.get_base_layer(), "weight", None)
-        if weight is None or type(weight) not in (nn.Parameter, torch.Tensor) or isinstance(weight, DTensor):
-            continue
-        if not weight.is_floating_point() or weight.device.type == "meta":
+        # A 4-bit base is stored as integers; a DTensor is one rank's shard. (The estimate's fake
+        # tensors are neither, and merge as the real ones do.)
+        if weight is None or isinstance(weight, DTensor) or not weight.is_floating_point() or weight.device.type == "meta":
             continue
         active = [a for a in module.active_adapters if a in module.lora_A]
         if not active or any(a in getattr(module, "lora_variant", {}) or getattr(module, "lora_bias", {}).get(a)

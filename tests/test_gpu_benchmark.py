@@ -287,6 +287,7 @@ case "$*" in
   *benchmarks.gpu.gpu_tests*) echo "[1/3] tests/test_a.py: passed (1 passed) in 1 s"; kill -ABRT $$ ;;
   *benchmarks.gpu.tiers*) echo "[1/1] sft/x.yaml: fits in 3 s"; echo "tier configs: 1 configs: 1 fits" ;;
   *benchmarks.gpu.step_time*) echo "step time: 2 models" ;;
+  *benchmarks.gpu.rollout_speed*) echo "| 0.5b | static+compile | 15,040 |" ;;
 esac
 """
 
@@ -299,12 +300,13 @@ def test_run_sh_ends_with_one_summary_after_a_step_crashes(tmp_path):
     done = subprocess.run([str(REPO / "benchmarks/gpu/run.sh")], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=HANG_GUARD_S)
     assert done.returncode == 1, done.stdout + done.stderr
-    tail = done.stdout.strip().splitlines()[-5:]
+    tail = done.stdout.strip().splitlines()[-6:]
     assert tail[0] == "== summary"
     assert tail[1] == "gpu_tests: exit 134: [1/3] tests/test_a.py: passed (1 passed) in 1 s"
     assert tail[2] == "gpu_tiers: exit 0: tier configs: 1 configs: 1 fits"
     assert tail[3] == "gpu_step_time: exit 0: step time: 2 models"
     assert tail[4] == "gpu_step_time_parts: exit 0: step time: 2 models"
+    assert tail[5] == "rollout_speed: exit 0: | 0.5b | static+compile | 15,040 |"
 
 
 # ---------------------------------------------------------------- torchtune's ladder, one config a rung
