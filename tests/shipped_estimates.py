@@ -1,8 +1,9 @@
 """One estimate of a shipped config per test process: the gate's tests that read the same config share it.
 
-The config gate and the H100 check both estimate ``configs/ppo/qwen2.5-0.5b-instruct_1x24gb.yaml``, a
-minute or more each on two cores; they carry one ``xdist_group`` mark, so ``make test-gate``
-(``--dist loadgroup``) runs them in one worker, where the second reads the first one's estimate.
+The H100 check of ``configs/ppo/qwen2.5-0.5b-instruct_1x24gb.yaml`` estimates it with the rollout path
+that was measured (``generate``), which the shipped config no longer runs, so today only the config
+gate reads these; a later test that reads the same config as shipped carries ``PPO_0_5B_GROUP``, so
+``make test-gate`` (``--dist loadgroup``) runs it in the gate's worker and reads the gate's estimate.
 """
 
 from __future__ import annotations
