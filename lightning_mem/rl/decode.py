@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -97,6 +98,7 @@ def grouped_decode_attention(module: nn.Module, query: Tensor, key: Tensor, valu
     return out.reshape(batch, heads, 1, dim).transpose(1, 2).contiguous(), None
 
 
+@functools.cache
 def _register_decode_attention() -> None:
     from transformers import AttentionInterface
 
@@ -276,7 +278,6 @@ class StaticDecoder:
         cache = self._cache_for(model, rows, length)
         cache_name = cache_argument(model)
         attn = _text_model(model).config._attn_implementation
-        sampling = dict(temperature=temperature, do_sample=do_sample)
 
         # Prefill, eager: the padded prompts fill columns [0, padded) of the cache.
         positions = (mask.long().cumsum(dim=-1) - 1).clamp(min=0)
@@ -294,7 +295,7 @@ class StaticDecoder:
         fill = _ESTIMATED.get()
         step = self._decode_step(model) if fill is None else self._eager_step(model)
         for t in range(max_new_tokens):
-            token = sample_tokens(logits, **sampling)
+            token = sample_tokens(logits, temperature=temperature, do_sample=do_sample)
             if fill is not None:  # the estimate: the draw's transients, then its stand-in token
                 token = torch.full_like(token, fill)
                 if t == 1 or fill in eos_token_ids:  # one decode step stands for all (or the responses end here)
