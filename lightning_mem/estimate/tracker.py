@@ -43,6 +43,12 @@ REAL_INT_NUMEL = 1 << 24
 # Token ids, positions, masks and lengths; not uint8/int8, which hold quantized weights and state.
 _REAL_DTYPES = {torch.int64, torch.int32, torch.bool}
 _SAMPLING_OPS = {"argmax", "multinomial", "argmin"}
+# An operator on real tensors only is computed for real (its integers are the run's token ids and
+# lengths) unless an input has more elements than this and its output is floating: then it runs
+# fake. A float tensor made from real masks (transformers' sdpa turns the real [rows, 1, L, L]
+# boolean mask into a bf16 one with ``torch.where``) has only fake consumers, and computing it cost
+# a quarter of a PPO estimate's time.
+REAL_FLOAT_INPUT_NUMEL = 1 << 20
 
 
 class MemoryLedger:
@@ -197,6 +203,9 @@ class MemoryLedger:
         self.peak_host_bytes = self.totals[HOST]
 
 
+_DEVICE_QUERY = torch.ops.prim.device.default
+
+
 def _is_fake(x: Any) -> bool:
     return isinstance(x, FakeTensor)
 
@@ -264,6 +273,10 @@ class TrackingMode(TorchDispatchMode):
             self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if func is _DEVICE_QUERY and type(args[0]) is FakeTensor:
+            # ``t.device`` of a fake tensor: most of the operators a fake step dispatches (six in
+            # ten) are this query, which allocates nothing and which the fake tensor answers itself.
+            return args[0].fake_device
         kwargs = kwargs or {}
         out = self._run(func, args, kwargs) if self.fake else func(*args, **kwargs)
         if self.fixed_sampling and not self.fake and func.overloadpacket.__name__ in _SAMPLING_OPS:
@@ -289,8 +302,12 @@ class TrackingMode(TorchDispatchMode):
             # (torchmetrics deep-copies a logged metric's default): the copy is left unfilled, and
             # the estimate reads no logged value.
             return args[0]
-        if tensors and not has_fake:
-            return func(*args, **kwargs)  # all inputs real: compute for real
+        if tensors and not has_fake:  # all inputs real: compute for real, unless large and floating
+            if max(x.numel() for x in tensors) > REAL_FLOAT_INPUT_NUMEL:
+                fake_out = self._floating_on_meta(func, args, kwargs)
+                if fake_out is not None:
+                    return fake_out
+            return func(*args, **kwargs)
         if any(isinstance(x, torch.UntypedStorage) for x in leaves):
             # Not through the fake mode's op cache: its key would hold the storage (and so every
             # tensor on it) alive for the rest of the run -- activation offload's byte views of
@@ -312,6 +329,26 @@ class TrackingMode(TorchDispatchMode):
             return map_leaves(lambda t: self._realize_factory(func, args, kwargs, t), fake_out)
         fill = self.fill_token if name in _SAMPLING_OPS else 0
         return map_leaves(lambda t: self._realize(t, fill), fake_out)
+
+    def _floating_on_meta(self, func, args, kwargs):  # noqa: ANN001
+        """``func`` of real CPU tensors as a fake tensor, if it makes a new floating tensor (None if
+        not): its meta kernel on meta copies of the inputs (no data), the result wrapped as fake.
+        Cheaper than the fake mode's own path, which converts each real input on every call."""
+        if func._schema.is_mutable or func.is_view:
+            return None
+        to_meta = lambda x: (torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")  # noqa: E731
+                             if isinstance(x, torch.Tensor) else x)
+        try:
+            meta_args, meta_kwargs = map_leaves(to_meta, (args, kwargs))
+            meta_out = func(*meta_args, **meta_kwargs)
+        except (NotImplementedError, RuntimeError):
+            return None  # no meta kernel: computed for real
+        outs = [t for t in leaves_of(meta_out) if isinstance(t, torch.Tensor)]
+        if not outs or all(t.dtype in _REAL_DTYPES for t in outs):
+            return None
+        converter, cpu = self.fake_mode.fake_tensor_converter, torch.device("cpu")
+        return map_leaves(lambda t: converter.from_meta_and_device(self.fake_mode, t, cpu)
+                          if isinstance(t, torch.Tensor) else t, meta_out)
 
     @staticmethod
     def _small_int(t: Any) -> bool:
