@@ -154,7 +154,7 @@ class MemoryLedger:
         if self.view is not None:
             if category != HOST:
                 self.device_bytes += nbytes
-            if peak:
+            if peak and nbytes > 0:  # a rank's view only grows with the bytes: a free sets no peak
                 self._observe_view()
             return
         if category == HOST:
