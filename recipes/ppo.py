@@ -57,7 +57,7 @@ from lightning_mem.packed_attention import use_packed_sdpa
 from lightning_mem.ranks import check_model_splits, check_packing_splits, data_parallel, per_rank_budget, sum_over_replicas
 from lightning_mem.schedules import build_lr_scheduler, check_schedule
 from lightning_mem.settings import settings_at
-from lightning_mem.step_io import step_io
+from lightning_mem.step_io import StepIO, step_io
 from lightning_mem.rl.algorithms import (
     AdaptiveKLController,
     FixedKLController,
@@ -359,6 +359,12 @@ class PPOModule(LightningModule):
         # strategy shards it (FSDP2 owns the shards' storage; offload them with its cpu_offload).
         from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
+        if self.separate and type(step_io(self.trainer)) is not StepIO:
+            raise ValueError(
+                "`model.rollout_engine.placement: separate`: the memory estimate does not model a generator process"
+                " of its own yet (a generating rank holds weights + KV cache, a training rank has no rollout phase);"
+                " estimate the config with `placement: colocated` for the training side"
+            )
         if self.separate and not isinstance(self.trainer.strategy, (SingleDeviceStrategy, DDPStrategy)):
             raise ValueError(
                 "`model.rollout_engine.placement: separate` sends whole weights from training rank 0: it runs with one"

@@ -60,16 +60,16 @@ def _losses(root):
 
 
 def test_max_staleness_0_separate_is_the_colocated_run_step_for_step(tmp_path):
-    steps = 3
-    fit(tmp_path / "colocated", steps=steps)
-    module, _ = fit(tmp_path / "separate", steps=steps, rollout_engine=SEPARATE, async_rollout=_async(0))
+    steps, batch = 2, 4  # step 1 samples under the weights step 0 sent
+    fit(tmp_path / "colocated", steps=steps, batch_size=batch)
+    module, _ = fit(tmp_path / "separate", steps=steps, batch_size=batch, rollout_engine=SEPARATE, async_rollout=_async(0))
     colocated, separate = _losses(tmp_path / "colocated"), _losses(tmp_path / "separate")
     for ours, theirs in zip(separate, colocated):
         assert sorted(ours) == sorted(theirs) == list(range(steps))
         for step in range(steps):
             assert ours[step] == pytest.approx(theirs[step], abs=1e-6), (step, ours, theirs)
     # Lockstep: every batch sampled under the weights it trained with.
-    assert read_metric(tmp_path / "separate", "async/staleness_0") == {s: 8.0 for s in range(steps)}
+    assert read_metric(tmp_path / "separate", "async/staleness_0") == {s: float(batch) for s in range(steps)}
     assert module.async_rollouts.client.process.exitcode == 0  # stopped, not killed
 
 
