@@ -29,6 +29,7 @@ the iteration. A learning-rate schedule without ``total_steps`` spans the run.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import warnings
 from pathlib import Path
@@ -192,7 +193,7 @@ class PPOModule(LightningModule):
                        trust_remote_code=trust_remote_code, attn_implementation=attn_implementation)
         # logger=False: the CLI logs the whole resolved config (lightning_mem.cli.RunConfigCallback).
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "critic_optimizer", "reward"], logger=False)
-        self._check_rollout_engine(rollout_engine, generation, ppo, async_rollout, advantage_estimator)
+        ppo = self._check_rollout_engine(rollout_engine, generation, ppo, async_rollout, advantage_estimator)
         self.rollout_engine_config = rollout_engine
         self.async_config = async_rollout
         self.automatic_optimization = False  # several optimizer steps per rollout
@@ -220,9 +221,11 @@ class PPOModule(LightningModule):
 
     @staticmethod
     def _check_rollout_engine(rollout_engine: RolloutEngineConfig, generation: GenerationConfig, ppo: PPOConfig,
-                              async_rollout: AsyncRolloutConfig | None = None, advantage_estimator: str = "gae") -> None:
+                              async_rollout: AsyncRolloutConfig | None = None, advantage_estimator: str = "gae") -> PPOConfig:
         """The engine's settings, and a rollout correction only where there is drift to correct (in
-        separate placement, on by default: the generator's weights lag the trainer's)."""
+        separate placement, on by default: the generator's weights lag the trainer's). Returns
+        ``ppo``, or a copy of it with that default correction (never the caller's object changed:
+        it may be a shared default)."""
         with settings_at("model"):
             rollout_engine.validate(generation)
         separate = rollout_engine.placement == "separate"
@@ -230,7 +233,7 @@ class PPOModule(LightningModule):
             raise ValueError(f"`model.rollout_engine.placement: separate` with `model.advantage_estimator:"
                              f" {advantage_estimator}`: the generator samples no greedy baseline yet (use `colocated`)")
         if separate and async_rollout is not None and async_rollout.rollout_correction and not ppo.rollout_correction.enabled:
-            ppo.rollout_correction = RolloutCorrectionConfig(mode="tis")
+            ppo = dataclasses.replace(ppo, rollout_correction=RolloutCorrectionConfig(mode="tis"))
             rank_zero_info(
                 "async rollouts: the TIS rollout correction is on (each token weighed by pi_old / pi_generator, capped"
                 f" at {ppo.rollout_correction.upper:g}): samples may be up to `model.async_rollout.max_staleness`="
@@ -243,6 +246,7 @@ class PPOModule(LightningModule):
                 " engine's own log-probs, and `model.rollout_engine.name: hf` samples with the actor itself (there is"
                 " no drift to correct): use `model.rollout_engine.name: vllm`, or `mode: none`"
             )
+        return ppo
 
     def _unbuilt(self) -> None:
         """What configure_model builds (after the data are checked, where a strategy can wrap it).

@@ -210,3 +210,15 @@ def test_two_training_ranks_and_one_generator_do_not_deadlock_over_20_weight_syn
     assert all(0 <= step - v <= 1 for step, v in versions.items())
     hist = [read_metric(root, f"async/staleness_{j}") for j in (0, 1)]
     assert all(hist[0][s] + hist[1][s] == 2 * 16 for s in range(20))  # both ranks' samples, summed
+
+
+def test_the_default_correction_of_separate_placement_leaves_the_shared_defaults_alone():
+    """``ppo``'s default is one object for every module built in a process: separate placement's TIS
+    goes into a copy, so a colocated module built afterwards still has none (and no error)."""
+    from recipes.rewards import ArithmeticReward
+    from tests.helpers import TINY_MODEL
+
+    separate = ppo.PPOModule(name_or_path=str(TINY_MODEL), reward=ArithmeticReward(), rollout_engine=SEPARATE)
+    colocated = ppo.PPOModule(name_or_path=str(TINY_MODEL), reward=ArithmeticReward())
+    assert separate.ppo.rollout_correction.mode == "tis"
+    assert colocated.ppo.rollout_correction.mode == "none"
