@@ -334,6 +334,14 @@ class TokenBudgetSampler(DistributedSampler):
         step_weights = self._step_weights(ordered)
         return (_with_weight(self.batches[int(mine[i])], float(step_weights[i])) for i in range(skip, len(mine)))
 
+    def batch_at(self, n: int) -> list[int]:
+        """This rank's ``n``-th batch of the run (epochs counted on): what :meth:`__iter__` yields
+        as batch ``n % len(self)`` of epoch ``n // len(self)``. A reader ahead of the loader (a
+        generator sampling future prompts) asks for it without disturbing the loader."""
+        epoch, position = divmod(n, len(self))
+        mine = self._epoch_order(epoch)[self.rank :: self.num_replicas][: len(self)]
+        return self.batches[int(mine[position])]
+
     def __len__(self) -> int:
         return len(self.batches) // self.num_replicas
 

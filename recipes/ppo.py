@@ -29,6 +29,7 @@ the iteration. A learning-rate schedule without ``total_steps`` spans the run.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import warnings
 from pathlib import Path
@@ -57,7 +58,7 @@ from lightning_mem.packed_attention import use_packed_sdpa
 from lightning_mem.ranks import check_model_splits, check_packing_splits, data_parallel, per_rank_budget, sum_over_replicas
 from lightning_mem.schedules import build_lr_scheduler, check_schedule
 from lightning_mem.settings import settings_at
-from lightning_mem.step_io import step_io
+from lightning_mem.step_io import StepIO, step_io
 from lightning_mem.rl.algorithms import (
     AdaptiveKLController,
     FixedKLController,
@@ -82,7 +83,11 @@ from lightning_mem.rl.advantages import (
     remax_advantages,
     rloo_advantages,
 )
-from lightning_mem.rl.config import CriticConfig, GRPOConfig, KLConfig, PPOConfig, RewardModelConfig
+from lightning_mem.rl.async_client import AsyncRolloutClient, default_host
+from lightning_mem.rl.async_config import AsyncRolloutConfig
+from lightning_mem.rl.async_generator import GeneratorSpec
+from lightning_mem.rl.async_rollout import AsyncRollouts
+from lightning_mem.rl.config import CriticConfig, GRPOConfig, KLConfig, PPOConfig, RewardModelConfig, RolloutCorrectionConfig
 from lightning_mem.rl.loss_aggregation import counts, denominator, token_weights, weighted_sum
 from lightning_mem.rl.policy_losses import SEQUENCE_LOSSES, policy_loss
 from lightning_mem.rl.rollout_correction import correction_weights, mismatch_kl
@@ -136,7 +141,12 @@ class PPOModule(LightningModule):
         generation, ppo, kl, grpo, critic: the knob groups of :mod:`lightning_mem.rl.config`.
         rollout_engine: what samples the rollouts: Hugging Face ``generate`` on the actor (``hf``,
             the default) or a colocated vLLM engine (``vllm``) with its memory knobs
-            (:class:`~lightning_mem.rl.engines.RolloutEngineConfig`).
+            (:class:`~lightning_mem.rl.engines.RolloutEngineConfig`); and where: ``placement:
+            colocated`` (the training processes, between updates) or ``separate`` (a generator
+            process of its own, sampling ahead of training).
+        async_rollout: how far a separate generator may run ahead (``max_staleness``), what happens
+            to a late batch, how often weights are sent, the link's timeout
+            (:class:`~lightning_mem.rl.async_config.AsyncRolloutConfig`). Unused when colocated.
         memory_plan: where things live per phase (:class:`~lightning_mem.rl.memory_plan.PhaseMemoryPlan`).
         logits_chunk_size: response tokens per chunk through the output layer in the score and
             update passes (:mod:`lightning_mem.logits`): at most one chunk's ``[tokens, vocab]``
@@ -171,6 +181,7 @@ class PPOModule(LightningModule):
         memory_plan: PhaseMemoryPlan = PhaseMemoryPlan(),
         logits_chunk_size: int | None = 512,
         rollout_engine: RolloutEngineConfig = RolloutEngineConfig(),
+        async_rollout: AsyncRolloutConfig = AsyncRolloutConfig(),
         export_dir: str | None = "export",
     ) -> None:
         super().__init__()
@@ -182,8 +193,9 @@ class PPOModule(LightningModule):
                        trust_remote_code=trust_remote_code, attn_implementation=attn_implementation)
         # logger=False: the CLI logs the whole resolved config (lightning_mem.cli.RunConfigCallback).
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "critic_optimizer", "reward"], logger=False)
-        self._check_rollout_engine(rollout_engine, generation, ppo)
+        ppo = self._check_rollout_engine(rollout_engine, generation, ppo, async_rollout, advantage_estimator)
         self.rollout_engine_config = rollout_engine
+        self.async_config = async_rollout
         self.automatic_optimization = False  # several optimizer steps per rollout
         self.strict_loading = False  # checkpoints hold only what trains (on_save_checkpoint)
         self.optimizer_factory, self.critic_optimizer_factory = optimizer, critic_optimizer
@@ -208,16 +220,33 @@ class PPOModule(LightningModule):
         self._unbuilt()
 
     @staticmethod
-    def _check_rollout_engine(rollout_engine: RolloutEngineConfig, generation: GenerationConfig, ppo: PPOConfig) -> None:
-        """The engine's settings, and a rollout correction only where there is drift to correct."""
+    def _check_rollout_engine(rollout_engine: RolloutEngineConfig, generation: GenerationConfig, ppo: PPOConfig,
+                              async_rollout: AsyncRolloutConfig | None = None, advantage_estimator: str = "gae") -> PPOConfig:
+        """The engine's settings, and a rollout correction only where there is drift to correct (in
+        separate placement, on by default: the generator's weights lag the trainer's). Returns
+        ``ppo``, or a copy of it with that default correction (never the caller's object changed:
+        it may be a shared default)."""
         with settings_at("model"):
             rollout_engine.validate(generation)
-        if ppo.rollout_correction.enabled and rollout_engine.name == "hf":
+        separate = rollout_engine.placement == "separate"
+        if separate and advantage_estimator in GREEDY_BASELINE:
+            raise ValueError(f"`model.rollout_engine.placement: separate` with `model.advantage_estimator:"
+                             f" {advantage_estimator}`: the generator samples no greedy baseline yet (use `colocated`)")
+        if separate and async_rollout is not None and async_rollout.rollout_correction and not ppo.rollout_correction.enabled:
+            ppo = dataclasses.replace(ppo, rollout_correction=RolloutCorrectionConfig(mode="tis"))
+            rank_zero_info(
+                "async rollouts: the TIS rollout correction is on (each token weighed by pi_old / pi_generator, capped"
+                f" at {ppo.rollout_correction.upper:g}): samples may be up to `model.async_rollout.max_staleness`="
+                f"{async_rollout.max_staleness} versions old. `model.ppo.rollout_correction` picks another mode;"
+                " `model.async_rollout.rollout_correction: false` leaves it off"
+            )
+        if ppo.rollout_correction.enabled and rollout_engine.name == "hf" and not separate:
             raise ValueError(
                 f"`model.ppo.rollout_correction.mode: {ppo.rollout_correction.mode}` weighs samples by the rollout"
                 " engine's own log-probs, and `model.rollout_engine.name: hf` samples with the actor itself (there is"
                 " no drift to correct): use `model.rollout_engine.name: vllm`, or `mode: none`"
             )
+        return ppo
 
     def _unbuilt(self) -> None:
         """What configure_model builds (after the data are checked, where a strategy can wrap it).
@@ -230,9 +259,18 @@ class PPOModule(LightningModule):
         self.reward_model: RewardModel | None = None
         self.tokenizer: Any = None
         self.rollout_engine: RolloutEngine | None = None  # or a VLLMRolloutEngine (same interface)
+        # Separate placement: the generator process and the trainer's schedule around it (on_fit_start).
+        self.async_rollouts: AsyncRollouts | None = None
+        self._async_state: dict[str, int] | None = None  # from a checkpoint, until on_fit_start
+        self._async_metrics: dict[str, float] = {}
         self.memory: PhaseMemory | None = None
         # The stream rollouts and shuffles draw from; in the checkpoint, so a resume is exact.
         self.sampling_rng: SamplingRNG | None = None
+
+    @property
+    def separate(self) -> bool:
+        """Whether a generator process of its own samples the rollouts (``placement: separate``)."""
+        return self.rollout_engine_config.placement == "separate"
 
     @property
     def reference_mode(self) -> str | None:
@@ -323,8 +361,20 @@ class PPOModule(LightningModule):
     def setup(self, stage: str) -> None:
         # Before configure_model: a plan that parks a module on the host cannot work when the
         # strategy shards it (FSDP2 owns the shards' storage; offload them with its cpu_offload).
-        from lightning.pytorch.strategies import ModelParallelStrategy
+        from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
+        if self.separate and type(step_io(self.trainer)) is not StepIO:
+            raise ValueError(
+                "`model.rollout_engine.placement: separate`: the memory estimate does not model a generator process"
+                " of its own yet (a generating rank holds weights + KV cache, a training rank has no rollout phase);"
+                " estimate the config with `placement: colocated` for the training side"
+            )
+        if self.separate and not isinstance(self.trainer.strategy, (SingleDeviceStrategy, DDPStrategy)):
+            raise ValueError(
+                "`model.rollout_engine.placement: separate` sends whole weights from training rank 0: it runs with one"
+                f" device or DDP; {type(self.trainer.strategy).__name__} shards them (gathering before the send is not"
+                " built yet)"
+            )
         if self.rollout_engine_config.name == "vllm" and self.trainer.world_size > 1:
             raise ValueError(
                 "`model.rollout_engine.name: vllm` runs one engine in the training process: use `trainer.devices: 1`"
@@ -479,6 +529,49 @@ class PPOModule(LightningModule):
         self.memory.place("train")  # the resting placement between steps
         if self.sampling_rng is None:  # not restored from a checkpoint: start from the seeded state
             self.sampling_rng = SamplingRNG()
+        if self.separate:
+            self._start_generator()
+
+    # -- separate placement -------------------------------------------------------------------
+    def generator_spec(self) -> GeneratorSpec:
+        """What the generator process is started with: its own copy of the actor, loaded from
+        ``name_or_path`` in the compute dtype (it then takes the trainer's weights)."""
+        hp, cfg = self.hparams, self.async_config
+        return GeneratorSpec(
+            host=default_host(), port=0, world_size=self.trainer.world_size + 1, timeout_s=cfg.timeout_s,
+            max_staleness=cfg.max_staleness, name_or_path=hp.name_or_path,
+            dtype=str(self.load_dtypes()["compute"]).removeprefix("torch."), generation=self.generation,
+            eos_token_ids=self.eos_token_ids, pad_token_id=self.tokenizer.pad_token_id,
+            logits_chunk_size=self.logits_chunk_size, attn_implementation=hp.attn_implementation,
+            trust_remote_code=hp.trust_remote_code, rng_state=self.sampling_rng.cpu.clone(), num_threads=cfg.cpu_threads,
+        )
+
+    def _start_generator(self) -> None:
+        client = AsyncRolloutClient(
+            self.generator_spec(), rank=self.trainer.global_rank, world_size=self.trainer.world_size,
+            broadcast=self.trainer.strategy.broadcast, bucket_mb=self.rollout_engine_config.sync_bucket_mb,
+            sync_dtype=self.load_dtypes()["compute"],
+        )
+        client.start()
+        group = self.grpo.group_size if self.advantage_estimator in GROUPED else 1
+        self.async_rollouts = AsyncRollouts(self.async_config, client, self._prompts_of, group_size=group,
+                                            say=rank_zero_info)
+        if self._async_state is not None:
+            self.async_rollouts.load_state_dict(self._async_state)
+
+    def _prompts_of(self, iteration: int) -> dict[str, Any]:
+        """Iteration ``iteration``'s prompts on this rank, read ahead of the loader (same sampler)."""
+        loader = self.trainer.train_dataloader
+        return loader.collate_fn(loader.dataset[loader.sampler.batch_at(iteration)])
+
+    @property
+    def iteration(self) -> int:
+        """PPO iterations run before this one (one per batch; what a resumed run counts on from)."""
+        return self.trainer.fit_loop.epoch_loop.batch_progress.total.processed
+
+    def _close_generator(self, *, kill: bool = False) -> None:
+        if self.async_rollouts is not None:
+            self.async_rollouts.close(kill=kill)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self.sampling_rng.enter()
@@ -500,7 +593,14 @@ class PPOModule(LightningModule):
     # `logprobs_and_values` and `advantages` each fill their own fields of it (named in their
     # docstrings) and return nothing; `update` runs the optimizer steps over it through `loss`.
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        # 1. Rollout: sample responses with the actor.
+        try:
+            self._iteration_step(batch)
+        except Exception:
+            self._close_generator(kill=True)  # a generator left running would wait out its timeout
+            raise
+
+    def _iteration_step(self, batch: dict[str, Any]) -> None:
+        # 1. Rollout: sample responses with the actor (or take the separate generator's samples).
         with self.memory.phase("rollout"):
             exp = self.rollout(batch)
         # 2-3. Score the responses; old and reference logprobs, and values, without gradients.
@@ -517,12 +617,16 @@ class PPOModule(LightningModule):
         # 5. Update: ppo_epochs over shuffled mini-batches of token-budget micro-batches.
         with self.memory.phase("train"):
             stats = self.update(exp)
+        if self.async_rollouts is not None:  # the generator gets the new weights when a sync is due
+            self.async_rollouts.after_update(self.iteration, self.actor)
         # 6. The KL coefficient for the next step, and the step's metrics.
         metrics = self._step_metrics(exp, stats)
         self.kl_controller.update(float(metrics["kl"]), int(metrics.pop("samples")))
         metrics["kl_coef"] = self.kl_controller.value
         self.log_dict({k: float(v) for k, v in metrics.items()}, on_step=True, on_epoch=False)
         self.log("reward", float(metrics["reward_mean"]), prog_bar=True, on_step=True, on_epoch=False)
+        if self._async_metrics:  # this rank's: the version it trained on and the time it waited for samples
+            self.log_dict(self._async_metrics, on_step=True, on_epoch=False)
 
     # 1. Rollout ---------------------------------------------------------------------------------
     def rollout(self, batch: dict[str, Any]) -> Experience:
@@ -533,16 +637,35 @@ class PPOModule(LightningModule):
             prompt_ids = prompt_ids.repeat_interleave(group, dim=0)
             prompt_mask = prompt_mask.repeat_interleave(group, dim=0)
             rows = [row for row in rows for _ in range(group)]
+        if self.async_rollouts is not None:
+            exp = self._separate_rollout(batch)
+        else:
+            exp = self._colocated_rollout(batch, prompt_ids, prompt_mask, group)
+        exp.group_ids = torch.arange(len(exp), device=self.device) // group
+        exp.rows = rows
+        exp.prompts = self.tokenizer.batch_decode(prompt_ids, skip_special_tokens=True)
+        exp.responses = self._decode(exp)
+        return exp
+
+    def _separate_rollout(self, batch: dict[str, Any]) -> Experience:
+        """The generator's samples of this iteration's prompts, each tagged with its weight version;
+        the staleness counts join the step's metrics (summed over ranks)."""
+        exp, metrics = self.async_rollouts.rollout(self.iteration, batch, self.actor)
+        for name in ("input_ids", "attention_mask", "prompt_lengths", "response_ids", "response_mask",
+                     "engine_logprobs", "versions"):
+            setattr(exp, name, getattr(exp, name).to(self.device))
+        counts = {k: v for k, v in metrics.items() if k.startswith("async/staleness_") or k in ("async/dropped", "async/late")}
+        exp.sample_stats.update({k: torch.tensor(v, dtype=torch.float64) for k, v in counts.items()})
+        self._async_metrics = {k: v for k, v in metrics.items() if k not in counts}
+        return exp
+
+    def _colocated_rollout(self, batch: dict[str, Any], prompt_ids: Tensor, prompt_mask: Tensor, group: int) -> Experience:
         synced = self.trainer.world_size > 1
         with step_io(self.trainer).generation(self.actor):
             exp = self.rollout_engine.generate(self.actor, prompt_ids, prompt_mask, synced=synced, group_size=group)
             if self.advantage_estimator in GREEDY_BASELINE:  # ReMax: each prompt's greedy answer, the baseline
                 exp.baseline_responses = self._decode(greedy_rollout(self.rollout_engine, self.actor, prompt_ids,
                                                                      prompt_mask, synced=synced))
-        exp.group_ids = torch.arange(len(exp), device=self.device) // group
-        exp.rows = rows
-        exp.prompts = self.tokenizer.batch_decode(prompt_ids, skip_special_tokens=True)
-        exp.responses = self._decode(exp)
         return exp
 
     def _decode(self, exp: Experience) -> list[str]:
@@ -678,6 +801,9 @@ class PPOModule(LightningModule):
             exp.sample_stats["truncated"] = cut.to(torch.float64).sum()
             if self.ppo.overlong.filter:
                 keep &= ~cut
+        versions = getattr(exp, "versions", None)  # separate placement: the version each sample was drawn under
+        if versions is not None and self.async_config.late_policy == "drop":  # older than the bound
+            keep &= (self.iteration - versions) <= self.async_config.max_staleness
         exp.loss_mask = exp.response_mask * keep.unsqueeze(1).to(exp.response_mask.dtype)
 
     def rollout_correction(self, exp: Experience) -> None:
@@ -834,6 +960,8 @@ class PPOModule(LightningModule):
             metrics["engine_logprob_abs_diff"] = t["engine_abs_diff"] / t["engine_tokens"].clamp(min=1)
         if "correction_affected" in t:
             metrics["correction_affected_frac"] = t["correction_affected"] / t["response_tokens"]
+        # Separate placement: the samples trained at each staleness (the histogram), and those dropped.
+        metrics.update({name: value for name, value in t.items() if name.startswith("async/")})
         return metrics
 
     # -- ranks --------------------------------------------------------------------------------
@@ -858,6 +986,8 @@ class PPOModule(LightningModule):
         checkpoint["kl_controller"] = self.kl_controller.state_dict()
         if self.sampling_rng is not None:
             checkpoint["sampling_rng"] = self.sampling_rng.state_dict()
+        if self.async_rollouts is not None:  # the weight version counter (the queue is rebuilt on resume)
+            checkpoint["async_rollout"] = self.async_rollouts.state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         check_trainable_kept(self, checkpoint)
@@ -866,12 +996,14 @@ class PPOModule(LightningModule):
         if "sampling_rng" in checkpoint:
             self.sampling_rng = SamplingRNG()
             self.sampling_rng.load_state_dict(checkpoint["sampling_rng"])
+        self._async_state = checkpoint.get("async_rollout")
 
     def on_fit_end(self) -> None:
         if self.memory is not None:
             self.memory.restore()
         if self.rollout_engine is not None:
             self.rollout_engine.close()
+        self._close_generator()
         if self.hparams.export_dir is None:
             return
         self.export(Path(self.trainer.default_root_dir) / self.hparams.export_dir)

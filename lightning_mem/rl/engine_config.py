@@ -18,6 +18,7 @@ import torch
 from lightning_mem.settings import AtLeastOne, AtLeastTwo, LeftOpenUnitInterval, SettingError, check_fields
 
 EngineName = Literal["hf", "vllm"]
+Placement = Literal["colocated", "separate"]
 
 # False while the memory estimate runs a recipe: it builds a stand-in for the engine
 # (lightning_mem.estimate.engine), so the engine need not be installed where the estimate runs.
@@ -63,6 +64,10 @@ class RolloutEngineConfig:
         tensor_parallel_size: GPUs vLLM splits its copy of the weights over (vLLM's own tensor
             parallelism, its worker processes; independent of the trainer's). CUDA only, with that
             many visible GPUs; weights then reach the workers one bucket at a time.
+        placement: ``colocated`` (the default): the training processes sample the rollouts
+            themselves, between updates. ``separate``: a generator process of its own, with its own
+            copy of the actor, samples ahead of training within ``async_rollout.max_staleness``
+            versions (:mod:`lightning_mem.rl.async_client`); ``hf`` engine only for now.
     """
 
     name: EngineName = "hf"
@@ -76,6 +81,7 @@ class RolloutEngineConfig:
     cpu_kv_cache_space_gb: AtLeastOne = 1
     seed: int | None = None
     tensor_parallel_size: AtLeastOne = 1
+    placement: Placement = "colocated"
 
     def __post_init__(self) -> None:
         check_fields(self)  # the ranges are the annotations (the CLI checks them while parsing)
@@ -91,6 +97,13 @@ class RolloutEngineConfig:
         ``generation.<field>`` (a recipe names their parent, ``settings_at("model")``)."""
         if self.tensor_parallel_size > 1:
             self._check_tensor_parallel()
+        if self.placement == "separate" and self.name != "hf":
+            raise SettingError(
+                "rollout_engine.placement",
+                f"`rollout_engine.placement: separate` runs the `hf` engine in a generator process of its own;"
+                f" `rollout_engine.name: {self.name}` is colocated only for now (use `placement: colocated`)",
+                siblings=("rollout_engine.name",),
+            )
         if self.name == "vllm" and _ENGINE_RUNS.get() and importlib.util.find_spec("vllm") is None:
             raise SettingError(
                 "rollout_engine.name",

@@ -105,6 +105,7 @@ class Experience:
     ref_logprobs: Tensor | None = None
     old_values: Tensor | None = None
     engine_logprobs: Tensor | None = None  # [N, R] the rollout engine's own, when it has its own weights (a diagnostic)
+    versions: Tensor | None = None  # [N] the weight version each sample was drawn under (separate placement)
     # Filled by the advantage phase.
     advantages: Tensor | None = None
     returns: Tensor | None = None

@@ -1,0 +1,215 @@
+"""The generator process of separate placement: its own copy of the actor, sampling ahead of training.
+
+It serves the training ranks of a rollout group (:mod:`lightning_mem.rl.rollout_link`): each
+sends requests (iteration ``r``'s prompts) ahead of time, and rank 0 sends the weights after every
+``weight_sync_steps`` iterations, tagged with their version. The generator starts request ``r`` only
+while the weights it holds are at most ``max_staleness`` versions older than ``r`` (admission
+control: nothing is sampled to be thrown away), samples it with the ``hf`` engine, scores the
+sampled tokens with the same weights (the behaviour log-probs), and sends the batch back tagged with
+the version it was sampled under.
+
+Weights are only loaded between batches, and every batch prefills its own KV cache: no token of a
+new version ever reads cache written by an old one.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import os
+import queue
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_mem.rl import rollout_link as rl
+
+
+@dataclass
+class GeneratorSpec:
+    """Everything the generator process needs (picklable: it crosses a spawn)."""
+
+    host: str
+    port: int
+    world_size: int  # training ranks + 1; the generator is the last rank
+    timeout_s: float
+    max_staleness: int
+    name_or_path: str
+    dtype: str
+    generation: Any  # GenerationConfig
+    eos_token_ids: list[int]
+    pad_token_id: int
+    logits_chunk_size: int | None = 512
+    attn_implementation: str | None = None
+    trust_remote_code: bool = False
+    rng_state: torch.Tensor | None = None
+    num_threads: int | None = None
+    # Seconds slept before each batch: tests make the generator slower than the trainer with it.
+    delay_s: float = 0.0
+    # A file the generator appends ``iteration version`` to for every batch it samples (tests
+    # compare it with the versions the trainer recorded).
+    trace_path: str | None = None
+
+
+def run_generator(spec: GeneratorSpec) -> None:
+    """The process's entry point: serve until every training rank says stop (or the link fails)."""
+    if spec.num_threads:
+        torch.set_num_threads(spec.num_threads)
+    if spec.rng_state is not None:
+        torch.set_rng_state(spec.rng_state)
+    rank = spec.world_size - 1
+    startup = max(spec.timeout_s, rl.STARTUP_S)
+    store = dist.TCPStore(spec.host, spec.port, spec.world_size, is_master=False,
+                          timeout=datetime.timedelta(seconds=startup))
+    group = rl.open_group(store, rank, spec.world_size, startup)
+    generator = Generator(spec, group)
+    for link in generator.links.values():  # loaded: the trainers may send weights now
+        link.send(rl.READY, 0, 0, [], tag=rl.SAMPLES, what="saying it is ready")
+    generator.serve()
+    # NOTE: a normal interpreter exit tears the gloo group down under its own threads and aborts
+    # (SIGABRT); every trainer has said stop, nothing is left to flush but our streams.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+class Generator:
+    def __init__(self, spec: GeneratorSpec, group: dist.ProcessGroup) -> None:
+        from lightning_mem.models import load_causal_lm
+        from lightning_mem.rl.reference import disable_dropout
+        from lightning_mem.rl.rollout import RolloutEngine
+
+        self.spec = spec
+        trainers = range(spec.world_size - 1)
+        self.links = {r: rl.Link(group, r, spec.timeout_s, lambda r=r: f"async rollout: the generator's link to training rank {r}")
+                      for r in trainers}
+        self.model = disable_dropout(load_causal_lm(
+            spec.name_or_path, dtype=spec.dtype, attn_implementation=spec.attn_implementation,
+            trust_remote_code=spec.trust_remote_code, key="model.name_or_path"))
+        self.model.eval()
+        self.engine = RolloutEngine(spec.generation, eos_token_ids=spec.eos_token_ids, pad_token_id=spec.pad_token_id)
+        self.tensors = dict(self.model.named_parameters())
+        self.tensors.update(self.model.named_buffers())
+        self.version: int | None = None  # none until the first weights arrive
+        self.inbox: queue.Queue = queue.Queue()
+        self.outbox: queue.Queue = queue.Queue()
+        self.pending: dict[int, collections.deque] = {r: collections.deque() for r in trainers}
+        self.stopped: set[int] = set()
+        self.failure: str | None = None
+
+    # -- threads: one receiver per training rank, one sender --------------------------------
+    def _receive(self, rank: int) -> None:
+        link = self.links[rank]
+        try:
+            while True:
+                # As long as the trainer lives: a training step may outlast the timeout, and a
+                # trainer that dies closes the connection (the generator then ends at once).
+                kind, a, b, tensors = link.recv(tag=rl.CONTROL, what="waiting for the trainer's next message",
+                                                timeout_s=rl.IDLE_S)
+                self.inbox.put((kind, rank, a, b, tensors))
+                if kind == rl.STOP:
+                    return
+        except rl.LinkLost as err:
+            self.inbox.put((None, rank, 0, 0, str(err)))
+
+    def _send(self) -> None:
+        while True:
+            item = self.outbox.get()
+            if item is None:
+                return
+            rank, r, version, tensors = item
+            try:
+                self.links[rank].send(rl.SAMPLE_BATCH, r, version, tensors, tag=rl.SAMPLES, what=f"sending batch {r}")
+            except rl.LinkLost as err:
+                self.failure = str(err)
+                return
+
+    # -- the loop ------------------------------------------------------------------------------
+    def serve(self) -> None:
+        receivers = [threading.Thread(target=self._receive, args=(r,), daemon=True) for r in self.links]
+        sender = threading.Thread(target=self._send, daemon=True)
+        for t in (*receivers, sender):
+            t.start()
+        try:
+            while len(self.stopped) < len(self.links) and self.failure is None:
+                nxt = self._admissible()
+                try:  # block only when nothing may start now (the receivers bound the wait)
+                    self._handle(self.inbox.get(block=nxt is None))
+                    continue
+                except queue.Empty:
+                    self._sample(*nxt)
+        finally:
+            # Batches sampled ahead of the run's end may never be received: the sender is not
+            # waited for once every trainer said stop (a daemon thread, it ends with the process).
+            self.outbox.put(None)
+            if len(self.stopped) < len(self.links):
+                sender.join(timeout=self.spec.timeout_s)
+        if self.failure is not None:
+            raise rl.LinkLost(self.failure)
+
+    def _handle(self, item: tuple) -> None:
+        kind, rank, a, b, payload = item
+        if kind is None:
+            raise rl.LinkLost(payload)
+        if kind == rl.STOP:
+            self.stopped.add(rank)
+            self.pending[rank].clear()  # requests made ahead of a run's end are drained unsampled
+        elif kind == rl.WEIGHT_UPDATE:
+            self._load_weights(rank, a)
+        elif kind == rl.REQUEST:
+            queue_ = self.pending[rank]  # by iteration: a request made again (late policy `wait`) goes first
+            at = next((i for i, (r, _, _) in enumerate(queue_) if r > a), len(queue_))
+            queue_.insert(at, (a, b, payload))
+
+    def _admissible(self) -> tuple[int, tuple] | None:
+        """The oldest request (by iteration, then rank) whose samples would be at most ``k`` stale."""
+        heads = [(q[0][0], rank) for rank, q in self.pending.items() if q]
+        if not heads or self.version is None:
+            return None
+        r, rank = min(heads)
+        if r - self.version > self.spec.max_staleness:
+            return None
+        return rank, self.pending[rank][0]
+
+    def _sample(self, rank: int, request: tuple) -> None:
+        from lightning_mem.rl.rollout import policy_forward
+
+        self.pending[rank].popleft()
+        r, group_size, payload = request
+        prompt_ids, prompt_mask = payload[0], payload[1]
+        lockstep = len(payload) > 2  # the trainer's random state: sample exactly as it would have
+        if lockstep:
+            torch.set_rng_state(payload[2])
+        if self.spec.delay_s:
+            time.sleep(self.spec.delay_s)
+        exp = self.engine.generate(self.model, prompt_ids, prompt_mask, group_size=group_size)
+        with torch.no_grad():
+            behaviour = policy_forward(self.model, exp, temperature=self.spec.generation.temperature,
+                                       chunk_size=self.spec.logits_chunk_size).logprobs.float()
+        if self.spec.trace_path:
+            with open(self.spec.trace_path, "a") as f:
+                f.write(f"{r} {self.version}\n")
+        out = [exp.input_ids, exp.attention_mask, exp.prompt_lengths, exp.response_ids, exp.response_mask, behaviour]
+        if lockstep:
+            out.append(torch.get_rng_state())
+        self.outbox.put((rank, r, self.version, out))
+
+    @torch.no_grad()
+    def _load_weights(self, rank: int, version: int) -> None:
+        """Receive version ``version`` bucket by bucket into the model (between batches only)."""
+        link = self.links[rank]
+        while True:
+            kind, _, last, tensors = link.recv(tag=rl.WEIGHTS, what=f"receiving weights of version {version}")
+            names = bytes(tensors[0].tolist()).decode().split("\n") if tensors[0].numel() else []
+            for name, tensor in zip(names, tensors[1:]):
+                if name not in self.tensors:
+                    raise rl.LinkLost(f"async rollout: the generator's actor has no weight named {name!r}")
+                self.tensors[name].copy_(tensor)
+            if last:
+                break
+        self.version = version
