@@ -35,6 +35,7 @@ from lightning_mem.data.cache import (
     raw_rows,
     source_identity,
     take_ragged,
+    take_strings,
     tokenizer_identity,
 )
 from lightning_mem.data.chat import encode_rendered, render_prompt, row_to_prompt_messages
@@ -112,9 +113,8 @@ class _Rows(Sequence):
         return json.loads(self.table.data.column("row")[int(self.positions[idx])].as_py())
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        rows = self.table.data.column("row")
-        for start in range(0, len(self.positions), 10_000):
-            for text in rows.take(self.positions[start : start + 10_000]).to_pylist():
+        for start in range(0, len(self.positions), 10_000):  # chunk-wise: no private copy of the column
+            for text in take_strings(self.table, self.positions[start : start + 10_000], "row"):
                 yield json.loads(text)
 
 
@@ -135,7 +135,7 @@ class PromptDataset(Dataset):
         if isinstance(idx, list):
             positions = self.positions[np.asarray(idx, dtype=np.int64)]
             ids = take_ragged(self.table, positions, "prompt_ids")
-            rows = self.table.data.column("row").take(positions).to_pylist()
+            rows = take_strings(self.table, positions, "row")
             return [{"prompt_ids": i, "row": json.loads(r)} for i, r in zip(ids, rows)]
         if not -len(self) <= idx < len(self):
             raise IndexError(idx)
@@ -281,7 +281,7 @@ class PromptDataModule(LightningDataModule):
             status = column(mapped, "status")
             dropped = np.flatnonzero(status == DROPPED)
             meta = {"files": arrow_files(mapped), "rows": int((status != BLANK).sum()),
-                    "dropped_where": mapped.data.column("where").take(dropped).to_pylist()}
+                    "dropped_where": take_strings(mapped, dropped, "where")}
         del raw
         for f in folder.glob("raw-*.arrow"):
             f.unlink()
