@@ -14,6 +14,11 @@ log-normal distributions (medians 140 and 260, long right tails, clipped to 4096
 rows ``prompt``/``completion`` and one in five a two-turn ``messages`` conversation.
 
 ``--kind prompts`` writes PPO prompt rows (``prompt`` of the same prompt lengths, ``answer``).
+``--prompt-median``/``--response-median`` set the two medians (characters, so tokens): short rows
+(e.g. 8 and 8) make a 10M-row set that tokenizes in minutes, not hours, for the memory that grows
+with the row count (a rank's private memory per row holds no token: the ids stay in the
+memory-mapped cache; what grows per row is row positions, lengths and the sampler's plan, a few
+bytes each whatever a row's length).
 
 ``run`` starts the SFT recipe (``configs/sft/tiny_cpu.yaml``; ``--recipe ppo``:
 ``configs/ppo/tiny_cpu.yaml`` from the random-init tiny model) under ``torchrun``, 2 ranks, the
@@ -76,10 +81,10 @@ def _text(rng: np.random.Generator, chars: int) -> str:
     return " ".join(words)[:chars]
 
 
-def generate(rows: int, out: Path, seed: int = 0, kind: str = "chat") -> None:
+def generate(rows: int, out: Path, seed: int = 0, kind: str = "chat", prompt_median: float = 140, response_median: float = 260) -> None:
     rng = np.random.default_rng(seed)
-    prompt_len = np.clip(rng.lognormal(np.log(140), 0.9, size=rows), 8, 4096).astype(int)
-    response_len = np.clip(rng.lognormal(np.log(260), 0.8, size=rows), 2, 4096).astype(int)
+    prompt_len = np.clip(rng.lognormal(np.log(prompt_median), 0.9, size=rows), min(8, prompt_median), 4096).astype(int)
+    response_len = np.clip(rng.lognormal(np.log(response_median), 0.8, size=rows), 2, 4096).astype(int)
     conversation = rng.random(rows) < 0.2
     step = max(rows // 20, 1)
     with out.open("w") as f:
@@ -152,6 +157,8 @@ def main() -> None:
     gen.add_argument("--out", type=Path, required=True)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--kind", choices=("chat", "prompts"), default="chat", help="SFT chat rows or PPO prompt rows")
+    gen.add_argument("--prompt-median", type=float, default=140, help="median prompt length, characters (= tokens)")
+    gen.add_argument("--response-median", type=float, default=260, help="median response length, characters (= tokens)")
     run = sub.add_parser("run", help="cold and second start of a checkout on a data file")
     run.add_argument("--data", type=Path, required=True)
     run.add_argument("--code", type=Path, default=ROOT, help="the checkout to run (its recipes and lightning_mem)")
@@ -163,7 +170,7 @@ def main() -> None:
     run.add_argument("--timeout", type=int, default=7200)
     args = parser.parse_args()
     if args.command == "generate":
-        generate(args.rows, args.out, args.seed, args.kind)
+        generate(args.rows, args.out, args.seed, args.kind, args.prompt_median, args.response_median)
         return
     code = args.code.resolve()
     cached = (code / "lightning_mem/data/cache.py").exists()

@@ -404,7 +404,12 @@ class PPOModule(LightningModule):
         # reward rule cannot score fails now rather than minutes into the first rollout.
         train_set = getattr(self.trainer.datamodule, "train_set", None)
         if self.reward_fn is not None and train_set is not None:
-            self.reward_fn.check_rows(train_set.rows, source=str(getattr(self.trainer.datamodule, "train_path", "data")))
+            source = str(getattr(self.trainer.datamodule, "train_path", "data"))
+            key_sets = getattr(self.trainer.datamodule, "key_sets", None)
+            if key_sets is not None:  # the cache's distinct key sets: no row is read
+                self.reward_fn.check_key_sets(key_sets, source=source)
+            else:
+                self.reward_fn.check_rows(train_set.rows, source=source)
 
     def _check_packing_splits(self) -> None:
         if self.ppo.packing:

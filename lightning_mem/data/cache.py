@@ -245,6 +245,17 @@ def column(dataset: Any, name: str) -> np.ndarray:
     return dataset.data.column(name).to_numpy()
 
 
+def _chunks_of(dataset: Any, indices: Any, name: str) -> tuple[list[Any], np.ndarray, np.ndarray]:
+    """The chunks of column ``name``, and for each of ``indices`` its chunk and its row in it."""
+    chunks = dataset.data.table.column(name).chunks
+    starts = np.concatenate(([0], np.cumsum(np.fromiter((len(c) for c in chunks), dtype=np.int64, count=len(chunks)))))
+    rows = np.asarray(indices, dtype=np.int64).reshape(-1)
+    if len(rows) and (rows.min() < 0 or rows.max() >= starts[-1]):
+        raise IndexError(f"rows {rows.min()}..{rows.max()} of a column of {starts[-1]}")
+    which = np.searchsorted(starts, rows, side="right") - 1
+    return chunks, which, rows - starts[which]
+
+
 def take_ragged(dataset: Any, indices: Any, name: str) -> list[np.ndarray]:
     """The rows ``indices`` of a list column, as numpy arrays (views of one private buffer).
 
@@ -253,13 +264,11 @@ def take_ragged(dataset: Any, indices: Any, name: str) -> list[np.ndarray]:
     rows of 400 tokens a 1.6 GB private copy per column, per micro-batch, which was most of the
     3.65 GB peak RSS a rank reached at 1M rows, docs/benchmarks.md.)
     """
-    chunks = dataset.data.table.column(name).chunks
-    starts = np.concatenate(([0], np.cumsum(np.fromiter((len(c) for c in chunks), dtype=np.int64, count=len(chunks)))))
-    rows = np.asarray(indices, dtype=np.int64).reshape(-1)
+    chunks, which, local = _chunks_of(dataset, indices, name)
     pieces = []
-    for row, k in zip(rows.tolist(), (np.searchsorted(starts, rows, side="right") - 1).tolist()):
-        chunk, local = chunks[k], row - int(starts[k])
-        lo, hi = chunk.offsets[local].as_py(), chunk.offsets[local + 1].as_py()  # into the unsliced values
+    for k, row in zip(which.tolist(), local.tolist()):
+        chunk = chunks[k]
+        lo, hi = chunk.offsets[row].as_py(), chunk.offsets[row + 1].as_py()  # into the unsliced values
         pieces.append(chunk.values.slice(lo, hi - lo).to_numpy(zero_copy_only=False))
     if not pieces:
         return []
@@ -267,6 +276,31 @@ def take_ragged(dataset: Any, indices: Any, name: str) -> list[np.ndarray]:
     values = np.concatenate(pieces)
     ends = np.cumsum([len(piece) for piece in pieces])
     return [values[end - len(piece) : end] for piece, end in zip(pieces, ends)]
+
+
+def take_strings(dataset: Any, indices: Any, name: str) -> list[str | None]:
+    """The rows ``indices`` of a string column as ``str`` (None for a null): what
+    ``ChunkedArray.take(indices).to_pylist()`` gives, read as :func:`take_ragged` reads, each row
+    from its own chunk's memory-mapped offsets and bytes (``take`` would first concatenate the whole
+    column, every prompt row's JSON, into a private copy, for every batch)."""
+    import pyarrow as pa
+
+    chunks, which, local = _chunks_of(dataset, indices, name)
+    views: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    out: list[str | None] = []
+    for k, row in zip(which.tolist(), local.tolist()):
+        chunk = chunks[k]
+        if k not in views:
+            _, offsets, data = chunk.buffers()
+            width = np.int64 if pa.types.is_large_string(chunk.type) else np.int32
+            offsets = np.frombuffer(offsets, dtype=width)[chunk.offset : chunk.offset + len(chunk) + 1]
+            views[k] = offsets, np.frombuffer(data, dtype=np.uint8) if data is not None else np.zeros(0, np.uint8)
+        offsets, data = views[k]
+        if chunk.null_count and not chunk[row].is_valid:
+            out.append(None)
+        else:
+            out.append(data[offsets[row] : offsets[row + 1]].tobytes().decode())
+    return out
 
 
 def narrow_index(positions: np.ndarray) -> np.ndarray:

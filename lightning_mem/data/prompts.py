@@ -35,6 +35,7 @@ from lightning_mem.data.cache import (
     raw_rows,
     source_identity,
     take_ragged,
+    take_strings,
     tokenizer_identity,
 )
 from lightning_mem.data.chat import encode_rendered, render_prompt, row_to_prompt_messages
@@ -70,18 +71,19 @@ def tokenize_prompt_batch(
 ) -> dict[str, list[Any]]:
     """``datasets.map`` function: raw rows to the cached prompt columns (the ids of
     :func:`~lightning_mem.data.chat.encode_prompt`, and the row as JSON for the reward), one output
-    row per input row; ``status`` marks prompts over ``max_prompt_length`` and blank lines."""
+    row per input row; ``status`` marks prompts over ``max_prompt_length`` and blank lines; ``keys``
+    is the row's sorted keys as JSON (a few distinct values in a set: :func:`key_sets`)."""
     rows = [None if r is None else with_system_prompt(r, system_prompt) for r in parse_rows(batch["line"], indices, jsonl, columns)]
     texts = [render_prompt(row_to_prompt_messages(r), tokenizer) for r in rows if r is not None]
     encoded = iter(encode_rendered(texts, tokenizer)["input_ids"] if texts else [])
-    out: dict[str, list[Any]] = {"prompt_ids": [], "row": [], "length": [], "status": [], "where": []}
+    out: dict[str, list[Any]] = {"prompt_ids": [], "row": [], "length": [], "status": [], "where": [], "keys": []}
     for row in rows:
         if row is None:
-            values = (np.zeros(0, dtype=np.int32), "", 0, BLANK, "")
+            values = (np.zeros(0, dtype=np.int32), "", 0, BLANK, "", "")
         else:
             ids = np.asarray(next(encoded), dtype=np.int32)
             status = DROPPED if len(ids) > max_prompt_length else KEPT
-            values = (ids, json.dumps(row), len(ids), status, row["_where"])
+            values = (ids, json.dumps(row), len(ids), status, row["_where"], json.dumps(sorted(row)))
         for k, v in zip(out, values):
             out[k].append(v)
     return out
@@ -92,8 +94,32 @@ def _features() -> Any:
 
     return datasets.Features(
         {"prompt_ids": datasets.List(datasets.Value("int32")), "row": datasets.Value("string"), "length": datasets.Value("int32"),
-         "status": datasets.Value("int8"), "where": datasets.Value("string")}
+         "status": datasets.Value("int8"), "where": datasets.Value("string"), "keys": datasets.Value("string")}
     )
+
+
+def key_sets(mapped: Any) -> list[list[Any]]:
+    """Each distinct set of keys among the kept rows: ``[keys, rows with it, first row's where]``,
+    in the order of their first rows. Computed once, when the cache is built, chunk by chunk, so that a start
+    checks a reward's keys against a few sets rather than parsing every row's JSON (at ten million
+    rows, minutes on every rank, at every start)."""
+    import pyarrow.compute as pc
+
+    table = mapped.data.table
+    counts: dict[str, list[Any]] = {}
+    start = 0
+    for keys, status in zip(table.column("keys").chunks, table.column("status").chunks):
+        kept = keys.filter(pc.equal(status, KEPT))
+        for entry in pc.value_counts(kept).to_pylist():
+            value, n = entry["values"], entry["counts"]
+            if value not in counts:
+                here = np.logical_and(status.to_numpy(zero_copy_only=False) == KEPT, pc.equal(keys, value).to_numpy(zero_copy_only=False))
+                counts[value] = [json.loads(value), 0, start + int(np.flatnonzero(here)[0])]
+            counts[value][1] += n
+        start += len(keys)
+    ordered = sorted(counts.values(), key=lambda c: c[2])  # by each set's first row
+    wheres = take_strings(mapped, [c[2] for c in ordered], "where")
+    return [[keys, n, where] for (keys, n, _), where in zip(ordered, wheres)]
 
 
 class _Rows(Sequence):
@@ -112,9 +138,8 @@ class _Rows(Sequence):
         return json.loads(self.table.data.column("row")[int(self.positions[idx])].as_py())
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        rows = self.table.data.column("row")
-        for start in range(0, len(self.positions), 10_000):
-            for text in rows.take(self.positions[start : start + 10_000]).to_pylist():
+        for start in range(0, len(self.positions), 10_000):  # chunk-wise: no private copy of the column
+            for text in take_strings(self.table, self.positions[start : start + 10_000], "row"):
                 yield json.loads(text)
 
 
@@ -135,7 +160,7 @@ class PromptDataset(Dataset):
         if isinstance(idx, list):
             positions = self.positions[np.asarray(idx, dtype=np.int64)]
             ids = take_ragged(self.table, positions, "prompt_ids")
-            rows = self.table.data.column("row").take(positions).to_pylist()
+            rows = take_strings(self.table, positions, "row")
             return [{"prompt_ids": i, "row": json.loads(r)} for i, r in zip(ids, rows)]
         if not -len(self) <= idx < len(self):
             raise IndexError(idx)
@@ -240,6 +265,9 @@ class PromptDataModule(LightningDataModule):
         self.tokenizer: Any = None
         self.train_set: PromptDataset | None = None
         self.dropped: list[str] = []
+        #: The kept rows' distinct key sets, ``[keys, rows, first row's where]`` (:func:`key_sets`):
+        #: what a reward's keys are checked against at the start, without reading the rows.
+        self.key_sets: list[list[Any]] | None = None
 
     def prepare_data(self) -> None:
         # Lightning calls this on each node's local rank 0 before any rank's setup: the prompts
@@ -273,7 +301,7 @@ class PromptDataModule(LightningDataModule):
     def _build(self, folder: Path, key: str) -> dict[str, Any]:
         log.info(f"tokenizing prompts ({self.source.describe('train')}) into {folder.parent} with {self.num_proc} process(es)")
         raw, jsonl = raw_rows(self.source, "train", folder)
-        meta: dict[str, Any] = {"files": [], "rows": 0, "dropped_where": []}
+        meta: dict[str, Any] = {"files": [], "rows": 0, "dropped_where": [], "key_sets": []}
         if len(raw):
             function = partial(tokenize_prompt_batch, tokenizer=self.tokenizer, max_prompt_length=self.max_prompt_length,
                                system_prompt=self.system_prompt, jsonl=jsonl, columns=self.source.columns)
@@ -281,7 +309,7 @@ class PromptDataModule(LightningDataModule):
             status = column(mapped, "status")
             dropped = np.flatnonzero(status == DROPPED)
             meta = {"files": arrow_files(mapped), "rows": int((status != BLANK).sum()),
-                    "dropped_where": mapped.data.column("where").take(dropped).to_pylist()}
+                    "dropped_where": take_strings(mapped, dropped, "where"), "key_sets": key_sets(mapped)}
         del raw
         for f in folder.glob("raw-*.arrow"):
             f.unlink()
@@ -292,6 +320,7 @@ class PromptDataModule(LightningDataModule):
         where = self.source.describe("train")
         folder, meta = self._cached()
         self.dropped = list(meta["dropped_where"])
+        self.key_sets = meta["key_sets"]
         summary = (
             f"prompts ({where}): {meta['rows']} rows, {len(self.dropped)} dropped as longer than"
             f" max_prompt_length={self.max_prompt_length}"

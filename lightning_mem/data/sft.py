@@ -34,6 +34,7 @@ from lightning_mem.data.cache import (
     raw_rows,
     source_identity,
     take_ragged,
+    take_strings,
     tokenizer_identity,
 )
 from lightning_mem.data import packing as packed
@@ -392,7 +393,7 @@ class SFTDataModule(LightningDataModule):
             dropped = np.flatnonzero(status == DROPPED)
             stats = TokenizeStats(
                 rows=int(rows.sum()), truncated=int(column(mapped, "truncated")[rows].sum()), dropped=len(dropped),
-                dropped_where=mapped.data.column("where").take(dropped).to_pylist(),
+                dropped_where=take_strings(mapped, dropped, "where"),
             )
             meta = {"files": arrow_files(mapped), "stats": stats.__dict__}
         del raw

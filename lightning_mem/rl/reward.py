@@ -42,6 +42,20 @@ class RewardFunction:
                     f" (it reads {keys}; {sum(any(k not in r for k in keys) for r in rows)} of {len(rows)} rows lack one)"
                 )
 
+    def check_key_sets(self, key_sets: Sequence[Sequence[Any]], source: str = "the prompt data") -> None:
+        """:meth:`check_rows` on a prompt set's distinct key sets (``[keys, rows, first row's where]``,
+        :func:`lightning_mem.data.prompts.key_sets`): the same error, without reading every row."""
+        keys = list(self.required_keys())
+        lacking = [(where, [k for k in keys if k not in have], n) for have, n, where in key_sets if any(k not in have for k in keys)]
+        if lacking:
+            where, missing, _ = lacking[0]  # the sets come in the order of their first rows
+            where = where or f"a row of {source}"
+            total = sum(n for _, n, _ in key_sets)
+            raise ValueError(
+                f"{where}: no `{missing[0]}`, which the reward {type(self).__name__} needs"
+                f" (it reads {keys}; {sum(n for _, _, n in lacking)} of {total} rows lack one)"
+            )
+
     def score(self, prompts: list[str], responses: list[str], rows: list[dict[str, Any]]) -> Sequence[float]:
         """One score per response. ``responses`` are decoded without special tokens; ``rows`` are
         the prompts' data rows (every key of the JSONL line)."""

@@ -72,3 +72,27 @@ def test_system_prompt_is_added_to_rows_that_have_none(tmp_path):
     assert texts[1].startswith("<|system|>\nOwn.\n")
     # The row carries it too, so a reward model rebuilding the conversation sees the same one.
     assert row_to_prompt_messages(dm.train_set.rows[0])[0] == {"role": "system", "content": "Number only."}
+
+
+def test_reward_keys_are_checked_against_the_caches_key_sets(tmp_path):
+    """A start checks a reward's keys against the kept rows' distinct key sets, recorded when the
+    cache is built (reading every row's JSON took minutes at ten million rows), with the error
+    :meth:`check_rows` gives on the rows themselves."""
+    from recipes.rewards import ExactAnswerReward
+
+    path = tmp_path / "p.jsonl"
+    rows = ([{"prompt": "1 + 1 =", "answer": "2"}] * 2 + [{"prompt": "2 + 2 ="}] + [{"prompt": "3 =", "answer": "3", "x": 1}]
+            + [{"prompt": "1 + 1 " * 50, "note": "dropped"}] + [{"prompt": "4 ="}])
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n")  # and a blank line
+    dm = PromptDataModule(str(path), tokenizer=str(TINY_MODEL), batch_size=1, max_prompt_length=20, cache_dir=str(tmp_path / "c"))
+    dm.setup("fit")
+    assert dm.key_sets == [[["_where", "answer", "prompt"], 2, f"{path}:1"], [["_where", "prompt"], 2, f"{path}:3"],
+                           [["_where", "answer", "prompt", "x"], 1, f"{path}:4"]]
+    reward = ExactAnswerReward()
+    with pytest.raises(ValueError) as from_rows:
+        reward.check_rows(dm.train_set.rows, source=str(path))
+    with pytest.raises(ValueError) as from_sets:
+        reward.check_key_sets(dm.key_sets, source=str(path))
+    assert str(from_sets.value) == str(from_rows.value) == (
+        f"{path}:3: no `answer`, which the reward ExactAnswerReward needs (it reads ['answer']; 2 of 5 rows lack one)")
+    ExactAnswerReward(answer_key="prompt").check_key_sets(dm.key_sets)  # every row has it
