@@ -60,3 +60,22 @@ def test_a_fake_tensors_device_is_answered_without_the_fake_mode():
         assert t.device == torch.device("cpu")
         assert (t @ t).device == torch.device("cpu")
     assert mode.fake_mode is not None
+
+
+def test_the_runs_own_cache_of_fake_results_gives_new_tensors_of_the_fake_modes_layout():
+    ledger = MemoryLedger(set())
+    with TrackingMode(ledger, fake=True) as mode:
+        a, b = torch.empty(8, 16), torch.empty(16, 4)
+        first = a @ b
+        cached = len(mode._op_cache)
+        assert any(key[0] is torch.ops.aten.mm.default for key in mode._op_cache)
+        base = ledger.device_bytes
+        second = a @ b  # the same layouts: from the run's cache
+        assert len(mode._op_cache) == cached
+        assert ledger.device_bytes == base + 8 * 4 * 4  # a new tensor, counted
+        chunks = torch.empty(6, 4).split(2)  # outputs sharing the input's storage: not cached
+    assert isinstance(second, FakeTensor) and second.fake_mode is mode.fake_mode
+    assert (second.shape, second.stride(), second.dtype) == (first.shape, first.stride(), first.dtype)
+    assert second.untyped_storage()._cdata != first.untyped_storage()._cdata
+    assert not any(key[0] is torch.ops.aten.split.Tensor for key in mode._op_cache)
+    assert len(chunks) == 3
