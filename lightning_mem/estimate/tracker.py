@@ -258,7 +258,8 @@ def _key_of(tree: Any) -> Any:
     """A hashable key of an operator's arguments: the nesting kept, a fake tensor by its layout."""
     kind = type(tree)
     if kind is FakeTensor:
-        return (FakeTensor, tuple(tree.shape), tree.stride(), tree.dtype, tree.fake_device, tree.storage_offset())
+        return (FakeTensor, tuple(tree.shape), tree.stride(), tree.dtype, tree.fake_device, tree.storage_offset(),
+                tree.requires_grad)
     if kind is tuple or kind is list:
         return (kind, *map(_key_of, tree))
     if kind is dict:
@@ -394,7 +395,8 @@ class TrackingMode(TorchDispatchMode):
 
         The fake mode keys its cache on the whole metadata of every argument (a third of an
         estimate's time). This one keys on what the estimate's operators vary in: the operator,
-        each fake tensor's shape, strides, dtype and device, and the other arguments. It keeps only
+        the default dtype and inference mode, each fake tensor's shape, strides, dtype, device,
+        offset and ``requires_grad``, and the other arguments. It keeps only
         what the fake mode itself cached (a hit or a stored miss, not a bypass), and only outputs
         that are new, separate, offset-free tensors; it then makes them as the fake mode does (an
         empty meta tensor of the recorded layout, wrapped as fake).
@@ -405,7 +407,9 @@ class TrackingMode(TorchDispatchMode):
             type(x) is FakeTensor and x.fake_mode is mode and x.constant is None for x in tensors
         ):
             try:
-                key = (func, _key_of(args), _key_of(kwargs))
+                # The global state the fake mode's own key holds that can change an output's layout.
+                key = (func, torch.get_default_dtype(), torch.is_inference_mode_enabled(), _key_of(args),
+                       _key_of(kwargs))
                 entry = self._op_cache.get(key)
             except TypeError:  # an unhashable argument
                 key, entry = None, None
