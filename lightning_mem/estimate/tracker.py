@@ -276,7 +276,7 @@ def _layout_of(out: Any, inputs: list[torch.Tensor]) -> Any:
     kind = type(out)
     seen = {id(x.untyped_storage()) for x in inputs}
     if kind is FakeTensor:
-        outs, rebuild = [out], None
+        outs = [out]
     elif kind is tuple or kind is list:
         if not all(type(x) is FakeTensor or x is None or type(x) in (int, float, bool) for x in out):
             return None
@@ -321,8 +321,6 @@ class TrackingMode(TorchDispatchMode):
         self.fixed_sampling = fake if fixed_sampling is None else fixed_sampling
         self.fake_mode = None
         if fake:
-            from torch._subclasses.fake_tensor import FakeTensorMode
-
             self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         #: This run's cache of fake results (:meth:`_fake_dispatch`): operator and argument layouts
         #: to output layouts.
@@ -448,9 +446,8 @@ class TrackingMode(TorchDispatchMode):
         outs = [t for t in leaves_of(meta_out) if isinstance(t, torch.Tensor)]
         if not outs or all(t.dtype in _REAL_DTYPES for t in outs):
             return None
-        converter, cpu = self.fake_mode.fake_tensor_converter, torch.device("cpu")
-        return map_leaves(lambda t: converter.from_meta_and_device(self.fake_mode, t, cpu)
-                          if isinstance(t, torch.Tensor) else t, meta_out)
+        cpu = torch.device("cpu")
+        return map_leaves(lambda t: FakeTensor(self.fake_mode, t, cpu) if isinstance(t, torch.Tensor) else t, meta_out)
 
     @staticmethod
     def _small_int(t: Any) -> bool:
