@@ -80,5 +80,23 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if fits else 1
 
 
+def _exit(code: int) -> None:
+    """Leave as ``sys.exit(code)`` would, without tearing the interpreter down.
+
+    After an estimate the process holds half a million objects (the model's fake parameters, the
+    autograd graph's remains, the ledger's weak references); freeing them one by one at shutdown took
+    about 2 s of a 15 s estimate. The exit handlers still run and the output is flushed; then the
+    process ends, and the operating system takes its memory back at once.
+    """
+    import atexit
+    import os
+
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit(main())

@@ -30,7 +30,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, in_kernel_invocation_manager
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import SUPPORTED_NODES, tree_flatten, tree_map
 
@@ -204,6 +205,20 @@ class MemoryLedger:
 
 
 _DEVICE_QUERY = torch.ops.prim.device.default
+# Not a view in its schema (autograd treats its output as new), but its kernel returns a view of its
+# input: the fake mode decomposes it into ``view`` (two passes through its cache for one view).
+_UNSAFE_VIEW = torch.ops.aten._unsafe_view.default
+# In-place operators whose meta kernel changes more than values (sizes, strides, storage).
+_NOT_IN_PLACE_ON_META = {torch.ops.aten.set_, torch.ops.aten.resize_, torch.ops.aten.resize_as_}
+_CPU = torch.device("cpu")
+# Operators whose fake-mode rule differs from their meta kernel only across devices (it runs the
+# kernel and returns the written input, or a new tensor on the input's device).
+_SAME_DEVICE_RULES = {torch.ops.aten.copy_.default}
+_DECLINED = object()
+
+
+class _NotOnMeta(Exception):
+    """An output the meta path cannot stand for (:meth:`TrackingMode._on_meta`)."""
 
 
 def _is_fake(x: Any) -> bool:
@@ -255,19 +270,29 @@ def map_leaves(fn: Callable[[Any], Any], tree: Any) -> Any:
 
 
 def _key_of(tree: Any) -> Any:
-    """A hashable key of an operator's arguments: the nesting kept, a fake tensor by its layout."""
+    """A hashable key of an operator's arguments: the nesting kept, a fake tensor by its layout, a
+    plain real tensor by its layout too (only the meta path, which reads no values, keys on one)."""
     kind = type(tree)
-    if kind is FakeTensor:
+    if kind is FakeTensor or isinstance(tree, FakeTensor):  # the fake mode's results do not depend on the class
         return (FakeTensor, tuple(tree.shape), tree.stride(), tree.dtype, tree.fake_device, tree.storage_offset(),
                 tree.requires_grad)
     if kind is tuple or kind is list:
         return (kind, *map(_key_of, tree))
     if kind is dict:
         return (dict, *((k, _key_of(v)) for k, v in tree.items()))
+    if kind is torch.Tensor or kind is nn.Parameter:
+        return (kind, tuple(tree.shape), tree.stride(), tree.dtype, tree.device, tree.storage_offset(),
+                tree.requires_grad)
     if isinstance(tree, torch.Tensor):
-        raise TypeError("a tensor that is not fake")
+        raise TypeError("a tensor subclass")
     hash(tree)
     return (kind, tree)
+
+
+def _place_of(t: torch.Tensor) -> tuple[Any, ...]:
+    """A tensor's layout and the size of its storage: what an in-place operator must not change for
+    the run's cache to stand for it."""
+    return tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.untyped_storage().nbytes()
 
 
 def _layout_of(out: Any, inputs: list[torch.Tensor]) -> Any:
@@ -293,13 +318,147 @@ def _layout_of(out: Any, inputs: list[torch.Tensor]) -> Any:
     return layout(out) if kind is FakeTensor else (kind, [layout(x) for x in out])
 
 
-def _rebuild(mode: Any, entry: Any) -> Any:
+class _FakeMaker:
+    """Wraps a meta tensor as a ``FakeTensor`` of one fake mode, as ``FakeTensor(mode, meta, device)``
+    does, at a fraction of its cost.
+
+    The constructor checks its arguments, normalizes the device and sets about twenty attributes one by
+    one, half of them through descriptors (its memo slots): about 50 us, paid for each of the tens of
+    thousands of views and results an estimate makes. Here the tensor is made by the same
+    ``Tensor._make_subclass`` call, and its attributes are copied in one go from a tensor the
+    constructor made for that device (``tests/estimate/test_tracker_real_inputs.py`` holds the two
+    equal). ``device`` must be a fake tensor's ``fake_device`` (already normalized) or the CPU.
+    """
+
+    def __init__(self, mode: FakeTensorMode) -> None:
+        self.mode = mode
+        self._state: dict[torch.device, dict[str, Any]] = {}
+        self._guard = (torch._C._set_warn_deprecated_on_mutable_data_ptr if mode._allow_unsafe_data_ptr_access
+                       else torch._C._set_throw_on_mutable_data_ptr)
+
+    def __call__(self, meta: torch.Tensor, device: torch.device) -> FakeTensor:
+        state = self._state.get(device)
+        if state is None:
+            state = self._state[device] = dict(FakeTensor(self.mode, torch.empty(0, device="meta"), device).__dict__)
+        t = torch.Tensor._make_subclass(FakeTensor, meta, meta.requires_grad, dispatch_device=True,
+                                        device_for_backend_keys=device)
+        self._guard(t)
+        t.__dict__.update(state)
+        return t
+
+
+def _fake_mode_runs_meta(mode: FakeTensorMode, func: Any) -> bool:
+    """Whether the fake mode's result of ``func`` on fake (and real CPU) tensors of one device is what
+    ``func``'s meta kernel returns, wrapped as fake: an aten operator with a meta kernel that the
+    fake mode neither decomposes (it does when neither a Python nor a C++ symbolic meta kernel is
+    registered), nor hands to a rule of its own (constructors, ``copy_``, ``index_put_``, ``nonzero``
+    and the other operators whose results depend on data or mix devices), nor answers directly (size
+    queries, ``lift_fresh``); and that changes no size, stride or storage in place."""
+    from torch._decomp import meta_table
+    from torch._library.simple_registry import singleton
+    from torch._subclasses.fake_impls import op_implementations_checks
+    from torch._subclasses.fake_tensor import _DISPATCH_HANDLE_DIRECTLY, _DISPATCH_META_HANDLERS
+
+    tags = func.tags
+    return (
+        func.namespace == "aten"
+        and func.overloadpacket not in _NOT_IN_PLACE_ON_META
+        and torch.Tag.inplace_view not in tags
+        and torch.Tag.dynamic_output_shape not in tags
+        and torch.Tag.data_dependent_output not in tags
+        and func not in mode.lift_fns
+        and func not in _DISPATCH_META_HANDLERS
+        and func not in _DISPATCH_HANDLE_DIRECTLY
+        # An in-place operator returns its written inputs however the fake mode runs it.
+        and (_returns_written(func) or not _decomposed_by(mode, func, meta_table))
+        and torch._C._dispatch_has_computed_kernel_for_dispatch_key(func.name(), "Meta")
+        and (func in _SAME_DEVICE_RULES or not any(check(func) for check, _ in op_implementations_checks))
+        and not singleton.find(func.name()).fake_impl.kernel
+    )
+
+
+def _returns_written(func: Any) -> bool:
+    """An in-place operator that returns only inputs it writes, or nothing."""
+    schema = func._schema
+    return schema.is_mutable and all(r.alias_info is not None and r.alias_info.is_write for r in schema.returns)
+
+
+def _written(func: Any, args: Any, kwargs: Any) -> list[Any]:
+    """The tensors an in-place operator writes: its arguments marked as written in its schema."""
+    out = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+        out.extend(x for x in leaves_of(value) if isinstance(x, torch.Tensor))
+    return out
+
+
+def _decomposed_by(mode: FakeTensorMode, func: Any, meta_table: Any) -> bool:
+    """Whether the fake mode runs ``func`` as a decomposition into other operators (its
+    ``_dispatch_impl``, without symbolic sizes) rather than by its meta kernel."""
+    from torch._decomp import decomposition_table
+    from torch._subclasses.fake_tensor import torch_decomp_decompositions
+
+    if func in meta_table or mode.cpp_meta_supports_symint(func):
+        return False
+    if func in decomposition_table and torch_decomp_decompositions(func):
+        return True
+    dk = torch._C.DispatchKey.CompositeImplicitAutograd
+    return dk in func.py_kernels or torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), dk)
+
+
+def _meta_call(mode: FakeTensorMode, func: Any, args: Any, kwargs: Any) -> Any:
+    """``func`` run by its meta kernel on fake tensors' own meta storage: what
+    ``in_kernel_invocation_manager(mode)`` does around a call, without a generator's context manager
+    (a fifth of a view's cost)."""
+    prev = mode.in_kernel_invocation
+    with torch._C._DisableTorchDispatch(), torch._C._PreserveDispatchKeyGuard():
+        mode.in_kernel_invocation = True
+        torch._C._set_meta_in_tls_dispatch_include(True)
+        try:
+            return func(*args, **kwargs)
+        finally:
+            mode.in_kernel_invocation = prev
+
+
+class _Written:
+    """A cache entry of an in-place operator: its outputs are these of its inputs (their places
+    among the argument leaves; ``kind`` a tuple or list of them, or None for one)."""
+
+    __slots__ = ("places", "kind")
+
+    def __init__(self, places: list[int], kind: type | None) -> None:
+        self.places, self.kind = places, kind
+
+    @staticmethod
+    def of(out: Any, leaves: list[Any]) -> _Written | None:
+        """The entry for ``out`` if each of its tensors is one of ``leaves`` (None otherwise)."""
+        outs, kind = ([out], None) if type(out) is not tuple and type(out) is not list else (list(out), type(out))
+        if out is None:
+            outs = []
+        places = []
+        for t in outs:
+            place = next((i for i, x in enumerate(leaves) if x is t), None)
+            if place is None:
+                return None
+            places.append(place)
+        return _Written(places, kind) if out is not None else _Written([], type(None))
+
+    def outputs(self, leaves: list[Any]) -> Any:
+        if self.kind is type(None):
+            return None
+        outs = [leaves[i] for i in self.places]
+        return outs[0] if self.kind is None else self.kind(outs)
+
+
+def _rebuild(make_fake: _FakeMaker, entry: Any) -> Any:
     def make(layout: Any) -> Any:
         if type(layout) is not tuple:
             return layout
         shape, stride, dtype, device, requires_grad = layout
         meta = torch.empty_strided(shape, stride, dtype=dtype, device="meta", requires_grad=requires_grad)
-        return FakeTensor(mode, meta, device)
+        return make_fake(meta, device)
 
     if type(entry[0]) is type:  # (tuple or list, layouts)
         kind, layouts = entry
@@ -322,9 +481,20 @@ class TrackingMode(TorchDispatchMode):
         self.fake_mode = None
         if fake:
             self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+            self._make_fake = _FakeMaker(self.fake_mode)
         #: This run's cache of fake results (:meth:`_fake_dispatch`): operator and argument layouts
         #: to output layouts.
         self._op_cache: dict[Any, Any] = {}
+        #: Per operator: whether its meta kernel gives the fake mode's result (:func:`_fake_mode_runs_meta`).
+        self._runs_meta: dict[Any, bool] = {}
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # TorchDispatchMode wraps a subclass's __torch_dispatch__ in torch._disable_dynamo unless this
+        # says no: a wrapper of two calls and four frame-evaluation switches (about 5 us) around each
+        # of the hundred thousand operators an estimate dispatches. The estimate never runs under
+        # torch.compile (its decode loop runs eager: rl/decode.estimated_decode).
+        return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         if func is _DEVICE_QUERY and type(args[0]) is FakeTensor:
@@ -345,8 +515,10 @@ class TrackingMode(TorchDispatchMode):
         leaves = leaves_of((args, kwargs))
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         has_fake = any(_is_fake(x) for x in tensors)
-        if func.is_view and tensors and all(type(x) is FakeTensor and x.fake_mode is self.fake_mode
-                                            and x.constant is None for x in tensors):
+        # ``isinstance``: the estimate's fake Params4bit is a FakeTensor subclass (estimate/fake.py).
+        if (func.is_view or func is _UNSAFE_VIEW) and tensors and all(
+            isinstance(x, FakeTensor) and x.fake_mode is self.fake_mode and x.constant is None for x in tensors
+        ):
             return self._view_on_meta(func, args, kwargs, tensors[0].fake_device)
         name = func.overloadpacket.__name__
         if name == "_local_scalar_dense" and has_fake:
@@ -376,10 +548,10 @@ class TrackingMode(TorchDispatchMode):
             finally:
                 self.fake_mode.cache_enabled = cached
         else:
-            # The fake mode's own handler, called as the dispatcher would call it with the mode
-            # entered: entering and leaving the mode for each operator cost as much as the walk
-            # of its arguments did.
-            fake_out = self._fake_dispatch(func, args, kwargs, tensors, has_fake)
+            # The fake mode's own handler is called (in _fake_dispatch) as the dispatcher would call
+            # it with the mode entered: entering and leaving the mode for each operator cost as
+            # much as the walk of its arguments did.
+            fake_out = self._fake_dispatch(func, args, kwargs, tensors, leaves)
         if func._schema.is_mutable and tensors and not _is_fake(args[0]) and isinstance(args[0], torch.Tensor):
             return args[0]  # a real tensor written with fake values: it keeps its (worst-case) values
         if not tensors:  # a factory: small integer tensors are made for real
@@ -387,23 +559,36 @@ class TrackingMode(TorchDispatchMode):
         fill = self.fill_token if name in _SAMPLING_OPS else 0
         return map_leaves(lambda t: self._realize(t, fill), fake_out)
 
-    def _fake_dispatch(self, func, args, kwargs, tensors, has_fake):  # noqa: ANN001
-        """The fake mode's result of ``func``, from a cache of this run's own in front of the fake
-        mode's cache.
+    def _fake_dispatch(self, func, args, kwargs, tensors, leaves):  # noqa: ANN001
+        """The fake mode's result of ``func`` on arguments with a fake tensor (or none), from a cache of this
+        run's own, else from ``func``'s meta kernel where that is what the fake mode runs, else from
+        the fake mode.
 
         The fake mode keys its cache on the whole metadata of every argument (a third of an
-        estimate's time). This one keys on what the estimate's operators vary in: the operator,
-        the default dtype and inference mode, each fake tensor's shape, strides, dtype, device,
-        offset and ``requires_grad``, and the other arguments. It keeps only
-        what the fake mode itself cached (a hit or a stored miss, not a bypass), and only outputs
-        that are new, separate, offset-free tensors; it then makes them as the fake mode does (an
-        empty meta tensor of the recorded layout, wrapped as fake).
+        estimate's time), and converts each real input on every call. This cache keys on what the
+        estimate's operators vary in: the operator, the default dtype and inference mode, each
+        tensor's shape, strides, dtype, device, offset and ``requires_grad``, and the other
+        arguments. It keeps what the meta path made (:meth:`_on_meta`: a result there depends on
+        layouts only, as meta tensors have no values), and of the fake mode's results only those
+        of fake inputs that the fake mode itself cached (a hit or a stored miss, not a bypass).
+        It keeps only new, separate, offset-free outputs, and makes them as the fake mode does (an
+        empty meta tensor of the recorded layout, wrapped as fake); of an in-place operator it
+        keeps which inputs it returns.
         """
         mode = self.fake_mode
+        runs_meta = self._runs_meta.get(func)
+        if runs_meta is None:
+            runs_meta = self._runs_meta[func] = _fake_mode_runs_meta(mode, func)
+        # Fake tensors of this mode (the fake Params4bit too: a subclass) and plain real tensors: their
+        # layouts decide the result wherever the fake mode caches it, or the meta path runs it.
+        keyable = all(
+            (x.fake_mode is mode and x.constant is None) if isinstance(x, FakeTensor)
+            else (type(x) is torch.Tensor or type(x) is nn.Parameter)
+            for x in tensors
+        )
+        mutable = func._schema.is_mutable
         key = None
-        if has_fake and not func._schema.is_mutable and all(
-            type(x) is FakeTensor and x.fake_mode is mode and x.constant is None for x in tensors
-        ):
+        if keyable and (runs_meta or not mutable or _returns_written(func)):
             try:
                 # The global state the fake mode's own key holds that can change an output's layout.
                 key = (func, torch.get_default_dtype(), torch.is_inference_mode_enabled(), _key_of(args),
@@ -412,7 +597,24 @@ class TrackingMode(TorchDispatchMode):
             except TypeError:  # an unhashable argument
                 key, entry = None, None
             if entry is not None:
-                return _rebuild(mode, entry)
+                return entry.outputs(leaves) if type(entry) is _Written else _rebuild(self._make_fake, entry)
+        if runs_meta:
+            out = self._on_meta(func, args, kwargs, tensors)
+            if out is not _DECLINED:
+                if key is not None:
+                    entry = _Written.of(out, leaves) if mutable else _layout_of(out, tensors)
+                    if entry is not None:
+                        self._op_cache[key] = entry
+                return out
+        if key is not None and mutable:  # an in-place operator with a rule of the fake mode's (a fake kernel)
+            before = [_place_of(x) for x in tensors]
+            out = mode.__torch_dispatch__(func, (), args, kwargs)
+            # Its outputs are inputs it wrote, each as itself, and it left every input's layout as it
+            # was: another call with the same layouts returns the same inputs.
+            entry = _Written.of(out, leaves)
+            if entry is not None and before == [_place_of(x) for x in tensors]:
+                self._op_cache[key] = entry
+            return out
         hits, misses = FakeTensorMode.cache_hits, FakeTensorMode.cache_misses
         out = mode.__torch_dispatch__(func, (), args, kwargs)
         if key is not None and FakeTensorMode.cache_hits + FakeTensorMode.cache_misses == hits + misses + 1:
@@ -426,9 +628,54 @@ class TrackingMode(TorchDispatchMode):
         view's meta kernel on the fake tensors' own meta storage, wrapped as fake. A view allocates
         nothing; its key in the cache cost three times the kernel (views are a third of the
         operators a step dispatches)."""
-        with in_kernel_invocation_manager(self.fake_mode):
-            out = func(*args, **kwargs)
-        return map_leaves(lambda t: FakeTensor(self.fake_mode, t, device) if isinstance(t, torch.Tensor) else t, out)
+        out = _meta_call(self.fake_mode, func, args, kwargs)
+        if type(out) is torch.Tensor:  # most views: one tensor
+            return self._make_fake(out, device)
+        return map_leaves(lambda t: self._make_fake(t, device) if isinstance(t, torch.Tensor) else t, out)
+
+    def _on_meta(self, func, args, kwargs, tensors):  # noqa: ANN001
+        """``func`` of this mode's fake tensors and real tensors, all on the CPU, by its meta kernel
+        (:func:`_fake_mode_runs_meta`), as the fake mode would run it: each real input as an empty
+        meta tensor of its layout, each new output wrapped as a fake CPU tensor, a written input
+        returned as itself. ``_DECLINED`` where the fake mode must decide (another device, a tensor
+        subclass, a written real tensor, an output that is a real input's stand-in). The fake mode's own path
+        costs 100-1,000 us an operator in checks, cache keys and conversions of real inputs; this
+        one 10-20 us."""
+        mode, cpu = self.fake_mode, _CPU
+        stand_ins = None
+        for x in tensors:
+            if isinstance(x, FakeTensor):
+                if x.fake_mode is not mode or x.constant is not None or x.fake_device != cpu:
+                    return _DECLINED
+            elif (type(x) is torch.Tensor or type(x) is nn.Parameter) and x.device == cpu:
+                stand_ins = stand_ins or {}
+                stand_ins[id(x)] = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+            else:
+                return _DECLINED
+        if stand_ins is not None:
+            if func._schema.is_mutable and any(id(x) in stand_ins for x in _written(func, args, kwargs)):
+                return _DECLINED  # a real tensor written: the fake mode's rule (it keeps its values)
+            meta = lambda x: stand_ins.get(id(x), x) if isinstance(x, torch.Tensor) else x  # noqa: E731
+            args, kwargs = map_leaves(meta, (args, kwargs))
+            ids = {id(v) for v in stand_ins.values()}
+        try:
+            out = _meta_call(mode, func, args, kwargs)
+        except NotImplementedError:
+            return _DECLINED
+
+        def wrap(t: Any) -> Any:
+            if isinstance(t, FakeTensor):  # a written input
+                return t
+            if type(t) is torch.Tensor:
+                if stand_ins is not None and id(t) in ids:
+                    raise _NotOnMeta
+                return self._make_fake(t, cpu)
+            return t
+
+        try:
+            return wrap(out) if type(out) is torch.Tensor else map_leaves(wrap, out)
+        except _NotOnMeta:
+            return _DECLINED
 
     def _floating_on_meta(self, func, args, kwargs):  # noqa: ANN001
         """``func`` of real CPU tensors as a fake tensor, if it makes a new floating tensor (None if
@@ -447,7 +694,7 @@ class TrackingMode(TorchDispatchMode):
         if not outs or all(t.dtype in _REAL_DTYPES for t in outs):
             return None
         cpu = torch.device("cpu")
-        return map_leaves(lambda t: FakeTensor(self.fake_mode, t, cpu) if isinstance(t, torch.Tensor) else t, meta_out)
+        return map_leaves(lambda t: self._make_fake(t, cpu) if isinstance(t, torch.Tensor) else t, meta_out)
 
     @staticmethod
     def _small_int(t: Any) -> bool:

@@ -79,3 +79,74 @@ def test_the_runs_own_cache_of_fake_results_gives_new_tensors_of_the_fake_modes_
     assert second.untyped_storage()._cdata != first.untyped_storage()._cdata
     assert not any(key[0] is torch.ops.aten.split.Tensor for key in mode._op_cache)
     assert len(chunks) == 3
+
+
+def test_fake_tensors_made_by_the_tracker_equal_the_constructors():
+    from lightning_mem.estimate.tracker import _FakeMaker
+
+    mode = TrackingMode(MemoryLedger(set()), fake=True).fake_mode
+    make = _FakeMaker(mode)
+    cpu = torch.device("cpu")
+    for requires_grad in (False, True):
+        meta = torch.empty_strided((3, 5), (1, 3), dtype=torch.bfloat16, device="meta", requires_grad=requires_grad)
+        fast, slow = make(meta, cpu), FakeTensor(mode, meta, cpu)
+        assert type(fast) is FakeTensor and fast.__dict__ == slow.__dict__
+        assert torch._C._dispatch_keys(fast) == torch._C._dispatch_keys(slow)
+        assert (fast.shape, fast.stride(), fast.dtype, fast.device, fast.requires_grad) == (
+            slow.shape, slow.stride(), slow.dtype, slow.device, slow.requires_grad)
+
+
+def test_the_tracker_dispatch_is_not_wrapped_by_dynamo():
+    # TorchDispatchMode wraps a subclass's __torch_dispatch__ in torch._disable_dynamo unless told not to.
+    assert not hasattr(TrackingMode.__dict__["__torch_dispatch__"], "__wrapped__")
+
+
+def _layout(t):
+    return (type(t), tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad)
+
+
+def test_the_meta_path_gives_the_fake_modes_results_and_is_cached_on_layouts():
+    """Mixed real and fake inputs (GAE's torch.where over a real mask, a KV cache's index_copy_ at
+    real positions), in-place operators and copy_ run by their meta kernels: the same layout as the
+    fake mode's result, a written input returned as itself, the second call from the run's cache."""
+    aten = torch.ops.aten
+    ledger = MemoryLedger(set())
+    tracking = TrackingMode(ledger, fake=True)
+    with tracking:
+        values = torch.empty(64, requires_grad=True)
+        cache = torch.empty(4, 16, 8, dtype=torch.bfloat16)
+        states = torch.empty(4, 2, 8, dtype=torch.bfloat16)
+        weights = torch.empty(8, 8)
+    mask = torch.ones(64, dtype=torch.bool)
+    zero = torch.zeros(())
+    positions = torch.tensor([3, 4])
+    calls = [
+        (aten.where.self, (mask, values, zero)),
+        (aten.mul.Tensor, (values, zero)),
+        (aten.index_copy_.default, (cache, 1, positions, states)),
+        (aten.add_.Tensor, (weights, weights)),
+        (aten.copy_.default, (weights, torch.ones(8, 8))),
+        (aten.mm.default, (weights, weights)),
+    ]
+    for func, args in calls:
+        expected = tracking.fake_mode.__torch_dispatch__(func, (), args, {})
+        with tracking:
+            got = func(*args)
+            cached = len(tracking._op_cache)
+            again = func(*args)
+            assert len(tracking._op_cache) == cached, func  # the second call: a hit
+        assert tracking._runs_meta[func], func
+        if func._schema.is_mutable:
+            assert got is args[0] and again is args[0], func
+        else:
+            assert isinstance(got, FakeTensor) and _layout(got) == _layout(expected), func
+            assert _layout(again) == _layout(expected) and again is not got, func
+
+
+def test_a_real_tensor_written_with_fake_values_keeps_its_own_values():
+    real = torch.arange(4.0)
+    with TrackingMode(MemoryLedger(set()), fake=True):
+        fake = torch.empty(4)
+        out = real.add_(fake)
+    assert out is real and not isinstance(real, FakeTensor)
+    assert torch.equal(real, torch.arange(4.0))
