@@ -38,6 +38,7 @@ from typing import Any, Iterator, Literal, Optional
 import torch
 from lightning.pytorch.utilities.rank_zero import WarningCache
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_mem.paging import no_paging_reason, paged_device
 
@@ -50,8 +51,8 @@ Location = Literal["device", "host"]
 # Tensors: host copies, DTensor shards, paged buffers
 # ---------------------------------------------------------------------------------------------
 def is_dtensor(tensor: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
+    # DTensor imported once (Lightning imports torch.distributed.tensor anyway): an import statement
+    # here ran on every tensor the estimate's ledger counts (400k calls in a 70B estimate).
     return isinstance(tensor, DTensor)
 
 

@@ -104,7 +104,8 @@ class MemoryLedger:
     # -- adding, re-tagging, removing ----------------------------------------------------------
     def track(self, tensor: torch.Tensor, category: str | None = None) -> None:
         """Count ``tensor``'s storage (once); ``category`` overrides the automatic one."""
-        tensor = local_tensor(tensor)
+        if type(tensor) is not FakeTensor:  # a fake tensor is never a DTensor
+            tensor = local_tensor(tensor)
         if tensor.device.type == "meta":  # no memory anywhere (a module's placeholder before loading)
             return
         try:
@@ -239,13 +240,24 @@ def _pytree_node(tree: Any) -> bool:
 
 def _gather_leaves(tree: Any, out: list[Any]) -> bool:
     kind = type(tree)
-    if kind is tuple or kind is list:
-        return all(_gather_leaves(x, out) for x in tree)
     if kind is dict:
-        return all(_gather_leaves(x, out) for x in tree.values())
-    if _pytree_node(tree):  # a node of pytree's own kind: ask it
-        return False
-    out.append(tree)
+        tree = tree.values()
+    elif kind is not tuple and kind is not list:
+        if _pytree_node(tree):  # a node of pytree's own kind: ask it
+            return False
+        out.append(tree)
+        return True
+    for x in tree:  # a loop, not all(generator): this runs twice for each of 100k-800k operators
+        kind = type(x)
+        if kind is tuple or kind is list or kind is dict:
+            if not _gather_leaves(x, out):
+                return False
+        elif kind is FakeTensor or kind is int or kind is float or kind is bool or x is None:
+            out.append(x)
+        elif _pytree_node(x):
+            return False
+        else:
+            out.append(x)
     return True
 
 
@@ -273,11 +285,10 @@ def _key_of(tree: Any) -> Any:
     """A hashable key of an operator's arguments: the nesting kept, a fake tensor by its layout, a
     plain real tensor by its layout too (only the meta path, which reads no values, keys on one)."""
     kind = type(tree)
-    if kind is FakeTensor or isinstance(tree, FakeTensor):  # the fake mode's results do not depend on the class
-        return (FakeTensor, tuple(tree.shape), tree.stride(), tree.dtype, tree.fake_device, tree.storage_offset(),
-                tree.requires_grad)
     if kind is tuple or kind is list:
-        return (kind, *map(_key_of, tree))
+        return (kind, *[_fake_key(x) if type(x) is FakeTensor else _key_of(x) for x in tree])
+    if kind is FakeTensor or isinstance(tree, FakeTensor):  # the fake mode's results do not depend on the class
+        return _fake_key(tree)
     if kind is dict:
         return (dict, *((k, _key_of(v)) for k, v in tree.items()))
     if kind is torch.Tensor or kind is nn.Parameter:
@@ -287,6 +298,10 @@ def _key_of(tree: Any) -> Any:
         raise TypeError("a tensor subclass")
     hash(tree)
     return (kind, tree)
+
+
+def _fake_key(t: FakeTensor) -> tuple[Any, ...]:
+    return (FakeTensor, tuple(t.shape), t.stride(), t.dtype, t.fake_device, t.storage_offset(), t.requires_grad)
 
 
 def _place_of(t: torch.Tensor) -> tuple[Any, ...]:
