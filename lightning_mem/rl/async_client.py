@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
@@ -153,17 +154,14 @@ class AsyncRolloutClient:
         for link in links:
             link.send(rl.WEIGHT_UPDATE, version, 0, [], tag=rl.CONTROL, what=what)
         sent = 0
-        for bucket in weight_buckets(checkpoint_weights(actor), max_bytes=self.bucket_bytes, dtype=self.sync_dtype,
-                                     device="cpu"):
-            for start in range(0, len(bucket), _MAX_TENSORS_A_MESSAGE):
-                chunk = bucket[start: start + _MAX_TENSORS_A_MESSAGE]
-                message = [_names(n for n, _ in chunk), *(t for _, t in chunk)]
-                for link in links:
-                    link.send(rl.WEIGHT_UPDATE, version, 0, message, tag=rl.WEIGHTS, what=what)
-                sent += sum(t.numel() * t.element_size() for _, t in chunk)
-            del bucket  # handed over: the walk converts the next one only now
+        for names, tensors in weight_messages(actor, bucket_bytes=self.bucket_bytes, dtype=self.sync_dtype):
+            message = [rl.names_tensor(names), *tensors]
+            for link in links:
+                link.send(rl.WEIGHT_UPDATE, version, 0, message, tag=rl.WEIGHTS, what=what)
+            sent += sum(t.numel() * t.element_size() for t in tensors)
+            del message, tensors  # handed over: the walk converts the next bucket only now
         for link in links:
-            link.send(rl.WEIGHT_UPDATE, version, 1, [_names([])], tag=rl.WEIGHTS, what=what)  # the end
+            link.send(rl.WEIGHT_UPDATE, version, 1, [rl.names_tensor([])], tag=rl.WEIGHTS, what=what)  # the end
         return sent if self.rank == 0 else 0
 
     def close(self, *, kill: bool = False) -> None:
@@ -185,8 +183,17 @@ class AsyncRolloutClient:
                 process.join(timeout=10)
 
 
-def _names(names: Any) -> Tensor:
-    return torch.tensor(list("\n".join(names).encode()), dtype=torch.uint8)
+def weight_messages(actor: nn.Module, *, bucket_bytes: int, dtype: torch.dtype | None = None,
+                    ) -> Iterator[tuple[list[str], list[Tensor]]]:
+    """The weight sync's messages: ``(names, tensors)`` of at most 15 host tensors each, bucket by
+    bucket of :func:`~lightning_mem.rl.weight_sync.weight_buckets` (what a generator receives at a
+    time; the memory estimate counts its receive buffers from these)."""
+    for bucket in weight_buckets(checkpoint_weights(actor), max_bytes=bucket_bytes, dtype=dtype, device="cpu"):
+        for start in range(0, len(bucket), _MAX_TENSORS_A_MESSAGE):
+            chunk = bucket[start: start + _MAX_TENSORS_A_MESSAGE]
+            yield [n for n, _ in chunk], [t for _, t in chunk]
+            del chunk
+        del bucket
 
 
 def default_host() -> str:

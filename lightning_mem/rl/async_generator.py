@@ -113,18 +113,20 @@ class GeneratorModel:
     request, :meth:`load` one message of weights. The memory estimate runs these same two on fake
     tensors (:mod:`lightning_mem.estimate.generator`)."""
 
-    def __init__(self, spec: GeneratorSpec) -> None:
+    def __init__(self, spec: GeneratorSpec, model: torch.nn.Module | None = None) -> None:
         from lightning_mem.models import load_causal_lm
         from lightning_mem.rl.reference import disable_dropout
         from lightning_mem.rl.rollout import RolloutEngine
 
         self.spec = spec
-        self.model = disable_dropout(load_causal_lm(
-            spec.name_or_path, dtype=spec.dtype, attn_implementation=spec.attn_implementation,
-            trust_remote_code=spec.trust_remote_code, key="model.name_or_path"))
-        if spec.device != "cpu":
-            self.model.to(spec.device)
-        self.model.eval()
+        if model is None:  # its own copy, loaded from the checkpoint (the trainer's weights follow)
+            model = disable_dropout(load_causal_lm(
+                spec.name_or_path, dtype=spec.dtype, attn_implementation=spec.attn_implementation,
+                trust_remote_code=spec.trust_remote_code, key="model.name_or_path"))
+            if spec.device != "cpu":
+                model.to(spec.device)
+            model.eval()
+        self.model = model
         self.engine = RolloutEngine(spec.generation, eos_token_ids=spec.eos_token_ids, pad_token_id=spec.pad_token_id)
         self.tensors = dict(self.model.named_parameters())
         self.tensors.update(self.model.named_buffers())
@@ -143,10 +145,9 @@ class GeneratorModel:
         return [t.cpu() for t in out]  # what the link sends (gloo: host tensors)
 
     @torch.no_grad()
-    def load(self, tensors: list[torch.Tensor]) -> None:
-        """One weights message: a names tensor (newline-separated), then the named tensors."""
-        names = bytes(tensors[0].tolist()).decode().split("\n") if tensors[0].numel() else []
-        for name, tensor in zip(names, tensors[1:]):
+    def load(self, names: list[str], tensors: list[torch.Tensor]) -> None:
+        """One weights message's tensors, by name, copied into the model."""
+        for name, tensor in zip(names, tensors):
             if name not in self.tensors:
                 raise rl.LinkLost(f"async rollout: the generator's actor has no weight named {name!r}")
             self.tensors[name].copy_(tensor)
@@ -263,7 +264,8 @@ class Generator:
         link = self.links[rank]
         while True:
             kind, _, last, tensors = link.recv(tag=rl.WEIGHTS, what=f"receiving weights of version {version}")
-            self.copy.load(tensors)
+            self.copy.load(rl.names_of(tensors[0]), tensors[1:])
+            del tensors  # before the next message's buffers: one message's worth alive, not two
             if last:
                 break
         self.version = version
