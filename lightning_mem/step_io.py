@@ -72,6 +72,11 @@ class StepIO:
 
         return AsyncRolloutClient(spec, **kwargs)
 
+    def compute_dtype(self, trainer: Any, precision_dtype: Any) -> Any:
+        """The dtype the model computes in: a sharding strategy's ``param_dtype`` (FSDP2's mixed
+        precision) if it has one, else ``precision_dtype`` (the precision's)."""
+        return getattr(trainer.strategy, "param_dtype", None) or precision_dtype
+
     def training_ranks(self, trainer: Any) -> int:
         """The run's training ranks (the estimate's one process stands for the config's)."""
         return int(trainer.world_size)

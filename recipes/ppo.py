@@ -561,17 +561,22 @@ class PPOModule(LightningModule):
             host=default_host(), port=0, world_size=self.trainer.world_size + cfg.generator_devices,
             generators=cfg.generator_devices, devices=devices, timeout_s=cfg.timeout_s,
             max_staleness=cfg.max_staleness, name_or_path=hp.name_or_path,
-            dtype=str(self.load_dtypes()["compute"]).removeprefix("torch."), generation=self.generation,
+            dtype=str(self._generator_dtype()).removeprefix("torch."), generation=self.generation,
             eos_token_ids=self.eos_token_ids, pad_token_id=self.tokenizer.pad_token_id,
             logits_chunk_size=self.logits_chunk_size, attn_implementation=hp.attn_implementation,
             trust_remote_code=hp.trust_remote_code, rng_state=self.sampling_rng.cpu.clone(), num_threads=cfg.cpu_threads,
         )
 
+    def _generator_dtype(self) -> torch.dtype:
+        """The generators' weights: the dtype the actor computes in (FSDP2's ``param_dtype`` under a
+        32-true master copy), not its fp32 master weights."""
+        return step_io(self.trainer).compute_dtype(self.trainer, self.load_dtypes()["compute"])
+
     def _start_generator(self) -> None:
         client = step_io(self.trainer).async_client(
             self.generator_spec(), rank=self.trainer.global_rank, world_size=self.trainer.world_size,
             broadcast=self.trainer.strategy.broadcast, bucket_mb=self.rollout_engine_config.sync_bucket_mb,
-            sync_dtype=self.load_dtypes()["compute"],
+            sync_dtype=self._generator_dtype(),
         )
         client.start()
         group = self.grpo.group_size if self.advantage_estimator in GROUPED else 1

@@ -54,6 +54,18 @@ def tier_of(config: str | Path) -> Tier | None:
     return Tier(int(match.group(1)), int(match.group(2))) if match else None
 
 
+def training_ranks(config: str | Path, tier: Tier) -> int:
+    """The training ranks of a config on its tier: all of the tier's GPUs, less the generating ones
+    where it samples in generator processes of its own (``model.rollout_engine.placement:
+    separate``, ``model.async_rollout.generator_devices``, default 1)."""
+    import yaml
+
+    model = (yaml.safe_load(Path(config).read_text()) or {}).get("model") or {}
+    if (model.get("rollout_engine") or {}).get("placement") != "separate":
+        return tier.gpus
+    return tier.gpus - int((model.get("async_rollout") or {}).get("generator_devices", 1))
+
+
 def usable_bytes(device_bytes: int) -> int:
     """Device memory the tracked tensors may use: the device less the margin."""
     return int(device_bytes * (1 - MARGIN_FRACTION)) - MARGIN_BYTES

@@ -219,6 +219,10 @@ class EstimateRun(RankView, StepIO):
         return self.stand_in
 
     @override
+    def compute_dtype(self, trainer: Any, precision_dtype: Any) -> Any:
+        return self.sharding.param_dtype or precision_dtype
+
+    @override
     def training_ranks(self, trainer: Any) -> int:
         return self.world_size
 
