@@ -10,7 +10,11 @@ times, and *who runs the step* decides whether every repetition must run:
   step after decode step;
 - **the rollout engine** -- ``io.rollout_engine(config, generation, ...)`` builds the engine that
   samples the rollouts. The estimate cannot run vLLM on fake tensors: it builds a stand-in that
-  holds what vLLM holds on the device (:mod:`lightning_mem.estimate.engine`).
+  holds what vLLM holds on the device (:mod:`lightning_mem.estimate.engine`);
+- **the generator processes** of separate placement -- ``io.async_client(spec, ...)``, a training
+  rank's end of the rollout group. The estimate starts no process: its stand-in hands the trainer
+  samples of the generator's shapes and estimates a generating rank on its own
+  (:mod:`lightning_mem.estimate.generator`).
 
 Lightning's ``Trainer.fit`` runs the plain :class:`StepIO`: every micro-batch and every decode step.
 The memory estimate (:mod:`lightning_mem.estimate`) runs the *same* ``Trainer.fit`` on fake tensors
@@ -60,6 +64,22 @@ class StepIO:
         from lightning_mem.rl.engines import build_rollout_engine
 
         return build_rollout_engine(config, generation, **kwargs)
+
+    def async_client(self, spec: Any, **kwargs: Any) -> Any:
+        """:class:`lightning_mem.rl.async_client.AsyncRolloutClient`: a training rank's end of separate
+        placement's rollout group (rank 0 starts the generator processes ``spec`` describes)."""
+        from lightning_mem.rl.async_client import AsyncRolloutClient
+
+        return AsyncRolloutClient(spec, **kwargs)
+
+    def compute_dtype(self, trainer: Any, precision_dtype: Any) -> Any:
+        """The dtype the model computes in: a sharding strategy's ``param_dtype`` (FSDP2's mixed
+        precision) if it has one, else ``precision_dtype`` (the precision's)."""
+        return getattr(trainer.strategy, "param_dtype", None) or precision_dtype
+
+    def training_ranks(self, trainer: Any) -> int:
+        """The run's training ranks (the estimate's one process stands for the config's)."""
+        return int(trainer.world_size)
 
 
 _PLAIN = StepIO()

@@ -58,7 +58,7 @@ from lightning_mem.packed_attention import use_packed_sdpa
 from lightning_mem.ranks import check_model_splits, check_packing_splits, data_parallel, per_rank_budget, sum_over_replicas
 from lightning_mem.schedules import build_lr_scheduler, check_schedule
 from lightning_mem.settings import settings_at
-from lightning_mem.step_io import StepIO, step_io
+from lightning_mem.step_io import step_io
 from lightning_mem.rl.algorithms import (
     AdaptiveKLController,
     FixedKLController,
@@ -83,8 +83,8 @@ from lightning_mem.rl.advantages import (
     remax_advantages,
     rloo_advantages,
 )
-from lightning_mem.rl.async_client import AsyncRolloutClient, default_host
-from lightning_mem.rl.async_config import AsyncRolloutConfig
+from lightning_mem.rl.async_client import default_host
+from lightning_mem.rl.async_config import AsyncRolloutConfig, check_generator_devices
 from lightning_mem.rl.async_generator import GeneratorSpec
 from lightning_mem.rl.async_rollout import AsyncRollouts
 from lightning_mem.rl.config import CriticConfig, GRPOConfig, KLConfig, PPOConfig, RewardModelConfig, RolloutCorrectionConfig
@@ -363,18 +363,8 @@ class PPOModule(LightningModule):
         # strategy shards it (FSDP2 owns the shards' storage; offload them with its cpu_offload).
         from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
-        if self.separate and type(step_io(self.trainer)) is not StepIO:
-            raise ValueError(
-                "`model.rollout_engine.placement: separate`: the memory estimate does not model a generator process"
-                " of its own yet (a generating rank holds weights + KV cache, a training rank has no rollout phase);"
-                " estimate the config with `placement: colocated` for the training side"
-            )
-        if self.separate and not isinstance(self.trainer.strategy, (SingleDeviceStrategy, DDPStrategy)):
-            raise ValueError(
-                "`model.rollout_engine.placement: separate` sends whole weights from training rank 0: it runs with one"
-                f" device or DDP; {type(self.trainer.strategy).__name__} shards them (gathering before the send is not"
-                " built yet)"
-            )
+        if self.separate:
+            self._check_separate_placement()
         if self.rollout_engine_config.name == "vllm" and self.trainer.world_size > 1:
             raise ValueError(
                 "`model.rollout_engine.name: vllm` runs one engine in the training process: use `trainer.devices: 1`"
@@ -410,6 +400,28 @@ class PPOModule(LightningModule):
                 self.reward_fn.check_key_sets(key_sets, source=source)
             else:
                 self.reward_fn.check_rows(train_set.rows, source=source)
+
+    def _check_separate_placement(self) -> None:
+        """Separate placement runs with one device, DDP or FSDP2 (gathered before rank 0 sends), each
+        training rank sampling prompts of its own; the generators fit the run's ranks."""
+        from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
+
+        strategy = self.trainer.strategy
+        if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy, ModelParallelStrategy)):
+            raise ValueError(
+                "`model.rollout_engine.placement: separate` runs with one device, DDP or FSDP2;"
+                f" {type(strategy).__name__} is not built for it yet"
+            )
+        degrees = {key: int(getattr(strategy, key, 1) or 1) for key in ("tensor_parallel_size", "context_parallel_size")}
+        split = {key: degree for key, degree in degrees.items() if degree > 1}
+        if split:
+            key, degree = next(iter(split.items()))
+            raise ValueError(
+                f"`model.rollout_engine.placement: separate` with `trainer.strategy.init_args.{key}: {degree}`: the"
+                " ranks of a tensor or context group share their prompts, and each would ask a generator for its own"
+                " samples of them; use a data-parallel FSDP2 (both sizes 1) or `placement: colocated`"
+            )
+        check_generator_devices(self.async_config, step_io(self.trainer).training_ranks(self.trainer))
 
     def _check_packing_splits(self) -> None:
         if self.ppo.packing:
@@ -542,20 +554,29 @@ class PPOModule(LightningModule):
         """What the generator process is started with: its own copy of the actor, loaded from
         ``name_or_path`` in the compute dtype (it then takes the trainer's weights)."""
         hp, cfg = self.hparams, self.async_config
+        devices = None  # on the CPU; on GPUs, the node's devices after the training ranks'
+        if self.trainer.strategy.root_device.type == "cuda":
+            devices = [f"cuda:{self.trainer.num_devices + g}" for g in range(cfg.generator_devices)]
         return GeneratorSpec(
-            host=default_host(), port=0, world_size=self.trainer.world_size + 1, timeout_s=cfg.timeout_s,
+            host=default_host(), port=0, world_size=self.trainer.world_size + cfg.generator_devices,
+            generators=cfg.generator_devices, devices=devices, timeout_s=cfg.timeout_s,
             max_staleness=cfg.max_staleness, name_or_path=hp.name_or_path,
-            dtype=str(self.load_dtypes()["compute"]).removeprefix("torch."), generation=self.generation,
+            dtype=str(self._generator_dtype()).removeprefix("torch."), generation=self.generation,
             eos_token_ids=self.eos_token_ids, pad_token_id=self.tokenizer.pad_token_id,
             logits_chunk_size=self.logits_chunk_size, attn_implementation=hp.attn_implementation,
             trust_remote_code=hp.trust_remote_code, rng_state=self.sampling_rng.cpu.clone(), num_threads=cfg.cpu_threads,
         )
 
+    def _generator_dtype(self) -> torch.dtype:
+        """The generators' weights: the dtype the actor computes in (FSDP2's ``param_dtype`` under a
+        32-true master copy), not its fp32 master weights."""
+        return step_io(self.trainer).compute_dtype(self.trainer, self.load_dtypes()["compute"])
+
     def _start_generator(self) -> None:
-        client = AsyncRolloutClient(
+        client = step_io(self.trainer).async_client(
             self.generator_spec(), rank=self.trainer.global_rank, world_size=self.trainer.world_size,
             broadcast=self.trainer.strategy.broadcast, bucket_mb=self.rollout_engine_config.sync_bucket_mb,
-            sync_dtype=self.load_dtypes()["compute"],
+            sync_dtype=self._generator_dtype(),
         )
         client.start()
         group = self.grpo.group_size if self.advantage_estimator in GROUPED else 1

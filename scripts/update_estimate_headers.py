@@ -26,14 +26,16 @@ def main(argv: list[str]) -> int:
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
     from lightning_mem.estimate import estimate, tier_of, usable_bytes
+    from lightning_mem.estimate.report import training_ranks
 
     paths = [Path(a) for a in argv] or sorted(p for p in (ROOT / "configs").glob("*/*.yaml") if not p.name.startswith("tiny_"))
     too_big = []
     for path in paths:
         text = path.read_text()
         tier = tier_of(path)
-        result = estimate(path, [], world_size=tier.gpus if tier else None)
-        peaks = " ".join(f"{p.phase}={p.device_peak_bytes / 2**30:.2f}" for p in result.phases)
+        # Separate placement: the tier's GPUs less the generating ones train; both roles' phases.
+        result = estimate(path, [], world_size=training_ranks(path, tier) if tier else None)
+        peaks = " ".join(f"{p.phase}={p.device_peak_bytes / 2**30:.2f}" for p in result.every_phase)
         match = HEADER.search(text)
         if match is None:
             print(f"{path}: no '# estimated peak per rank (GiB): ...' header line; add one by hand once", file=sys.stderr)

@@ -29,11 +29,13 @@ what each rank holds.
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_mem.estimate.generator import RECEIVE_PHASE, RoleEstimate, generating_rank
 from lightning_mem.estimate.recipe_config import instantiate, localize_models, parse_config, recipe_for, world_size_of
 from lightning_mem.estimate.recorder import PhaseEstimate
 from lightning_mem.estimate.run import EstimateRun
@@ -51,14 +53,26 @@ class Estimate:
     #: bytes of paged optimizer state in CUDA managed memory (counted on the host, not in the phases'
     #: device peaks, but for the largest parameter's pages in the train phase)
     paged_state_bytes: int = 0
+    #: Separate placement: the generating ranks (``phases`` and ``world_size`` are the training ranks').
+    generator: RoleEstimate | None = None
+
+    @property
+    def every_phase(self) -> list[PhaseEstimate]:
+        """The training rank's phases, then a generating rank's (separate placement)."""
+        return self.phases + (self.generator.phases if self.generator is not None else [])
 
     @property
     def device_peak_bytes(self) -> int:
-        return max(p.device_peak_bytes for p in self.phases)
+        """The largest peak of any rank (both roles are on devices of the same size)."""
+        return max(p.device_peak_bytes for p in self.every_phase)
 
     @property
     def host_peak_bytes(self) -> int:
-        return max(p.host_peak_bytes for p in self.phases)
+        return max(p.host_peak_bytes for p in self.every_phase)
+
+    @property
+    def training_peak_bytes(self) -> int:
+        return max(p.device_peak_bytes for p in self.phases)
 
 
 def _notes(run: EstimateRun, callbacks: list[Any] | None, size: int) -> list[str]:
@@ -128,9 +142,33 @@ def estimate(
             cfg.data.tokenizer = cfg.model.name_or_path
         init = instantiate(cli, cfg)
         size = world_size or world_size_of(cfg.trainer)
+        separate = _separate_placement(init.model, size)
         run = run_class(init, cfg, world_size=size, fake=fake, vocab=vocab, workdir=Path(tmp), full_loops=full_loops,
                         device_memory=device_memory)
         run.fit()
+        generator = None
+        if separate is not None:
+            generator = generating_rank(run, run.stand_in, ranks=separate.generator_devices,
+                                        max_staleness=separate.max_staleness)
     notes = _notes(run, init.trainer.callbacks, size)
-    return Estimate(str(config), module_name, size, run.sharding.name, run.phases, notes, parsed=cfg,
-                    paged_state_bytes=sum(run.paged_bytes.values()))
+    phases = run.phases
+    if generator is not None:
+        # The training rank's rollout phase only takes the generators' samples.
+        phases = [dataclasses.replace(p, phase=RECEIVE_PHASE) if p.phase == "rollout" else p for p in phases]
+        notes = [f"separate placement: {size} training rank(s) (no generation: `{RECEIVE_PHASE}` takes the samples)"
+                 f" and {generator.ranks} generating rank(s), each estimated on its own device",
+                 *notes, *generator.notes]
+    return Estimate(str(config), module_name, size, run.sharding.name, phases, notes, parsed=cfg,
+                    paged_state_bytes=sum(run.paged_bytes.values()), generator=generator)
+
+
+def _separate_placement(module: Any, training_ranks: int) -> Any:
+    """The module's ``async_rollout`` settings when it samples in generator processes of its own
+    (``model.rollout_engine.placement: separate``), checked against the training ranks; else None."""
+    from lightning_mem.rl.async_config import check_generator_devices
+
+    engine = getattr(module, "rollout_engine_config", None)
+    if engine is None or getattr(engine, "placement", "colocated") != "separate":
+        return None
+    check_generator_devices(module.async_config, training_ranks)
+    return module.async_config

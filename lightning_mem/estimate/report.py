@@ -54,6 +54,18 @@ def tier_of(config: str | Path) -> Tier | None:
     return Tier(int(match.group(1)), int(match.group(2))) if match else None
 
 
+def training_ranks(config: str | Path, tier: Tier) -> int:
+    """The training ranks of a config on its tier: all of the tier's GPUs, less the generating ones
+    where it samples in generator processes of its own (``model.rollout_engine.placement:
+    separate``, ``model.async_rollout.generator_devices``, default 1)."""
+    import yaml
+
+    model = (yaml.safe_load(Path(config).read_text()) or {}).get("model") or {}
+    if (model.get("rollout_engine") or {}).get("placement") != "separate":
+        return tier.gpus
+    return tier.gpus - int((model.get("async_rollout") or {}).get("generator_devices", 1))
+
+
 def usable_bytes(device_bytes: int) -> int:
     """Device memory the tracked tensors may use: the device less the margin."""
     return int(device_bytes * (1 - MARGIN_FRACTION)) - MARGIN_BYTES
@@ -80,9 +92,23 @@ def to_dict(estimate: Any, device_bytes: int | None, suggestions: list[dict[str,
         "fits": None if device_bytes is None else estimate.device_peak_bytes <= usable_bytes(device_bytes),
         "phases": [p.to_dict() for p in estimate.phases],
     }
+    generator = getattr(estimate, "generator", None)
+    if generator is not None:  # separate placement: each kind of rank, against its own device
+        out["roles"] = {
+            "training": _role(estimate.world_size, estimate.phases, device_bytes),
+            "generating": _role(generator.ranks, generator.phases, device_bytes),
+        }
     if suggestions is not None:
         out["suggestions"] = suggestions
     return out
+
+
+def _role(ranks: int, phases: list[Any], device_bytes: int | None) -> dict[str, Any]:
+    peak = max(p.device_peak_bytes for p in phases)
+    return {"ranks": ranks, "device_memory_bytes": device_bytes, "device_peak_bytes": peak,
+            "host_peak_bytes": max(p.host_peak_bytes for p in phases),
+            "fits": None if device_bytes is None else peak <= usable_bytes(device_bytes),
+            "phases": [p.to_dict() for p in phases]}
 
 
 def _gib(n: int) -> str:
@@ -90,23 +116,19 @@ def _gib(n: int) -> str:
 
 
 def table(estimate: Any, device_bytes: int | None) -> str:
-    cols = ("phase", *CATEGORIES, "device peak", "host")
-    rows = [cols]
-    for p in estimate.phases:
-        b = p.device_breakdown_bytes
-        rows.append((p.phase, *(_gib(b[c]) for c in CATEGORIES), _gib(p.device_peak_bytes), _gib(p.host_peak_bytes)))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
-    lines = [
-        f"{estimate.config}  ({estimate.recipe}; {estimate.strategy}; world size {estimate.world_size}; "
-        "GiB per rank, tracked tensor bytes)",
-    ]
-    for i, r in enumerate(rows):
-        lines.append("  ".join(c.rjust(w) if j else c.ljust(w) for j, (c, w) in enumerate(zip(r, widths))))
-        if i == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    for p in estimate.phases:
-        if p.shape:
-            lines.append(f"  {p.phase}: {p.shape}")
+    generator = getattr(estimate, "generator", None)
+    if generator is None:
+        lines = [
+            f"{estimate.config}  ({estimate.recipe}; {estimate.strategy}; world size {estimate.world_size}; "
+            "GiB per rank, tracked tensor bytes)",
+            *_phase_rows(estimate.phases),
+        ]
+    else:  # separate placement: a training rank's phases, then a generating rank's, each with its verdict
+        lines = [f"{estimate.config}  ({estimate.recipe}; separate placement; GiB per rank, tracked tensor bytes)",
+                 f"training ranks: {estimate.world_size} ({estimate.strategy})", *_phase_rows(estimate.phases),
+                 _role_verdict("training rank", estimate.phases, device_bytes),
+                 f"generating ranks: {generator.ranks} (a copy of the actor each)", *_phase_rows(generator.phases),
+                 _role_verdict("generating rank", generator.phases, device_bytes)]
     peak = estimate.device_peak_bytes
     if device_bytes is not None:
         lines.append(
@@ -118,6 +140,29 @@ def table(estimate: Any, device_bytes: int | None) -> str:
     for note in estimate.notes:
         lines.append(f"note: {note}")
     return "\n".join(lines)
+
+
+def _phase_rows(phases: list[Any]) -> list[str]:
+    cols = ("phase", *CATEGORIES, "device peak", "host")
+    rows = [cols]
+    for p in phases:
+        b = p.device_breakdown_bytes
+        rows.append((p.phase, *(_gib(b[c]) for c in CATEGORIES), _gib(p.device_peak_bytes), _gib(p.host_peak_bytes)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
+    lines = []
+    for i, r in enumerate(rows):
+        lines.append("  ".join(c.rjust(w) if j else c.ljust(w) for j, (c, w) in enumerate(zip(r, widths))))
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    for p in phases:
+        if p.shape:
+            lines.append(f"  {p.phase}: {p.shape}")
+    return lines
+
+
+def _role_verdict(role: str, phases: list[Any], device_bytes: int | None) -> str:
+    peak = max(p.device_peak_bytes for p in phases)
+    return f"  {role}: peak {peak / GiB:.2f} GiB: {verdict(peak, device_bytes)}"
 
 
 def dumps(data: dict[str, Any]) -> str:

@@ -78,6 +78,7 @@ class EstimateRun(RankView, StepIO):
         if self.device_model is not None:
             self.ledger.round_bytes = self.device_model.round_bytes
         self._blas_workspaces: torch.Tensor | None = None
+        self.stand_in: Any = None  # separate placement: the generators' stand-in (:mod:`.generator`)
 
     def measured(self, step: int) -> bool:
         return step == 1
@@ -132,7 +133,8 @@ class EstimateRun(RankView, StepIO):
                 # from the strategy (lightning_mem.ranks.per_rank_budget): this one-process fit's
                 # strategy says what the run's would.
                 self.trainer.strategy.context_parallel_size = self.sharding.context_parallel
-            loader = DataLoader(self.batches(fill), batch_size=None, collate_fn=_as_is)
+            batches = self.batches(fill)
+            loader = DataLoader(batches, batch_size=None, sampler=_InOrder(len(batches)), collate_fn=_as_is)
             try:
                 self.trainer.fit(self.module, train_dataloaders=loader)
             except MeasuredStep:
@@ -209,6 +211,21 @@ class EstimateRun(RankView, StepIO):
         return ReservedEngine(generation, config, run=self, on_cuda=self.on_cuda, device_memory=self.device_memory,
                               **kwargs)
 
+    @override
+    def async_client(self, spec: Any, **kwargs: Any) -> Any:
+        from lightning_mem.estimate.generator import GeneratorStandIn
+
+        self.stand_in = GeneratorStandIn(spec, run=self, **kwargs)
+        return self.stand_in
+
+    @override
+    def compute_dtype(self, trainer: Any, precision_dtype: Any) -> Any:
+        return self.sharding.param_dtype or precision_dtype
+
+    @override
+    def training_ranks(self, trainer: Any) -> int:
+        return self.world_size
+
     def accounting(self) -> contextlib.AbstractContextManager:
         """What the run adds to the ledger's view for its whole length (a subclass's hooks)."""
         return contextlib.nullcontext()
@@ -242,6 +259,23 @@ def _one_row_padded(batch: dict[str, Any]) -> dict[str, Any]:
 
 def _as_is(batch: Any) -> Any:
     return batch
+
+
+class _InOrder(torch.utils.data.Sampler):
+    """The estimate's batches in order, and the look-ahead of separate placement
+    (:meth:`~lightning_mem.batching.TokenBudgetSampler.batch_at`): a batch past the last is the last."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.n))
+
+    def __len__(self) -> int:
+        return self.n
+
+    def batch_at(self, position: int) -> int:
+        return min(position, self.n - 1)
 
 
 def _two_of_each_shape(plan: list[list[int]], lengths: Any) -> list[list[int]]:

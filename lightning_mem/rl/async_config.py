@@ -46,6 +46,13 @@ class AsyncRolloutConfig:
             ``model.ppo.rollout_correction`` as it is. A mode set there (``tis`` or ``mis``) is kept.
         cpu_threads: the generator process's CPU threads (``torch.set_num_threads``); None: torch's
             default. On a CPU-only machine give the trainer and the generator a share each.
+        generator_devices: devices that generate, one generator process on each, every one with a
+            whole copy of the actor's weights (in the compute dtype) and a KV cache of its own. They
+            come on top of ``trainer.devices``: on a node of 8 GPUs, ``trainer.devices: 6`` and
+            ``generator_devices: 2`` train on GPUs 0-5 and generate on 6 and 7 (training rank 0's
+            node). Each generator samples the requests of the training ranks ``r`` with
+            ``r % generator_devices`` equal to its index, one request (one rank's prompt batch) at
+            a time. At most the number of training ranks (a generator with no rank to serve idles).
     """
 
     max_staleness: NonNegativeInt = 1
@@ -54,6 +61,7 @@ class AsyncRolloutConfig:
     timeout_s: PositiveFloat = 600.0
     rollout_correction: bool = True
     cpu_threads: AtLeastOne | None = None
+    generator_devices: AtLeastOne = 1
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -73,3 +81,13 @@ class AsyncRolloutConfig:
     def admits(self, request: int, held_version: int) -> bool:
         """Whether the generator, holding ``held_version``, may start the batch trained at ``request``."""
         return request - held_version <= self.max_staleness
+
+
+def check_generator_devices(config: AsyncRolloutConfig, training_ranks: int) -> None:
+    """Every generator has a training rank to serve (generator ``g`` serves ranks ``r % n == g``)."""
+    if config.generator_devices > training_ranks:
+        raise ValueError(
+            f"`model.async_rollout.generator_devices`={config.generator_devices} with {training_ranks} training"
+            f" rank(s) (`trainer.devices` x `trainer.num_nodes`): each generator serves the requests of some"
+            f" training ranks, so at most {training_ranks} generator(s)"
+        )

@@ -1,8 +1,10 @@
-"""The generator process of separate placement: its own copy of the actor, sampling ahead of training.
+"""The generator processes of separate placement: each its own copy of the actor, sampling ahead of training.
 
-It serves the training ranks of a rollout group (:mod:`lightning_mem.rl.rollout_link`): each
-sends requests (iteration ``r``'s prompts) ahead of time, and rank 0 sends the weights after every
-``weight_sync_steps`` iterations, tagged with their version. The generator starts request ``r`` only
+``model.async_rollout.generator_devices`` generators share the training ranks of a rollout group
+(:mod:`lightning_mem.rl.rollout_link`): generator ``g`` serves training rank ``r`` when
+``r % generators == g`` (:func:`served_by`). Each training rank sends its requests (iteration
+``r``'s prompts) ahead of time to its generator, and rank 0 sends the weights to every generator
+after every ``weight_sync_steps`` iterations, tagged with their version. The generator starts request ``r`` only
 while the weights it holds are at most ``max_staleness`` versions older than ``r`` (admission
 control: nothing is sampled to be thrown away), samples it with the ``hf`` engine, scores the
 sampled tokens with the same weights (the behaviour log-probs), and sends the batch back tagged with
@@ -32,11 +34,11 @@ from lightning_mem.rl import rollout_link as rl
 
 @dataclass
 class GeneratorSpec:
-    """Everything the generator process needs (picklable: it crosses a spawn)."""
+    """Everything a generator process needs (picklable: it crosses a spawn)."""
 
     host: str
     port: int
-    world_size: int  # training ranks + 1; the generator is the last rank
+    world_size: int  # training ranks + generators; the generators are the last ranks
     timeout_s: float
     max_staleness: int
     name_or_path: str
@@ -54,6 +56,34 @@ class GeneratorSpec:
     # A file the generator appends ``iteration version`` to for every batch it samples (tests
     # compare it with the versions the trainer recorded).
     trace_path: str | None = None
+    generators: int = 1  # generator processes (``model.async_rollout.generator_devices``)
+    index: int = 0  # this generator's place among them (set for each process at its start)
+    # Where each generator holds its copy and samples, by index ("cuda:6"); None: the CPU.
+    devices: list[str] | None = None
+
+    @property
+    def trainers(self) -> int:
+        return self.world_size - self.generators
+
+    @property
+    def rank(self) -> int:
+        """This generator's rank in the rollout group (after every training rank)."""
+        return self.trainers + self.index
+
+    @property
+    def device(self) -> str:
+        return self.devices[self.index] if self.devices else "cpu"
+
+
+def served_by(trainer_rank: int, generators: int) -> int:
+    """The generator (its index) that samples training rank ``trainer_rank``'s requests."""
+    return trainer_rank % generators
+
+
+def links_of(index: int, trainers: int, generators: int) -> list[int]:
+    """The training ranks generator ``index`` talks to: those it serves, and rank 0, which sends
+    every generator its weights."""
+    return [r for r in range(trainers) if r == 0 or served_by(r, generators) == index]
 
 
 def run_generator(spec: GeneratorSpec) -> None:
@@ -62,7 +92,7 @@ def run_generator(spec: GeneratorSpec) -> None:
         torch.set_num_threads(spec.num_threads)
     if spec.rng_state is not None:
         torch.set_rng_state(spec.rng_state)
-    rank = spec.world_size - 1
+    rank = spec.rank
     startup = max(spec.timeout_s, rl.STARTUP_S)
     store = dist.TCPStore(spec.host, spec.port, spec.world_size, is_master=False,
                           timeout=datetime.timedelta(seconds=startup))
@@ -78,23 +108,58 @@ def run_generator(spec: GeneratorSpec) -> None:
     os._exit(0)
 
 
-class Generator:
-    def __init__(self, spec: GeneratorSpec, group: dist.ProcessGroup) -> None:
+class GeneratorModel:
+    """A generator's copy of the actor and what it does with it, without the link: :meth:`sample` a
+    request, :meth:`load` one message of weights. The memory estimate runs these same two on fake
+    tensors (:mod:`lightning_mem.estimate.generator`)."""
+
+    def __init__(self, spec: GeneratorSpec, model: torch.nn.Module | None = None) -> None:
         from lightning_mem.models import load_causal_lm
         from lightning_mem.rl.reference import disable_dropout
         from lightning_mem.rl.rollout import RolloutEngine
 
         self.spec = spec
-        trainers = range(spec.world_size - 1)
-        self.links = {r: rl.Link(group, r, spec.timeout_s, lambda r=r: f"async rollout: the generator's link to training rank {r}")
-                      for r in trainers}
-        self.model = disable_dropout(load_causal_lm(
-            spec.name_or_path, dtype=spec.dtype, attn_implementation=spec.attn_implementation,
-            trust_remote_code=spec.trust_remote_code, key="model.name_or_path"))
-        self.model.eval()
+        if model is None:  # its own copy, loaded from the checkpoint (the trainer's weights follow)
+            model = disable_dropout(load_causal_lm(
+                spec.name_or_path, dtype=spec.dtype, attn_implementation=spec.attn_implementation,
+                trust_remote_code=spec.trust_remote_code, key="model.name_or_path"))
+            if spec.device != "cpu":
+                model.to(spec.device)
+            model.eval()
+        self.model = model
         self.engine = RolloutEngine(spec.generation, eos_token_ids=spec.eos_token_ids, pad_token_id=spec.pad_token_id)
         self.tensors = dict(self.model.named_parameters())
         self.tensors.update(self.model.named_buffers())
+
+    def sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int) -> list[torch.Tensor]:
+        """One request's samples: ``input_ids, attention_mask, prompt_lengths, response_ids,
+        response_mask`` and the behaviour log-probs (the sampled tokens scored with the same weights)."""
+        from lightning_mem.rl.rollout import policy_forward
+
+        device = self.spec.device
+        exp = self.engine.generate(self.model, prompt_ids.to(device), prompt_mask.to(device), group_size=group_size)
+        with torch.no_grad():
+            behaviour = policy_forward(self.model, exp, temperature=self.spec.generation.temperature,
+                                       chunk_size=self.spec.logits_chunk_size).logprobs.float()
+        out = [exp.input_ids, exp.attention_mask, exp.prompt_lengths, exp.response_ids, exp.response_mask, behaviour]
+        return [t.cpu() for t in out]  # what the link sends (gloo: host tensors)
+
+    @torch.no_grad()
+    def load(self, names: list[str], tensors: list[torch.Tensor]) -> None:
+        """One weights message's tensors, by name, copied into the model."""
+        for name, tensor in zip(names, tensors):
+            if name not in self.tensors:
+                raise rl.LinkLost(f"async rollout: the generator's actor has no weight named {name!r}")
+            self.tensors[name].copy_(tensor)
+
+
+class Generator:
+    def __init__(self, spec: GeneratorSpec, group: dist.ProcessGroup) -> None:
+        self.spec = spec
+        trainers = links_of(spec.index, spec.trainers, spec.generators)
+        self.links = {r: rl.Link(group, r, spec.timeout_s, lambda r=r: f"async rollout: generator {spec.index}'s link to training rank {r}")
+                      for r in trainers}
+        self.copy = GeneratorModel(spec)
         self.version: int | None = None  # none until the first weights arrive
         self.inbox: queue.Queue = queue.Queue()
         self.outbox: queue.Queue = queue.Queue()
@@ -177,8 +242,6 @@ class Generator:
         return rank, self.pending[rank][0]
 
     def _sample(self, rank: int, request: tuple) -> None:
-        from lightning_mem.rl.rollout import policy_forward
-
         self.pending[rank].popleft()
         r, group_size, payload = request
         prompt_ids, prompt_mask = payload[0], payload[1]
@@ -187,14 +250,10 @@ class Generator:
             torch.set_rng_state(payload[2])
         if self.spec.delay_s:
             time.sleep(self.spec.delay_s)
-        exp = self.engine.generate(self.model, prompt_ids, prompt_mask, group_size=group_size)
-        with torch.no_grad():
-            behaviour = policy_forward(self.model, exp, temperature=self.spec.generation.temperature,
-                                       chunk_size=self.spec.logits_chunk_size).logprobs.float()
+        out = self.copy.sample(prompt_ids, prompt_mask, group_size)
         if self.spec.trace_path:
             with open(self.spec.trace_path, "a") as f:
                 f.write(f"{r} {self.version}\n")
-        out = [exp.input_ids, exp.attention_mask, exp.prompt_lengths, exp.response_ids, exp.response_mask, behaviour]
         if lockstep:
             out.append(torch.get_rng_state())
         self.outbox.put((rank, r, self.version, out))
@@ -205,11 +264,8 @@ class Generator:
         link = self.links[rank]
         while True:
             kind, _, last, tensors = link.recv(tag=rl.WEIGHTS, what=f"receiving weights of version {version}")
-            names = bytes(tensors[0].tolist()).decode().split("\n") if tensors[0].numel() else []
-            for name, tensor in zip(names, tensors[1:]):
-                if name not in self.tensors:
-                    raise rl.LinkLost(f"async rollout: the generator's actor has no weight named {name!r}")
-                self.tensors[name].copy_(tensor)
+            self.copy.load(rl.names_of(tensors[0]), tensors[1:])
+            del tensors  # before the next message's buffers: one message's worth alive, not two
             if last:
                 break
         self.version = version

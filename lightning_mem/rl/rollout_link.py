@@ -13,7 +13,7 @@ final: :class:`LinkLost` says, on one line, which peer and what was awaited.
 from __future__ import annotations
 
 import datetime
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -103,8 +103,7 @@ class Link:
 
     def recv_payload(self, header: Tensor, *, tag: int, what: str) -> list[Tensor]:
         out = []
-        for dtype, shape in _layout(header):
-            t = torch.empty(shape, dtype=dtype)
+        for t in receive_buffers(_layout(header)):
             try:
                 work = self.group.recv([t], self.peer, tag)
             except RuntimeError as err:
@@ -118,6 +117,27 @@ class Link:
         header = self.recv_header(tag=tag, what=what, timeout_s=timeout_s)
         kind, a, b = (int(x) for x in header[:3])
         return kind, a, b, self.recv_payload(header, tag=tag, what=what)
+
+
+def receive_buffers(layout: Sequence[tuple[torch.dtype, tuple[int, ...]]]) -> Iterator[Tensor]:
+    """The buffers a message of ``layout`` (dtype and shape per tensor) is received into, one after the
+    other: the receiver holds every one of them until the message is used."""
+    for dtype, shape in layout:
+        yield torch.empty(shape, dtype=dtype)
+
+
+def layout_of(tensors: Sequence[Tensor]) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+    """What a message's header says of ``tensors``."""
+    return _layout(_header(0, 0, 0, tensors))
+
+
+def names_tensor(names: Iterable[str]) -> Tensor:
+    """Names as one message tensor (newline-separated UTF-8 bytes)."""
+    return torch.tensor(list("\n".join(names).encode()), dtype=torch.uint8)
+
+
+def names_of(tensor: Tensor) -> list[str]:
+    return bytes(tensor.tolist()).decode().split("\n") if tensor.numel() else []
 
 
 class _KeepAlive:

@@ -2,7 +2,9 @@
 
 Weight sync walks the actor's weights in checkpoint (Hugging Face) names and hands them to the
 engine in buckets of at most ``sync_bucket_mb``: only a bucket's worth of converted (dtype-cast, or
-LoRA-merged) tensors exists at any moment, never a second full copy of the model.
+LoRA-merged) tensors exists at any moment, never a second full copy of the model. Sharded weights
+(FSDP2's ``DTensor``\ s) are cast shard by shard and then gathered whole, one tensor at a time: a
+collective, so every rank that holds a shard walks the same weights in the same order.
 """
 
 from __future__ import annotations
@@ -69,12 +71,23 @@ def checkpoint_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
             yield name.replace(".base_layer.", "."), buf.detach()
 
 
+def is_sharded(model: nn.Module) -> bool:
+    """Whether any of ``model``'s parameters is a ``DTensor`` (FSDP2, tensor parallel): walking its
+    weights whole is then a collective of every rank."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
 def weight_buckets(
     weights: Iterable[tuple[str, Tensor]], *, max_bytes: int, dtype: torch.dtype | None = None, device: Any = None
 ) -> Iterator[list[tuple[str, Tensor]]]:
     """Group ``weights`` into lists of at most ``max_bytes`` (a tensor larger than that is a bucket of
-    its own), cast to ``dtype`` and moved to ``device`` bucket by bucket. Only the current bucket's
-    converted tensors are alive: the caller hands each bucket over before asking for the next."""
+    its own), cast to ``dtype``, gathered whole if sharded, and moved to ``device`` bucket by bucket.
+    Only the current bucket's converted tensors are alive: the caller hands each bucket over before
+    asking for the next."""
+    from torch.distributed.tensor import DTensor
+
     bucket: list[tuple[str, Tensor]] = []
     size = 0
     for name, tensor in weights:
@@ -83,7 +96,9 @@ def weight_buckets(
             yield bucket
             bucket, size = [], 0
         if dtype is not None and tensor.is_floating_point():
-            tensor = tensor.to(dtype)
+            tensor = tensor.to(dtype)  # a shard's cast: the gather below moves the smaller dtype
+        if isinstance(tensor, DTensor):
+            tensor = tensor.full_tensor()
         if device is not None:
             tensor = tensor.to(device)
         bucket.append((name, tensor))

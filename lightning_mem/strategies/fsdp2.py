@@ -249,6 +249,11 @@ class FSDP2Strategy(ModelParallelStrategy):
             raise ValueError(f"`timeout` must be a positive number of seconds, got {timeout!r}.")
         return timedelta(seconds=timeout)
 
+    @property
+    def param_dtype(self) -> torch.dtype | None:
+        """The dtype units are gathered and computed in (None: the parameters' own)."""
+        return self._param_dtype
+
     @staticmethod
     def _check_sizes(data_parallel_size: Any, tensor_parallel_size: Any) -> None:
         if data_parallel_size != "auto" and (

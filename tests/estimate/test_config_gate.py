@@ -3,7 +3,9 @@
 A GPU-tier config is a ``configs/*/*.yaml`` not named ``tiny_*``. Its tier (GPUs x GB per GPU) is
 its ``# tier: NxMGB`` header line; its header also carries the estimator's per-phase peaks as
 ``# estimated peak per rank (GiB): <phase>=<value> ...``, which must agree with a fresh estimate
-within 5 %. Every phase's peak must be at most the tier's device memory less the margin.
+within 5 %. Every phase's peak must be at most the tier's device memory less the margin. A config
+with separate placement runs on the tier's GPUs less its generating ones, and its header names a
+training rank's phases and then a generating rank's (``load_weights``, ``generate``).
 
 The gate is its own step of ``make test`` (marker ``config_gate``, two workers), after the main
 suite. PPO configs are in it too: their estimate runs generation's prefill and last decode
@@ -21,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from lightning_mem.estimate import tier_of, usable_bytes
+from lightning_mem.estimate.report import training_ranks
 from tests.shipped_estimates import PPO_0_5B_GROUP, shipped_estimate
 
 pytestmark = pytest.mark.config_gate
@@ -57,15 +60,15 @@ def _marks(path: Path) -> list:
 def test_config_fits_its_tier_and_header(path: Path):
     tier = tier_of(path)
     assert tier is not None and f"# tier: {tier.gpus}x{tier.memory_gb}GB" in path.read_text(), path.name
-    result = shipped_estimate(path, tier.gpus)
+    result = shipped_estimate(path, training_ranks(path, tier))
     limit = usable_bytes(tier.memory_bytes)
-    for phase in result.phases:
+    for phase in result.every_phase:
         assert phase.device_peak_bytes <= limit, (
             f"{path.name}: {phase.phase} needs {phase.device_peak_bytes / 2**30:.2f} GiB per rank, "
             f"the {tier.gpus}x{tier.memory_gb}GB tier allows {limit / 2**30:.2f} GiB"
         )
     stated = header_peaks(path)
-    measured = {p.phase: p.device_peak_bytes / 2**30 for p in result.phases}
+    measured = {p.phase: p.device_peak_bytes / 2**30 for p in result.every_phase}
     assert set(stated) == set(measured), (path.name, stated, measured)
     for name, value in measured.items():
         assert abs(stated[name] - value) <= 0.05 * value, (path.name, name, stated[name], value)

@@ -8,6 +8,8 @@ A twin is the config as shipped, with only these overrides, derived from the YAM
   ``assets/tiny-llama`` whose config.json says ``torch_dtype: bfloat16``, as a real checkpoint's does;
 * the device: ``trainer.accelerator: cpu``, ``trainer.devices`` cut to at most 2 ranks (4 where the
   config mixes data parallelism with a tensor or context degree, so both dimensions stay), on gloo;
+  separate placement (``model.rollout_engine.placement: separate``) keeps its training ranks so cut
+  and one generator process (``model.async_rollout.generator_devices: 1``, one CPU thread);
   a tensor or context degree is kept where the ranks and the tiny model's heads (8 query, 4 KV)
   allow it, else the largest degree that divides all three;
 * the lengths: ``data.max_length`` / ``max_prompt_length`` / ``generation.max_new_tokens`` cut to
@@ -220,6 +222,14 @@ def twin_of(path: Path, model: Path) -> Twin:
             gaps.append("ppo.rollout_correction: corrects the vLLM engine's drift, none with the hf engine")
     elif engine != "hf":
         raise NoTwinRule(f"{path}: no twin rule for model.rollout_engine.name={engine!r}")
+    if _get(config, "model.rollout_engine.placement", "colocated") == "separate":
+        # The training ranks (cut as above) and one generator process, each on a thread of the 2 cores.
+        generators = _get(config, "model.async_rollout.generator_devices", 1)
+        out += ["--model.async_rollout.generator_devices=1", "--model.async_rollout.cpu_threads=1"]
+        if generators != 1:
+            gaps.append(f"async_rollout.generator_devices: {generators} -> 1 ({ranks} training rank(s) and 1 generator"
+                        " process on 2 CPU cores; tests/recipes/test_ppo_async.py runs 2 generators)")
+        gaps.append("separate placement: generators on GPUs of their own need CUDA; the rollout link is gloo either way")
 
     # Lengths, budgets and the run's length.
     run = ["--trainer.max_epochs=1", "--trainer.val_check_interval=null", "--trainer.limit_val_batches=0",

@@ -222,3 +222,21 @@ def test_the_default_correction_of_separate_placement_leaves_the_shared_defaults
     colocated = ppo.PPOModule(name_or_path=str(TINY_MODEL), reward=ArithmeticReward())
     assert separate.ppo.rollout_correction.mode == "tis"
     assert colocated.ppo.rollout_correction.mode == "none"
+
+
+def test_fsdp2_training_ranks_gather_before_rank_0_sends_to_two_generators(tmp_path):
+    """FSDP2 over 2 gloo ranks, 2 generator processes (each serving one rank), ``max_staleness: 0``:
+    every rank gathers the DTensor shards collectively and rank 0 sends the whole weights to both
+    generators. Sampling in lockstep under the weights just trained, each generator's behaviour
+    log-probs equal the trainer's old log-probs (``mismatch_kl``, summed over both ranks, ~0) after
+    every sync; a generator left with older or partial weights would be off by far more at this
+    learning rate (0.01)."""
+    root = tmp_path / "run"
+    _async_cli(root, "--trainer.devices=2", "--trainer.strategy=lightning_mem.strategies.FSDP2Strategy",
+               "--trainer.strategy.init_args.process_group_backend=gloo", "--model.async_rollout.generator_devices=2",
+               "--model.async_rollout.max_staleness=0", "--model.optimizer.init_args.lr=0.01", "--trainer.max_steps=6",
+               "--checkpoint.every_n_train_steps=1000")
+    mismatch = read_metric(root, "mismatch_kl")
+    assert sorted(mismatch) == [0, 1, 2]
+    assert all(abs(v) < 1e-6 for v in mismatch.values()), mismatch
+    assert read_metric(root, "async/sampled_version") == {0: 0.0, 1: 1.0, 2: 2.0}
