@@ -22,7 +22,7 @@ The estimate runs both with the code the run runs:
   weight sync (:func:`~lightning_mem.rl.async_client.weight_messages`) into buffers made as the
   link makes them (:func:`~lightning_mem.rl.rollout_link.receive_buffers`) and loads it; phase
   ``generate`` samples the measured step's request -- the prefill and last decode step of
-  :func:`~lightning_mem.estimate.run._last_decode_step`, then the behaviour log-probs -- while the
+  :func:`~lightning_mem.estimate.decode_peak.last_decode_step`, then the behaviour log-probs -- while the
   ``max_staleness`` batches sampled ahead wait in its outbox.
 """
 
@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_mem.estimate.decode_peak import last_decode_step
 from lightning_mem.estimate.recorder import PhaseEstimate, attribution
 from lightning_mem.estimate.tracker import CATEGORIES, MemoryLedger, TrackingMode
 
@@ -180,9 +181,7 @@ def generating_rank(run: Any, stand_in: GeneratorStandIn, *, ranks: int, max_sta
         with stack:
             stack.enter_context(estimated_decode(mode.fill_token))
             if not run.full_loops:
-                from lightning_mem.estimate.run import _last_decode_step
-
-                stack.enter_context(_last_decode_step(SimpleNamespace(ledger=ledger, mode=mode), copy.model))
+                stack.enter_context(last_decode_step(SimpleNamespace(ledger=ledger, mode=mode), copy.model))
             samples = copy.sample(prompt_ids, prompt_mask, group_size)
         rows, width = samples[0].shape
         phases.append(_phase("generate", ledger, f"{rows} x {width} tokens ({max_staleness} batch(es) in the outbox)"))

@@ -5,7 +5,6 @@ warm-up step then the measured one, and the shortcuts (a StepIO) that skip what 
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +16,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_mem.estimate.cuda import CudaDeviceModel
+from lightning_mem.estimate.decode_peak import last_decode_step
 from lightning_mem.estimate.fake import weights_source
 from lightning_mem.estimate.rank_view import RankView
 from lightning_mem.estimate.recipe_config import is_technique, precision_plugin, sampled_tokens
@@ -199,7 +199,7 @@ class EstimateRun(RankView, StepIO):
         # The static decode loop (kv_cache: static) runs its first decode step only, eager.
         stack.enter_context(estimated_decode(self.mode.fill_token))
         if not (self.full_loops or not self._measuring):  # the warm-up's responses end at once anyway
-            stack.enter_context(_last_decode_step(self, model))
+            stack.enter_context(last_decode_step(self, model))
         return stack
 
     @override
@@ -296,75 +296,3 @@ def _two_of_each_shape(plan: list[list[int]], lengths: Any) -> list[list[int]]:
         if seen[key] <= 2:
             kept.append(idx)
     return kept
-
-
-def _new_tokens(kwargs: dict[str, Any], n: int | None = None) -> Any:
-    """``generate``'s length cap in ``kwargs`` (a keyword or its ``generation_config``'s); with ``n``,
-    a copy of ``kwargs`` whose cap is ``n``."""
-    config = kwargs.get("generation_config")
-    if n is None:
-        return kwargs["max_new_tokens"] if "max_new_tokens" in kwargs else config.max_new_tokens
-    if "max_new_tokens" in kwargs or config is None:
-        return {**kwargs, "max_new_tokens": n}
-    capped = copy.deepcopy(config)
-    capped.max_new_tokens = n
-    return {**kwargs, "generation_config": capped}
-
-
-@contextlib.contextmanager
-def _last_decode_step(run: EstimateRun, model: nn.Module) -> Iterator[None]:
-    """Generation's memory peak without its whole loop: ``model.generate`` runs twice, for real.
-
-    Autoregressive decoding peaks either in its prefill (every prompt token at once) or in its last
-    decode step (one token per sequence against the longest KV cache: a dynamic cache only grows,
-    and each step's other tensors have the same shapes). So ``generate`` runs (1) on the prompts for
-    two new tokens -- the prefill and the first decode step -- and then (2) for the last token,
-    resuming from a cache that the model's own forward filled with the prompt and the first
-    ``max_new_tokens - 2`` response tokens (each a ``fill_token``, which the sampler would have
-    produced; making that cache is not measured: the real loop grows it one token at a time, with
-    smaller transients than the step measured next). Its output is the full-length sequences, as
-    the whole loop's would be. A static (preallocated, full-length) cache makes every decode step
-    alike: the second step stands for the last, and the output is padded to full length with
-    ``fill_token``.
-    """
-    generate = model.generate
-
-    def last_step(*args: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        # The rollout hands its length cap in a GenerationConfig (rl/sampling.py), not as a keyword.
-        max_new_tokens = _new_tokens(kwargs)
-        if args or max_new_tokens <= 3:
-            return generate(*args, input_ids=input_ids, attention_mask=attention_mask, **_new_tokens(kwargs, max_new_tokens))
-        fill = run.mode.fill_token
-        rows, prompt = input_ids.shape
-        first = generate(input_ids=input_ids, attention_mask=attention_mask, **_new_tokens(kwargs, 2))
-        if kwargs.get("past_key_values") is not None:  # static: the step's shapes do not grow
-            pad = torch.full((rows, prompt + max_new_tokens - first.shape[1]), fill, dtype=first.dtype)
-            return torch.cat([first, pad], dim=1)
-        del first
-        done = max_new_tokens - 1  # response tokens the loop has made before its last step
-        ids = torch.cat([input_ids, torch.full((rows, done), fill, dtype=input_ids.dtype)], dim=1)
-        mask = torch.cat([attention_mask, torch.ones((rows, done), dtype=attention_mask.dtype)], dim=1)
-        with run.ledger.unmeasured(), torch.no_grad():
-            cache = _grown_cache(model, ids[:, :-1], mask[:, :-1])
-        return generate(input_ids=ids, attention_mask=mask, past_key_values=cache, **_new_tokens(kwargs, 1))
-
-    model.generate = last_step
-    try:
-        yield
-    finally:
-        del model.generate  # the class's method again
-
-
-def _grown_cache(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> Any:
-    """The dynamic KV cache ``generate`` would hold after ``ids``, filled by the model's own forward."""
-    from transformers import DynamicCache
-
-    config = model.config
-    cache = DynamicCache(config=config)
-    was_training = model.training
-    model.eval()
-    try:
-        model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    finally:
-        model.train(was_training)
-    return cache

@@ -82,7 +82,7 @@ def test_the_runs_own_cache_of_fake_results_gives_new_tensors_of_the_fake_modes_
 
 
 def test_fake_tensors_made_by_the_tracker_equal_the_constructors():
-    from lightning_mem.estimate.tracker import _FakeMaker
+    from lightning_mem.estimate.fake_ops import FakeMaker as _FakeMaker
 
     mode = TrackingMode(MemoryLedger(set()), fake=True).fake_mode
     make = _FakeMaker(mode)
