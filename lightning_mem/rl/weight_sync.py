@@ -3,7 +3,7 @@
 Weight sync walks the actor's weights in checkpoint (Hugging Face) names and hands them to the
 engine in buckets of at most ``sync_bucket_mb``: only a bucket's worth of converted (dtype-cast, or
 LoRA-merged) tensors exists at any moment, never a second full copy of the model. Sharded weights
-(FSDP2's ``DTensor``\ s) are cast shard by shard and then gathered whole, one tensor at a time: a
+(FSDP2's DTensors) are cast shard by shard and then gathered whole, one tensor at a time: a
 collective, so every rank that holds a shard walks the same weights in the same order.
 """
 
