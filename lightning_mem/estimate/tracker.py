@@ -204,7 +204,13 @@ class TrackingMode(TorchDispatchMode):
                     if entry is not None:
                         self._op_cache[key] = entry
                 return out
-        if key is not None and mutable:  # an in-place operator with a rule of the fake mode's (a fake kernel)
+        return self._from_fake_mode(func, args, kwargs, tensors, leaves, key)
+
+    def _from_fake_mode(self, func, args, kwargs, tensors, leaves, key):  # noqa: ANN001
+        """The fake mode's own result of ``func``, kept in the run's cache under ``key`` (if any) where
+        it stands for every call with the same layouts (:meth:`_fake_dispatch`)."""
+        mode = self.fake_mode
+        if key is not None and func._schema.is_mutable:  # an in-place operator with a fake kernel of its own
             before = [place_of(x) for x in tensors]
             out = mode.__torch_dispatch__(func, (), args, kwargs)
             # Its outputs are inputs it wrote, each as itself, and it left every input's layout as it
