@@ -159,6 +159,11 @@ class PhaseRecorder(Callback):
         """Whether optimizer step ``step`` (0-based, counted by this fit's batches) is measured."""
         return step >= 1
 
+    def step_of(self, trainer: Any, batch_idx: int) -> int:
+        """The optimizer step (0-based) that micro-batch ``batch_idx`` belongs to: Lightning groups
+        ``accumulate_grad_batches`` consecutive ones."""
+        return batch_idx // trainer.accumulate_grad_batches
+
     # -- Lightning hooks --------------------------------------------------------------------------
     @override
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
@@ -177,7 +182,7 @@ class PhaseRecorder(Callback):
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self.retag()
         accumulate = trainer.accumulate_grad_batches
-        if batch_idx % accumulate == 0 and self.measured(batch_idx // accumulate):  # a measured step begins
+        if batch_idx % accumulate == 0 and self.measured(self.step_of(trainer, batch_idx)):  # a measured step begins
             self._measuring, self._named = True, False
             self._shape = self.describe(batch)
             self.ledger.reset_peak()

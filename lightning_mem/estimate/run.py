@@ -35,11 +35,14 @@ class EstimateRun(RankView, StepIO):
       ``configure_optimizers``, ``training_step``, Lightning's backward, clipping, optimizer step and
       ``zero_grad`` (automatic optimization), or the recipe's own update loop (manual) -- with the
       config's precision plugin and technique callbacks, so a recipe subclass is estimated as itself;
-    - its data are the datamodule's ``largest_batch``: first a warm-up step of short rows (the
-      optimizers make their state, and whatever a step leaves alive for the next one stays alive;
-      its sampled responses end at once), then the largest micro-batch the config allows (two of
-      them when gradients accumulate: the second forward runs next to the first one's gradients);
-    - it measures the second step and then stops the fit (:class:`MeasuredStep`);
+    - its data are the datamodule's ``largest_batch``: first a warm-up step of one micro-batch of
+      short rows (the optimizers make their state, and whatever a step leaves alive for the next
+      one stays alive; its sampled responses end at once), then the largest micro-batch the config
+      allows (two of them when gradients accumulate: the second forward runs next to the first
+      one's gradients). Each step is an epoch of its own (:class:`_StepPerEpoch`): Lightning steps
+      the optimizers at an epoch's last micro-batch, so the warm-up needs only one however many
+      the config accumulates;
+    - it measures the second step (the second epoch) and then stops the fit (:class:`MeasuredStep`);
     - as the step's ``StepIO`` it skips repetitions that cannot raise a peak (generation's middle
       decode steps, the third and later micro-batches of one shape, PPO's mini-batches and epochs
       after the first) unless ``full_loops``.
@@ -79,9 +82,14 @@ class EstimateRun(RankView, StepIO):
             self.ledger.round_bytes = self.device_model.round_bytes
         self._blas_workspaces: torch.Tensor | None = None
         self.stand_in: Any = None  # separate placement: the generators' stand-in (:mod:`.generator`)
+        self._logging: tuple[Any, Any] | None = None  # Lightning's logging state after the warm-up step
 
     def measured(self, step: int) -> bool:
         return step == 1
+
+    @override
+    def step_of(self, trainer: Any, batch_idx: int) -> int:
+        return trainer.current_epoch  # one optimizer step an epoch (:meth:`batches`)
 
     # -- the fit ----------------------------------------------------------------------------------
     def trainer_arguments(self) -> dict[str, Any]:
@@ -101,8 +109,8 @@ class EstimateRun(RankView, StepIO):
         )  # fmt: skip
 
     def batches(self, fill: int) -> list[dict[str, Any]]:
-        """A warm-up step of short rows (8 tokens), then the measured step of the datamodule's
-        largest micro-batch."""
+        """A warm-up step of one micro-batch of short rows (8 tokens), then the measured step of
+        the datamodule's largest micro-batch (``accumulated`` of them)."""
         largest = getattr(self.data, "largest_batch", None)
         if largest is None:
             raise TypeError(
@@ -114,7 +122,7 @@ class EstimateRun(RankView, StepIO):
         if self.device_model is not None and self.device_model.padded_batches:
             batch = _one_row_padded(batch)
         warm_up = _head(batch, rows=rows_of(batch), tokens=8)  # every row: no loop of the step runs empty
-        return [warm_up] * self.accumulated + [batch] * self.accumulated
+        return [warm_up] + [batch] * self.accumulated
 
     def fit(self) -> None:
         from lightning.pytorch import Trainer
@@ -128,13 +136,19 @@ class EstimateRun(RankView, StepIO):
                   else contextlib.nullcontext())
         with attribution(self.ledger, self.fake), weights_source(self.fake), device, self.mode, self.accounting():
             self.trainer = Trainer(**self.trainer_arguments())
+            # The warm-up step ends an epoch (_StepPerEpoch), and at an epoch's end Lightning renews
+            # what the module logged (fresh metric states). A run's steps mostly fall mid-epoch, and
+            # the estimate has no logger: its warm-up epoch ends without the renewal (and the
+            # measured step's logging carries on from the warm-up's: on_train_epoch_start), so the
+            # measured step starts with the logged state a mid-epoch step finds.
+            self.trainer._logger_connector.update_train_epoch_metrics = lambda: None
             if self.sharding.context_parallel > 1:
                 # The recipes state micro-batch budgets per rank of a context group and read its size
                 # from the strategy (lightning_mem.ranks.per_rank_budget): this one-process fit's
                 # strategy says what the run's would.
                 self.trainer.strategy.context_parallel_size = self.sharding.context_parallel
             batches = self.batches(fill)
-            loader = DataLoader(batches, batch_size=None, sampler=_InOrder(len(batches)), collate_fn=_as_is)
+            loader = DataLoader(batches, batch_size=None, sampler=_StepPerEpoch(len(batches)), collate_fn=_as_is)
             try:
                 self.trainer.fit(self.module, train_dataloaders=loader)
             except MeasuredStep:
@@ -164,15 +178,28 @@ class EstimateRun(RankView, StepIO):
         self._split_like_the_run(pl_module)
 
     @override
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        super().on_train_epoch_start(trainer, pl_module)
+        if trainer.current_epoch == 1 and self._logging is not None:
+            # As if the warm-up's epoch went on: the next batch is not an epoch's first to Lightning's
+            # logging, which would otherwise renew the tensors the module logs (Lightning's
+            # LightningModule.log, "if we started a new epoch").
+            connector = trainer._logger_connector
+            connector._first_loop_iter, connector._current_fx = self._logging
+
+    @override
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        if batch_idx == self.accumulated:  # the measured step samples full-length responses
+        if self.step_of(trainer, batch_idx) == 1 and batch_idx == 0:  # the measured step samples full-length responses
             self.mode.fill_token = self._fill
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
 
     @override
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        if batch_idx == 2 * self.accumulated - 1:
+        if self.step_of(trainer, batch_idx) == 0:
+            connector = trainer._logger_connector
+            self._logging = (connector._first_loop_iter, connector._current_fx)
+        elif self.step_of(trainer, batch_idx) == 1 and batch_idx == self.accumulated - 1:
             raise MeasuredStep
 
     @override
@@ -261,18 +288,23 @@ def _as_is(batch: Any) -> Any:
     return batch
 
 
-class _InOrder(torch.utils.data.Sampler):
-    """The estimate's batches in order, and the look-ahead of separate placement
+class _StepPerEpoch(torch.utils.data.Sampler):
+    """The estimate's batches in order, one optimizer step an epoch: the first batch (the warm-up
+    step) in epoch 0, the rest (the measured step's micro-batches) in epoch 1. Lightning sets the
+    epoch before each epoch's iterator is made, and steps the optimizers at an epoch's last batch
+    whatever it accumulates. It has no length: Lightning then finds an epoch's last batch by
+    fetching one ahead (with a length it would count to it, and epochs differ here). Also the look-ahead of separate placement
     (:meth:`~lightning_mem.batching.TokenBudgetSampler.batch_at`): a batch past the last is the last."""
 
     def __init__(self, n: int) -> None:
         self.n = n
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
 
     def __iter__(self) -> Iterator[int]:
-        return iter(range(self.n))
-
-    def __len__(self) -> int:
-        return self.n
+        return iter(range(1) if self.epoch == 0 else range(1, self.n))
 
     def batch_at(self, position: int) -> int:
         return min(position, self.n - 1)
