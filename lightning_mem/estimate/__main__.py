@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.abc
+import importlib.machinery
 import logging
 import sys
 import warnings
@@ -98,5 +100,45 @@ def _exit(code: int) -> None:
     os._exit(code)
 
 
+class _BitsandbytesUncompiled(importlib.abc.MetaPathFinder):
+    """Imports bitsandbytes, when something first does, with ``torch.compile`` declining.
+
+    At import, bitsandbytes wraps a few of its CPU kernels in ``torch.compile`` and keeps the plain
+    function where that raises. Declaring them compiled imports torch's inductor: about 1.5 s of an
+    estimate that never runs them (an estimate's quantized operators have fake tensors, which take
+    their fake kernels). Only this command's process imports bitsandbytes so: ``estimate()`` in a
+    process that goes on to train leaves the import as it is.
+    """
+
+    def find_spec(self, name, path=None, target=None):  # noqa: ANN001, ANN201
+        if name != "bitsandbytes":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _Uncompiled(spec.loader)
+        return spec
+
+
+class _Uncompiled(importlib.abc.Loader):
+    def __init__(self, loader: importlib.abc.Loader) -> None:
+        self.loader = loader
+
+    def create_module(self, spec):  # noqa: ANN001, ANN201
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:  # noqa: ANN001
+        import torch
+
+        def declined(*args: object, **kwargs: object) -> None:
+            raise RuntimeError("an estimate runs nothing compiled")
+
+        compile_, torch.compile = torch.compile, declined
+        try:
+            self.loader.exec_module(module)
+        finally:
+            torch.compile = compile_
+
+
 if __name__ == "__main__":
+    sys.meta_path.insert(0, _BitsandbytesUncompiled())
     _exit(main())

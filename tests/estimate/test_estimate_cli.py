@@ -149,3 +149,24 @@ def test_suggest_without_a_device_size_says_how_to_give_one(capsys, tmp_path):
     with pytest.raises(SystemExit):
         main(["--config", str(config), "--suggest"])
     assert "--suggest needs a device size to fit into: pass --device-memory" in capsys.readouterr().err
+
+
+def test_the_command_imports_bitsandbytes_uncompiled():
+    """The command's process imports bitsandbytes without declaring its CPU kernels compiled (which
+    imports torch's inductor); its kernels still run, and torch.compile is torch's own again after."""
+    code = (
+        "import sys, torch\n"
+        "from lightning_mem.estimate.__main__ import _BitsandbytesUncompiled\n"
+        "compile_ = torch.compile\n"
+        "sys.meta_path.insert(0, _BitsandbytesUncompiled())\n"
+        "import bitsandbytes.functional as F\n"
+        "assert torch.compile is compile_\n"
+        "assert 'torch._inductor.compile_fx' not in sys.modules\n"
+        "w = torch.randn(64, 64)\n"
+        "q, state = F.quantize_4bit(w, quant_type='nf4')\n"
+        "err = (F.dequantize_4bit(q, state) - w).abs().max().item()\n"
+        "assert err < 0.5, err\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
