@@ -565,6 +565,8 @@ class PPOModule(LightningModule):
             eos_token_ids=self.eos_token_ids, pad_token_id=self.tokenizer.pad_token_id,
             logits_chunk_size=self.logits_chunk_size, attn_implementation=hp.attn_implementation,
             trust_remote_code=hp.trust_remote_code, rng_state=self.sampling_rng.cpu.clone(), num_threads=cfg.cpu_threads,
+            # The behaviour log-probs run in the score phase's micro-batches: same budget, same packing.
+            logprob_max_tokens=self.ppo.logprob_budget, packing=self.ppo.packing,
         )
 
     def _generator_dtype(self) -> torch.dtype:

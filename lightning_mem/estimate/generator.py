@@ -22,8 +22,9 @@ The estimate runs both with the code the run runs:
   weight sync (:func:`~lightning_mem.rl.async_client.weight_messages`) into buffers made as the
   link makes them (:func:`~lightning_mem.rl.rollout_link.receive_buffers`) and loads it; phase
   ``generate`` samples the measured step's request -- the prefill and last decode step of
-  :func:`~lightning_mem.estimate.decode_peak.last_decode_step`, then the behaviour log-probs -- while the
-  ``max_staleness`` batches sampled ahead wait in its outbox.
+  :func:`~lightning_mem.estimate.decode_peak.last_decode_step`, then the behaviour log-probs in the
+  micro-batches of ``model.ppo.logprob_max_tokens_per_microbatch`` (the estimate's StepIO plan, as
+  for the recipe's score phase) -- while the ``max_staleness`` batches sampled ahead wait in its outbox.
 """
 
 from __future__ import annotations
@@ -103,7 +104,8 @@ class GeneratorStandIn:
         was_training = actor.training
         with ledger.unmeasured(), self.run.generation(actor):
             try:
-                samples = GeneratorModel(self.spec, model=actor).sample(prompt_ids, prompt_mask, group_size)
+                samples = GeneratorModel(self.spec, model=actor, plan=self.run.micro_batches).sample(
+                    prompt_ids, prompt_mask, group_size)
             finally:
                 actor.train(was_training)
         take_peak_now(ledger)  # the samples have arrived: they count from here
@@ -155,7 +157,7 @@ def generating_rank(run: Any, stand_in: GeneratorStandIn, *, ranks: int, max_sta
         if run.device_model is not None:  # one thread's cuBLAS workspaces: it runs no backward
             with ledger.section("other"):
                 workspaces = torch.empty(type(run.device_model)(blas_threads=1).workspace_bytes, dtype=torch.uint8)
-        copy = GeneratorModel(stand_in.spec)
+        copy = GeneratorModel(stand_in.spec, plan=run.micro_batches)  # the StepIO's plan, as the recipe's passes
         for t in [*copy.model.parameters(), *copy.model.buffers()]:
             ledger.retag(t, "weights")
 

@@ -7,8 +7,9 @@
 after every ``weight_sync_steps`` iterations, tagged with their version. The generator starts request ``r`` only
 while the weights it holds are at most ``max_staleness`` versions older than ``r`` (admission
 control: nothing is sampled to be thrown away), samples it with the ``hf`` engine, scores the
-sampled tokens with the same weights (the behaviour log-probs), and sends the batch back tagged with
-the version it was sampled under.
+sampled tokens with the same weights (the behaviour log-probs, in the micro-batches of the
+trainer's own no-grad passes: ``model.ppo.logprob_max_tokens_per_microbatch``), and sends the batch
+back tagged with the version it was sampled under.
 
 Weights are only loaded between batches, and every batch prefills its own KV cache: no token of a
 new version ever reads cache written by an old one.
@@ -24,12 +25,15 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from lightning_mem.rl import rollout_link as rl
+
+if TYPE_CHECKING:
+    from lightning_mem.rl.rollout import Experience
 
 
 @dataclass
@@ -47,6 +51,10 @@ class GeneratorSpec:
     eos_token_ids: list[int]
     pad_token_id: int
     logits_chunk_size: int | None = 512
+    # The behaviour log-prob pass's micro-batch budget: the trainer's no-grad passes' own
+    # (``model.ppo.logprob_budget``; None: the whole batch at once), in real tokens when ``packing``.
+    logprob_max_tokens: int | None = None
+    packing: bool = False  # ``model.ppo.packing``: each micro-batch one padding-free row
     attn_implementation: str | None = None
     trust_remote_code: bool = False
     rng_state: torch.Tensor | None = None
@@ -111,18 +119,25 @@ def run_generator(spec: GeneratorSpec) -> None:
 class GeneratorModel:
     """A generator's copy of the actor and what it does with it, without the link: :meth:`sample` a
     request, :meth:`load` one message of weights. The memory estimate runs these same two on fake
-    tensors (:mod:`lightning_mem.estimate.generator`)."""
+    tensors (:mod:`lightning_mem.estimate.generator`), with its own micro-batch ``plan`` (a
+    :class:`~lightning_mem.step_io.StepIO`'s ``micro_batches``; default the library's)."""
 
-    def __init__(self, spec: GeneratorSpec, model: torch.nn.Module | None = None) -> None:
+    def __init__(self, spec: GeneratorSpec, model: torch.nn.Module | None = None, *,
+                 plan: Callable[..., list[list[int]]] | None = None) -> None:
         from lightning_mem.models import load_causal_lm
+        from lightning_mem.packed_attention import use_packed_sdpa
+        from lightning_mem.rl.microbatch import micro_batches
         from lightning_mem.rl.reference import disable_dropout
         from lightning_mem.rl.rollout import RolloutEngine
 
         self.spec = spec
+        self.plan = plan or micro_batches
         if model is None:  # its own copy, loaded from the checkpoint (the trainer's weights follow)
             model = disable_dropout(load_causal_lm(
                 spec.name_or_path, dtype=spec.dtype, attn_implementation=spec.attn_implementation,
                 trust_remote_code=spec.trust_remote_code, key="model.name_or_path"))
+            if spec.packing:  # as the trainer's actor: sdpa scores each packed sequence alone
+                use_packed_sdpa(model)
             if spec.device != "cpu":
                 model.to(spec.device)
             model.eval()
@@ -134,15 +149,32 @@ class GeneratorModel:
     def sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int) -> list[torch.Tensor]:
         """One request's samples: ``input_ids, attention_mask, prompt_lengths, response_ids,
         response_mask`` and the behaviour log-probs (the sampled tokens scored with the same weights)."""
-        from lightning_mem.rl.rollout import policy_forward
-
         device = self.spec.device
         exp = self.engine.generate(self.model, prompt_ids.to(device), prompt_mask.to(device), group_size=group_size)
-        with torch.no_grad():
-            behaviour = policy_forward(self.model, exp, temperature=self.spec.generation.temperature,
-                                       chunk_size=self.spec.logits_chunk_size).logprobs.float()
+        behaviour = self.behaviour_logprobs(exp)
         out = [exp.input_ids, exp.attention_mask, exp.prompt_lengths, exp.response_ids, exp.response_mask, behaviour]
         return [t.cpu() for t in out]  # what the link sends (gloo: host tensors)
+
+    @torch.no_grad()
+    def behaviour_logprobs(self, exp: Experience) -> torch.Tensor:
+        """``[N, R]`` fp32 log-probs of ``exp``'s sampled tokens under the weights that sampled them,
+        micro-batch by micro-batch as the trainer's score phase runs its no-grad passes (same budget,
+        same packing): the generator's peak follows ``model.ppo.logprob_max_tokens_per_microbatch``."""
+        from lightning_mem.rl import rollout
+        from lightning_mem.rl.microbatch import PackedBudget
+
+        spec = self.spec
+        budget = spec.logprob_max_tokens
+        if spec.packing and budget is not None:
+            budget = PackedBudget(budget)
+        out = torch.zeros(exp.response_ids.shape, dtype=torch.float32, device=exp.response_ids.device)
+        for idx in self.plan(exp.sequence_lengths, budget):
+            mb = exp.select(idx)
+            scored = rollout.policy_forward(self.model, mb, temperature=spec.generation.temperature,
+                                            chunk_size=spec.logits_chunk_size, packed=spec.packing)
+            out[idx, : mb.response_ids.shape[1]] = scored.logprobs.float()
+            del mb, scored  # before the next micro-batch's forward
+        return out
 
     @torch.no_grad()
     def load(self, names: list[str], tensors: list[torch.Tensor]) -> None:

@@ -88,6 +88,46 @@ def test_the_generating_rank_holds_its_copy_and_one_message_of_the_sync_exactly(
     assert load.device_peak_bytes == weights + largest_1mb < gen["load_weights"].device_peak_bytes
 
 
+def test_the_generating_ranks_log_prob_pass_runs_the_generators_code_in_the_score_phases_micro_batches(monkeypatch):
+    """Responses of 256 tokens: over the whole batch (a budget above it) the behaviour log-prob pass is
+    the generating rank's peak; in ``model.ppo.logprob_max_tokens_per_microbatch`` micro-batches (the
+    trainer's score phase's knob) that pass is run by the generator's own
+    :meth:`~lightning_mem.rl.async_generator.GeneratorModel.behaviour_logprobs`, each micro-batch
+    within the budget, and the peak falls to the decode's (its KV cache)."""
+    from lightning_mem.rl.async_generator import GeneratorModel
+
+    planned = []
+    original = GeneratorModel.behaviour_logprobs
+
+    def spy(self, exp):
+        plan = self.plan
+
+        def recorded(lengths, max_tokens, **kw):
+            batches = plan(lengths, max_tokens, **kw)
+            planned.append((max_tokens, [len(b) * max(int(lengths[i]) for i in b) for b in batches]))
+            return batches
+
+        self.plan = recorded
+        try:
+            return original(self, exp)
+        finally:
+            self.plan = plan
+
+    monkeypatch.setattr(GeneratorModel, "behaviour_logprobs", spy)
+    long = [*BASE, "--model.generation.max_new_tokens=256"]
+    generate = {}
+    for budget in (100_000, 2048):
+        planned.clear()
+        est = estimate(CONFIG, [*long, f"--model.ppo.logprob_max_tokens_per_microbatch={budget}"])
+        generate[budget] = {p.phase: p for p in est.generator.phases}["generate"]
+        assert planned and all(max_tokens == budget and max(sizes) <= budget for max_tokens, sizes in planned)
+    assert max(len(sizes) for _, sizes in planned) >= 2  # 64 samples of 320 tokens in 2048-token micro-batches
+    whole, split = generate[100_000], generate[2048]
+    assert whole.device_breakdown_bytes["kv_cache"] == 0  # the log-prob pass is the peak, after the decode
+    assert split.device_breakdown_bytes["kv_cache"] > 0  # now the decode is
+    assert split.device_peak_bytes < whole.device_peak_bytes / 2, (split.device_peak_bytes, whole.device_peak_bytes)
+
+
 def test_the_generating_rank_on_fake_tensors_equals_the_same_code_on_real_ones(both):
     separate, _ = both
     real = estimate(CONFIG, BASE, fake=False)
