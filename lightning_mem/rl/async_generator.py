@@ -6,13 +6,17 @@
 ``r``'s prompts) ahead of time to its generator, and rank 0 sends the weights to every generator
 after every ``weight_sync_steps`` iterations, tagged with their version. The generator starts request ``r`` only
 while the weights it holds are at most ``max_staleness`` versions older than ``r`` (admission
-control: nothing is sampled to be thrown away), samples it with the ``hf`` engine, scores the
-sampled tokens with the same weights (the behaviour log-probs, in the micro-batches of the
-trainer's own no-grad passes: ``model.ppo.logprob_max_tokens_per_microbatch``), and sends the batch
-back tagged with the version it was sampled under.
+control: nothing is sampled to be thrown away), samples it with the engine
+``model.rollout_engine.name`` names (:func:`generator_model`), and sends the batch back tagged with
+the version it was sampled under, with the behaviour log-probs: the sampled tokens' log-probs under
+the weights that sampled them. The ``hf`` engine's copy (:class:`GeneratorModel`) scores them in
+the micro-batches of the trainer's own no-grad passes
+(``model.ppo.logprob_max_tokens_per_microbatch``); vLLM (:class:`VLLMGeneratorModel`) returns its
+own, and holds the process's only copy of the weights.
 
-Weights are only loaded between batches, and every batch prefills its own KV cache: no token of a
-new version ever reads cache written by an old one.
+Weights are only loaded between batches. With ``hf`` every batch prefills its own KV cache; vLLM's
+prefix cache is emptied at every weight load. No token of a new version reads KV written under an
+old one.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import queue
 import sys
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -68,6 +73,8 @@ class GeneratorSpec:
     index: int = 0  # this generator's place among them (set for each process at its start)
     # Where each generator holds its copy and samples, by index ("cuda:6"); None: the CPU.
     devices: list[str] | None = None
+    # ``model.rollout_engine`` (a RolloutEngineConfig): its ``name`` picks the engine; None: ``hf``.
+    engine: Any = None
 
     @property
     def trainers(self) -> int:
@@ -184,6 +191,69 @@ class GeneratorModel:
                 raise rl.LinkLost(f"async rollout: the generator's actor has no weight named {name!r}")
             self.tensors[name].copy_(tensor)
 
+    def load_weights(self, messages: Iterable[tuple[list[str], list[torch.Tensor]]]) -> None:
+        """One version's messages (names, tensors), each copied in and dropped before the next."""
+        for names, tensors in messages:
+            self.load(names, tensors)
+            del names, tensors
+
+
+class VLLMGeneratorModel:
+    """A generator whose copy of the actor is vLLM's (``model.rollout_engine.name: vllm``): the
+    process's only copy of the weights, in vLLM. :meth:`load_weights` streams a version's messages
+    into it in place, in one reload (:meth:`~lightning_mem.rl.vllm_engine.VLLMRolloutEngine.load_weights`,
+    which then empties the prefix cache); :meth:`sample` returns vLLM's own log-probs of the tokens
+    it sampled (after temperature, as the trainer computes its own) as the behaviour log-probs.
+
+    vLLM's prefix cache is on here: a GRPO group's copies of a prompt prefill once."""
+
+    def __init__(self, spec: GeneratorSpec, engine: Any = None) -> None:
+        from lightning_mem.dtypes import resolve_dtype
+        from lightning_mem.rl.vllm_engine import VLLMRolloutEngine
+
+        self.spec = spec
+        if engine is None:  # (the memory estimate passes its stand-in for vLLM)
+            _only_visible_device(spec.device)
+            engine = VLLMRolloutEngine(
+                spec.generation, spec.engine, model_path=spec.name_or_path, eos_token_ids=spec.eos_token_ids,
+                pad_token_id=spec.pad_token_id, dtype=resolve_dtype(spec.dtype),
+                trust_remote_code=spec.trust_remote_code, prefix_caching=True)
+            engine.start()  # config only, dummy weights: the trainer's first sync brings the real ones
+        self.engine = engine
+
+    def sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int) -> list[torch.Tensor]:
+        """As :meth:`GeneratorModel.sample`, the behaviour log-probs vLLM's own."""
+        exp = self.engine.generate(None, prompt_ids, prompt_mask, group_size=group_size)
+        out = [exp.input_ids, exp.attention_mask, exp.prompt_lengths, exp.response_ids, exp.response_mask,
+               exp.engine_logprobs.float()]
+        return [t.cpu() for t in out]
+
+    def load_weights(self, messages: Iterable[tuple[list[str], list[torch.Tensor]]]) -> None:
+        def pairs() -> Iterator[tuple[str, torch.Tensor]]:
+            for names, tensors in messages:
+                yield from zip(names, tensors)
+                del names, tensors  # copied in: dropped before the next message is received
+
+        self.engine.load_weights(pairs())
+
+
+def generator_model(spec: GeneratorSpec, *, plan: Callable[..., list[list[int]]] | None = None) -> Any:
+    """The generator's copy of the actor, for the engine ``spec.engine`` names (``model.rollout_engine.name``)."""
+    if spec.engine is not None and spec.engine.name == "vllm":
+        return VLLMGeneratorModel(spec)
+    return GeneratorModel(spec, plan=plan)
+
+
+def _only_visible_device(device: str) -> None:
+    """vLLM takes its process's first visible GPU: make the generator's device the only one visible
+    (in the spawned process, before anything starts CUDA). NOTE: not run on a GPU yet."""
+    if not device.startswith("cuda"):
+        return
+    index = int(device.partition(":")[2] or 0)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    os.environ["CUDA_VISIBLE_DEVICES"] = ids[index]
+
 
 class Generator:
     def __init__(self, spec: GeneratorSpec, group: dist.ProcessGroup) -> None:
@@ -191,7 +261,7 @@ class Generator:
         trainers = links_of(spec.index, spec.trainers, spec.generators)
         self.links = {r: rl.Link(group, r, spec.timeout_s, lambda r=r: f"async rollout: generator {spec.index}'s link to training rank {r}")
                       for r in trainers}
-        self.copy = GeneratorModel(spec)
+        self.copy = generator_model(spec)
         self.version: int | None = None  # none until the first weights arrive
         self.inbox: queue.Queue = queue.Queue()
         self.outbox: queue.Queue = queue.Queue()
@@ -292,12 +362,20 @@ class Generator:
 
     @torch.no_grad()
     def _load_weights(self, rank: int, version: int) -> None:
-        """Receive version ``version`` bucket by bucket into the model (between batches only)."""
+        """Receive version ``version`` message by message into the copy (between batches only)."""
         link = self.links[rank]
-        while True:
-            kind, _, last, tensors = link.recv(tag=rl.WEIGHTS, what=f"receiving weights of version {version}")
-            self.copy.load(rl.names_of(tensors[0]), tensors[1:])
-            del tensors  # before the next message's buffers: one message's worth alive, not two
-            if last:
-                break
+        what = f"receiving weights of version {version}"
+
+        def messages() -> Iterator[tuple[list[str], list[torch.Tensor]]]:
+            while True:
+                kind, _, last, tensors = link.recv(tag=rl.WEIGHTS, what=what)
+                if last:  # the end: no tensors
+                    return
+                yield rl.names_of(tensors[0]), tensors[1:]
+                del tensors  # before the next message's buffers: one message's worth alive, not two
+
+        stream = messages()
+        self.copy.load_weights(stream)
+        if next(stream, None) is not None:  # the link's next message would be read out of turn
+            raise rl.LinkLost(f"async rollout: generator {self.spec.index} stopped taking version {version}'s weights early")
         self.version = version

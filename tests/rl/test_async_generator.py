@@ -1,7 +1,13 @@
-"""The generator process's copy of the actor (:class:`~lightning_mem.rl.async_generator.GeneratorModel`)
-without the link: its behaviour log-prob pass runs in the micro-batches of the trainer's no-grad
-passes (``model.ppo.logprob_max_tokens_per_microbatch``, padded or packed), each within the budget,
-and gives the log-probs of the whole-batch pass."""
+"""The generator process's copy of the actor without the link.
+
+- ``hf`` (:class:`~lightning_mem.rl.async_generator.GeneratorModel`): its behaviour log-prob pass
+  runs in the micro-batches of the trainer's no-grad passes (``model.ppo.logprob_max_tokens_per_microbatch``,
+  padded or packed), each within the budget, and gives the log-probs of the whole-batch pass.
+- ``vllm`` (:class:`~lightning_mem.rl.async_generator.VLLMGeneratorModel`, marked ``vllm``): each
+  version, streamed in the weight sync's messages, is loaded in place, its log-probs are then the
+  new weights', and no prefix cached under an old version serves a new one (the same run without
+  the reset does: the test can fail).
+"""
 
 from __future__ import annotations
 
@@ -19,9 +25,10 @@ EOS, PAD = 1, 0
 
 
 def spec(**kw) -> GeneratorSpec:
-    return GeneratorSpec(host="127.0.0.1", port=0, world_size=2, timeout_s=60, max_staleness=1,
+    made = GeneratorSpec(host="127.0.0.1", port=0, world_size=2, timeout_s=60, max_staleness=1,
                          name_or_path=str(TINY_MODEL), dtype="float32",
-                         generation=GenerationConfig(max_new_tokens=12), eos_token_ids=[EOS], pad_token_id=PAD, **kw)
+                         generation=GenerationConfig(max_new_tokens=12), eos_token_ids=[EOS], pad_token_id=PAD)
+    return dataclasses.replace(made, **kw)
 
 
 def prompts(n: int):
@@ -117,3 +124,63 @@ class _attached:
 
     def __exit__(self, *exc):
         self.module._trainer = None
+
+
+# -- vLLM as the generator's copy ------------------------------------------------------------------
+
+
+def _messages(actor, bucket_bytes=1 << 20):
+    """Version messages as the trainer sends them (1 MiB buckets: a layer's parts in several)."""
+    from lightning_mem.rl.async_client import weight_messages
+
+    yield from weight_messages(actor, bucket_bytes=bucket_bytes, dtype=torch.float32)
+
+
+def _mismatch(actor, samples):
+    from lightning_mem.rl.engines import logprob_mismatch
+    from lightning_mem.rl.rollout import Experience
+
+    ids, attn, prompt_lengths, responses, response_mask, behaviour = samples
+    exp = Experience(input_ids=ids, attention_mask=attn, prompt_lengths=prompt_lengths, response_ids=responses,
+                     response_mask=response_mask, group_ids=torch.arange(len(ids)))
+    with torch.no_grad():
+        theirs = policy_forward(actor, exp).logprobs
+    return float(logprob_mismatch(behaviour, theirs, response_mask))
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(900)
+def test_vllm_generator_loads_each_version_and_no_prefix_cached_under_an_old_one_serves_it(monkeypatch):
+    from lightning_mem.models import load_causal_lm
+    from lightning_mem.rl.async_generator import VLLMGeneratorModel, generator_model
+    from lightning_mem.rl.engine_config import RolloutEngineConfig
+    from lightning_mem.rl.vllm_engine import VLLMRolloutEngine
+
+    gen = generator_model(spec(engine=RolloutEngineConfig(name="vllm", max_num_seqs=32, placement="separate"),
+                               generation=GenerationConfig(max_new_tokens=8)))
+    assert isinstance(gen, VLLMGeneratorModel) and gen.engine.prefix_caching
+    try:
+        actors = []
+        for seed in (0, 1):  # two versions: different weights
+            torch.manual_seed(seed)
+            actors.append(load_causal_lm(str(TINY_MODEL), dtype="float32").eval())
+        # 4 prompts of 200 tokens (a full 128-token KV block each, which vLLM caches), 4 copies each.
+        torch.manual_seed(2)
+        ids = torch.randint(2, 307, (4, 200)).repeat_interleave(4, dim=0)
+        mask = torch.ones_like(ids)
+
+        def version(actor):
+            gen.load_weights(_messages(actor))
+            return _mismatch(actor, gen.sample(ids, mask, group_size=4))
+
+        # Each version's log-probs are its weights' (vLLM's own, of the tokens it sampled), the second
+        # sampled over prompts whose KV the first left in the prefix cache.
+        assert version(actors[0]) < 1e-4
+        assert version(actors[1]) < 1e-4
+        assert gen.engine.weight_loads == 2  # one prefix-cache reset per load
+
+        # The control: without the reset the cached prompts' KV of version 1 serve version 0's tokens.
+        monkeypatch.setattr(VLLMRolloutEngine, "_reset_prefix_cache", lambda self: None)
+        assert version(actors[0]) > 1e-2
+    finally:
+        gen.engine.close()
