@@ -139,11 +139,11 @@ class PPOModule(LightningModule):
         reference: ``auto`` (adapters off with LoRA, else a frozen copy), ``copy`` or
             ``adapters_off``. Not built when the KL penalty is off.
         generation, ppo, kl, grpo, critic: the knob groups of :mod:`lightning_mem.rl.config`.
-        rollout_engine: what samples the rollouts: Hugging Face ``generate`` on the actor (``hf``,
-            the default) or a colocated vLLM engine (``vllm``) with its memory knobs
+        rollout_engine: what samples the rollouts: Hugging Face ``generate`` (``hf``, the default)
+            or vLLM (``vllm``) with its memory knobs
             (:class:`~lightning_mem.rl.engines.RolloutEngineConfig`); and where: ``placement:
-            colocated`` (the training processes, between updates) or ``separate`` (a generator
-            process of its own, sampling ahead of training).
+            colocated`` (the training processes, between updates) or ``separate`` (generator
+            processes of their own, each running that engine, sampling ahead of training).
         async_rollout: how far a separate generator may run ahead (``max_staleness``), what happens
             to a late batch, how often weights are sent, the link's timeout
             (:class:`~lightning_mem.rl.async_config.AsyncRolloutConfig`). Unused when colocated.
@@ -365,7 +365,7 @@ class PPOModule(LightningModule):
 
         if self.separate:
             self._check_separate_placement()
-        if self.rollout_engine_config.name == "vllm" and self.trainer.world_size > 1:
+        if self.rollout_engine_config.name == "vllm" and not self.separate and self.trainer.world_size > 1:
             raise ValueError(
                 "`model.rollout_engine.name: vllm` runs one engine in the training process: use `trainer.devices: 1`"
                 f" (this run has {self.trainer.world_size} processes), or the `hf` engine"
@@ -485,8 +485,11 @@ class PPOModule(LightningModule):
                 max_length=rm.max_length, key="model.reward_model.name_or_path",
             )
         self.eos_token_ids = _eos_ids(self.actor, self.tokenizer)
+        # Separate placement: the generators run the configured engine; a training rank samples
+        # nothing, so it holds the plain one (no weights of its own, nothing to start or sync).
+        engine_config = RolloutEngineConfig(placement="separate") if self.separate else self.rollout_engine_config
         self.rollout_engine = step_io(self._trainer).rollout_engine(  # a module built outside a fit has none
-            self.rollout_engine_config, self.generation, model_path=hp.name_or_path,
+            engine_config, self.generation, model_path=hp.name_or_path,
             eos_token_ids=self.eos_token_ids, pad_token_id=self.tokenizer.pad_token_id,
             # An engine with weights of its own samples in what the actor computes in, not in its
             # fp32 master weights.
@@ -565,11 +568,17 @@ class PPOModule(LightningModule):
             eos_token_ids=self.eos_token_ids, pad_token_id=self.tokenizer.pad_token_id,
             logits_chunk_size=self.logits_chunk_size, attn_implementation=hp.attn_implementation,
             trust_remote_code=hp.trust_remote_code, rng_state=self.sampling_rng.cpu.clone(), num_threads=cfg.cpu_threads,
+            # The behaviour log-probs run in the score phase's micro-batches: same budget, same packing.
+            logprob_max_tokens=self.ppo.logprob_budget, packing=self.ppo.packing,
+            engine=self.rollout_engine_config,  # its `name` picks the generators' engine
         )
 
     def _generator_dtype(self) -> torch.dtype:
         """The generators' weights: the dtype the actor computes in (FSDP2's ``param_dtype`` under a
-        32-true master copy), not its fp32 master weights."""
+        32-true master copy), not its fp32 master weights; vLLM's ``rollout_engine.dtype`` if set."""
+        engine = self.rollout_engine_config
+        if engine.name == "vllm" and engine.dtype is not None:
+            return resolve_dtype(engine.dtype)
         return step_io(self.trainer).compute_dtype(self.trainer, self.load_dtypes()["compute"])
 
     def _start_generator(self) -> None:

@@ -126,6 +126,15 @@ class ReservedEngine(RolloutEngine):
         self.synced_bytes, self.largest_bucket_bytes = total, largest
         return total
 
+    def reserve_beside(self, weight_bytes: int) -> None:
+        """Start as a separate generator's engine: awake for good (a generator never sleeps), its
+        weights counted by the caller (the generator's copy stands for them: the same tensors in the
+        same dtype), so only the rest of vLLM's reservation is allocated here."""
+        self.started = True
+        self.weight_bytes = weight_bytes
+        self.weights = self._allocate(0, "weights")
+        self.rest = self._allocate(self._rest_bytes(weight_bytes), "kv_cache")
+
     def sleep(self, level: int | None = None) -> None:
         level = self.engine_config.sleep_level if level is None else level
         if not self.started or level == 0 or self.sleeping or not self.supports_sleep:

@@ -22,8 +22,18 @@ The estimate runs both with the code the run runs:
   weight sync (:func:`~lightning_mem.rl.async_client.weight_messages`) into buffers made as the
   link makes them (:func:`~lightning_mem.rl.rollout_link.receive_buffers`) and loads it; phase
   ``generate`` samples the measured step's request -- the prefill and last decode step of
-  :func:`~lightning_mem.estimate.decode_peak.last_decode_step`, then the behaviour log-probs -- while the
-  ``max_staleness`` batches sampled ahead wait in its outbox.
+  :func:`~lightning_mem.estimate.decode_peak.last_decode_step`, then the behaviour log-probs in the
+  micro-batches of ``model.ppo.logprob_max_tokens_per_microbatch`` (the estimate's StepIO plan, as
+  for the recipe's score phase) -- while the ``max_staleness`` batches sampled ahead wait in its outbox.
+
+  With ``model.rollout_engine.name: vllm`` the generator's copy is vLLM's, which cannot run on fake
+  tensors: as in a colocated estimate (:mod:`lightning_mem.estimate.engine`) it is a reservation
+  made at the generator's start and held for good (a generator never sleeps): its weights (the
+  copy's tensors stand for them: same names, shapes and dtype) and the rest of
+  ``gpu_memory_utilization`` of the device (on the CPU, ``cpu_kv_cache_space_gb``). ``load_weights``
+  receives the same messages beside it; ``generate`` runs the generator's
+  :class:`~lightning_mem.rl.async_generator.VLLMGeneratorModel` on the stand-in engine (vLLM's
+  log-probs come with its samples: no pass of ours).
 """
 
 from __future__ import annotations
@@ -103,7 +113,8 @@ class GeneratorStandIn:
         was_training = actor.training
         with ledger.unmeasured(), self.run.generation(actor):
             try:
-                samples = GeneratorModel(self.spec, model=actor).sample(prompt_ids, prompt_mask, group_size)
+                samples = GeneratorModel(self.spec, model=actor, plan=self.run.micro_batches).sample(
+                    prompt_ids, prompt_mask, group_size)
             finally:
                 actor.train(was_training)
         take_peak_now(ledger)  # the samples have arrived: they count from here
@@ -139,9 +150,11 @@ def generating_rank(run: Any, stand_in: GeneratorStandIn, *, ranks: int, max_sta
     from lightning_mem.estimate.fake import weights_source
     from lightning_mem.rl import rollout_link as rl
     from lightning_mem.rl.async_client import weight_messages
-    from lightning_mem.rl.async_generator import GeneratorModel
+    from lightning_mem.rl.async_generator import GeneratorModel, VLLMGeneratorModel
     from lightning_mem.rl.decode import estimated_decode
 
+    spec = stand_in.spec
+    vllm = getattr(spec.engine, "name", "hf") == "vllm"
     if stand_in.largest is None:
         raise RuntimeError("the estimate's fit asked the generator for no samples: nothing to estimate it from")
     ledger = MemoryLedger(set(run.ledger.vocab_sizes))
@@ -152,12 +165,15 @@ def generating_rank(run: Any, stand_in: GeneratorStandIn, *, ranks: int, max_sta
     phases = []
     ids, mask, group_size = stand_in.largest
     with attribution(ledger, run.fake), weights_source(run.fake), padded, mode:
-        if run.device_model is not None:  # one thread's cuBLAS workspaces: it runs no backward
+        if run.device_model is not None and not vllm:  # one thread's cuBLAS workspaces: it runs no backward
+            # (vLLM's profile counts its own inside `gpu_memory_utilization`)
             with ledger.section("other"):
                 workspaces = torch.empty(type(run.device_model)(blas_threads=1).workspace_bytes, dtype=torch.uint8)
-        copy = GeneratorModel(stand_in.spec)
+        copy = GeneratorModel(spec, plan=run.micro_batches)  # the StepIO's plan, as the recipe's passes
         for t in [*copy.model.parameters(), *copy.model.buffers()]:
             ledger.retag(t, "weights")
+        if vllm:  # the rest of vLLM's reservation, beside the weights the copy stands for
+            engine = _reserved_engine(run, ledger, mode, spec, copy.model)
 
         ledger.reset_peak()
         for names, tensors in weight_messages(copy.model, bucket_bytes=stand_in.bucket_bytes, dtype=stand_in.sync_dtype):
@@ -180,17 +196,32 @@ def generating_rank(run: Any, stand_in: GeneratorStandIn, *, ranks: int, max_sta
         stack = contextlib.ExitStack()
         with stack:
             stack.enter_context(estimated_decode(mode.fill_token))
-            if not run.full_loops:
-                stack.enter_context(last_decode_step(SimpleNamespace(ledger=ledger, mode=mode), copy.model))
-            samples = copy.sample(prompt_ids, prompt_mask, group_size)
+            if vllm:
+                samples = VLLMGeneratorModel(spec, engine=engine).sample(prompt_ids, prompt_mask, group_size)
+            else:
+                if not run.full_loops:
+                    stack.enter_context(last_decode_step(SimpleNamespace(ledger=ledger, mode=mode), copy.model))
+                samples = copy.sample(prompt_ids, prompt_mask, group_size)
         rows, width = samples[0].shape
         phases.append(_phase("generate", ledger, f"{rows} x {width} tokens ({max_staleness} batch(es) in the outbox)"))
         del samples, outbox
-        if run.device_model is not None:
+        if run.device_model is not None and not vllm:
             del workspaces
-    notes = [f"generating rank: its own copy of the actor in {stand_in.spec.dtype}; samples one training rank's"
-             f" batch at a time (training ranks r with r % {ranks} equal to its index)"]
+    holder = "vLLM's copy of the actor and its reservation" if vllm else "its own copy of the actor"
+    notes = [f"generating rank: {holder} in {spec.dtype}; samples one training rank's batch at a time (training"
+             f" ranks r with r % {ranks} equal to its index)"]
     return RoleEstimate("generating", ranks, phases, notes)
+
+
+def _reserved_engine(run: Any, ledger: MemoryLedger, mode: TrackingMode, spec: Any, weights: nn.Module) -> Any:
+    """vLLM's stand-in for a separate generator: started, with the rest of its reservation held."""
+    from lightning_mem.estimate.engine import ReservedEngine
+
+    engine = ReservedEngine(spec.generation, spec.engine, run=SimpleNamespace(ledger=ledger, mode=mode),
+                            on_cuda=run.on_cuda, device_memory=run.device_memory, eos_token_ids=spec.eos_token_ids,
+                            pad_token_id=spec.pad_token_id, dtype=getattr(torch, spec.dtype))
+    engine.reserve_beside(sum(t.numel() * t.element_size() for t in [*weights.parameters(), *weights.buffers()]))
+    return engine
 
 
 def _phase(name: str, ledger: MemoryLedger, shape: str) -> PhaseEstimate:

@@ -6,12 +6,17 @@
 ``r``'s prompts) ahead of time to its generator, and rank 0 sends the weights to every generator
 after every ``weight_sync_steps`` iterations, tagged with their version. The generator starts request ``r`` only
 while the weights it holds are at most ``max_staleness`` versions older than ``r`` (admission
-control: nothing is sampled to be thrown away), samples it with the ``hf`` engine, scores the
-sampled tokens with the same weights (the behaviour log-probs), and sends the batch back tagged with
-the version it was sampled under.
+control: nothing is sampled to be thrown away), samples it with the engine
+``model.rollout_engine.name`` names (:func:`generator_model`), and sends the batch back tagged with
+the version it was sampled under, with the behaviour log-probs: the sampled tokens' log-probs under
+the weights that sampled them. The ``hf`` engine's copy (:class:`GeneratorModel`) scores them in
+the micro-batches of the trainer's own no-grad passes
+(``model.ppo.logprob_max_tokens_per_microbatch``); vLLM (:class:`VLLMGeneratorModel`) returns its
+own, and holds the process's only copy of the weights.
 
-Weights are only loaded between batches, and every batch prefills its own KV cache: no token of a
-new version ever reads cache written by an old one.
+Weights are only loaded between batches. With ``hf`` every batch prefills its own KV cache; vLLM's
+prefix cache is emptied at every weight load. No token of a new version reads KV written under an
+old one.
 """
 
 from __future__ import annotations
@@ -23,13 +28,17 @@ import queue
 import sys
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from lightning_mem.rl import rollout_link as rl
+
+if TYPE_CHECKING:
+    from lightning_mem.rl.rollout import Experience
 
 
 @dataclass
@@ -47,6 +56,10 @@ class GeneratorSpec:
     eos_token_ids: list[int]
     pad_token_id: int
     logits_chunk_size: int | None = 512
+    # The behaviour log-prob pass's micro-batch budget: the trainer's no-grad passes' own
+    # (``model.ppo.logprob_budget``; None: the whole batch at once), in real tokens when ``packing``.
+    logprob_max_tokens: int | None = None
+    packing: bool = False  # ``model.ppo.packing``: each micro-batch one padding-free row
     attn_implementation: str | None = None
     trust_remote_code: bool = False
     rng_state: torch.Tensor | None = None
@@ -60,6 +73,8 @@ class GeneratorSpec:
     index: int = 0  # this generator's place among them (set for each process at its start)
     # Where each generator holds its copy and samples, by index ("cuda:6"); None: the CPU.
     devices: list[str] | None = None
+    # ``model.rollout_engine`` (a RolloutEngineConfig): its ``name`` picks the engine; None: ``hf``.
+    engine: Any = None
 
     @property
     def trainers(self) -> int:
@@ -111,18 +126,25 @@ def run_generator(spec: GeneratorSpec) -> None:
 class GeneratorModel:
     """A generator's copy of the actor and what it does with it, without the link: :meth:`sample` a
     request, :meth:`load` one message of weights. The memory estimate runs these same two on fake
-    tensors (:mod:`lightning_mem.estimate.generator`)."""
+    tensors (:mod:`lightning_mem.estimate.generator`), with its own micro-batch ``plan`` (a
+    :class:`~lightning_mem.step_io.StepIO`'s ``micro_batches``; default the library's)."""
 
-    def __init__(self, spec: GeneratorSpec, model: torch.nn.Module | None = None) -> None:
+    def __init__(self, spec: GeneratorSpec, model: torch.nn.Module | None = None, *,
+                 plan: Callable[..., list[list[int]]] | None = None) -> None:
         from lightning_mem.models import load_causal_lm
+        from lightning_mem.packed_attention import use_packed_sdpa
+        from lightning_mem.rl.microbatch import micro_batches
         from lightning_mem.rl.reference import disable_dropout
         from lightning_mem.rl.rollout import RolloutEngine
 
         self.spec = spec
+        self.plan = plan or micro_batches
         if model is None:  # its own copy, loaded from the checkpoint (the trainer's weights follow)
             model = disable_dropout(load_causal_lm(
                 spec.name_or_path, dtype=spec.dtype, attn_implementation=spec.attn_implementation,
                 trust_remote_code=spec.trust_remote_code, key="model.name_or_path"))
+            if spec.packing:  # as the trainer's actor: sdpa scores each packed sequence alone
+                use_packed_sdpa(model)
             if spec.device != "cpu":
                 model.to(spec.device)
             model.eval()
@@ -134,15 +156,32 @@ class GeneratorModel:
     def sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int) -> list[torch.Tensor]:
         """One request's samples: ``input_ids, attention_mask, prompt_lengths, response_ids,
         response_mask`` and the behaviour log-probs (the sampled tokens scored with the same weights)."""
-        from lightning_mem.rl.rollout import policy_forward
-
         device = self.spec.device
         exp = self.engine.generate(self.model, prompt_ids.to(device), prompt_mask.to(device), group_size=group_size)
-        with torch.no_grad():
-            behaviour = policy_forward(self.model, exp, temperature=self.spec.generation.temperature,
-                                       chunk_size=self.spec.logits_chunk_size).logprobs.float()
+        behaviour = self.behaviour_logprobs(exp)
         out = [exp.input_ids, exp.attention_mask, exp.prompt_lengths, exp.response_ids, exp.response_mask, behaviour]
         return [t.cpu() for t in out]  # what the link sends (gloo: host tensors)
+
+    @torch.no_grad()
+    def behaviour_logprobs(self, exp: Experience) -> torch.Tensor:
+        """``[N, R]`` fp32 log-probs of ``exp``'s sampled tokens under the weights that sampled them,
+        micro-batch by micro-batch as the trainer's score phase runs its no-grad passes (same budget,
+        same packing): the generator's peak follows ``model.ppo.logprob_max_tokens_per_microbatch``."""
+        from lightning_mem.rl import rollout
+        from lightning_mem.rl.microbatch import PackedBudget
+
+        spec = self.spec
+        budget = spec.logprob_max_tokens
+        if spec.packing and budget is not None:
+            budget = PackedBudget(budget)
+        out = torch.zeros(exp.response_ids.shape, dtype=torch.float32, device=exp.response_ids.device)
+        for idx in self.plan(exp.sequence_lengths, budget):
+            mb = exp.select(idx)
+            scored = rollout.policy_forward(self.model, mb, temperature=spec.generation.temperature,
+                                            chunk_size=spec.logits_chunk_size, packed=spec.packing)
+            out[idx, : mb.response_ids.shape[1]] = scored.logprobs.float()
+            del mb, scored  # before the next micro-batch's forward
+        return out
 
     @torch.no_grad()
     def load(self, names: list[str], tensors: list[torch.Tensor]) -> None:
@@ -152,6 +191,69 @@ class GeneratorModel:
                 raise rl.LinkLost(f"async rollout: the generator's actor has no weight named {name!r}")
             self.tensors[name].copy_(tensor)
 
+    def load_weights(self, messages: Iterable[tuple[list[str], list[torch.Tensor]]]) -> None:
+        """One version's messages (names, tensors), each copied in and dropped before the next."""
+        for names, tensors in messages:
+            self.load(names, tensors)
+            del names, tensors
+
+
+class VLLMGeneratorModel:
+    """A generator whose copy of the actor is vLLM's (``model.rollout_engine.name: vllm``): the
+    process's only copy of the weights, in vLLM. :meth:`load_weights` streams a version's messages
+    into it in place, in one reload (:meth:`~lightning_mem.rl.vllm_engine.VLLMRolloutEngine.load_weights`,
+    which then empties the prefix cache); :meth:`sample` returns vLLM's own log-probs of the tokens
+    it sampled (after temperature, as the trainer computes its own) as the behaviour log-probs.
+
+    vLLM's prefix cache is on here: a GRPO group's copies of a prompt prefill once."""
+
+    def __init__(self, spec: GeneratorSpec, engine: Any = None) -> None:
+        from lightning_mem.dtypes import resolve_dtype
+        from lightning_mem.rl.vllm_engine import VLLMRolloutEngine
+
+        self.spec = spec
+        if engine is None:  # (the memory estimate passes its stand-in for vLLM)
+            _only_visible_device(spec.device)
+            engine = VLLMRolloutEngine(
+                spec.generation, spec.engine, model_path=spec.name_or_path, eos_token_ids=spec.eos_token_ids,
+                pad_token_id=spec.pad_token_id, dtype=resolve_dtype(spec.dtype),
+                trust_remote_code=spec.trust_remote_code, prefix_caching=True)
+            engine.start()  # config only, dummy weights: the trainer's first sync brings the real ones
+        self.engine = engine
+
+    def sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int) -> list[torch.Tensor]:
+        """As :meth:`GeneratorModel.sample`, the behaviour log-probs vLLM's own."""
+        exp = self.engine.generate(None, prompt_ids, prompt_mask, group_size=group_size)
+        out = [exp.input_ids, exp.attention_mask, exp.prompt_lengths, exp.response_ids, exp.response_mask,
+               exp.engine_logprobs.float()]
+        return [t.cpu() for t in out]
+
+    def load_weights(self, messages: Iterable[tuple[list[str], list[torch.Tensor]]]) -> None:
+        def pairs() -> Iterator[tuple[str, torch.Tensor]]:
+            for names, tensors in messages:
+                yield from zip(names, tensors)
+                del names, tensors  # copied in: dropped before the next message is received
+
+        self.engine.load_weights(pairs())
+
+
+def generator_model(spec: GeneratorSpec, *, plan: Callable[..., list[list[int]]] | None = None) -> Any:
+    """The generator's copy of the actor, for the engine ``spec.engine`` names (``model.rollout_engine.name``)."""
+    if spec.engine is not None and spec.engine.name == "vllm":
+        return VLLMGeneratorModel(spec)
+    return GeneratorModel(spec, plan=plan)
+
+
+def _only_visible_device(device: str) -> None:
+    """vLLM takes its process's first visible GPU: make the generator's device the only one visible
+    (in the spawned process, before anything starts CUDA). NOTE: not run on a GPU yet."""
+    if not device.startswith("cuda"):
+        return
+    index = int(device.partition(":")[2] or 0)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    os.environ["CUDA_VISIBLE_DEVICES"] = ids[index]
+
 
 class Generator:
     def __init__(self, spec: GeneratorSpec, group: dist.ProcessGroup) -> None:
@@ -159,7 +261,7 @@ class Generator:
         trainers = links_of(spec.index, spec.trainers, spec.generators)
         self.links = {r: rl.Link(group, r, spec.timeout_s, lambda r=r: f"async rollout: generator {spec.index}'s link to training rank {r}")
                       for r in trainers}
-        self.copy = GeneratorModel(spec)
+        self.copy = generator_model(spec)
         self.version: int | None = None  # none until the first weights arrive
         self.inbox: queue.Queue = queue.Queue()
         self.outbox: queue.Queue = queue.Queue()
@@ -260,12 +362,20 @@ class Generator:
 
     @torch.no_grad()
     def _load_weights(self, rank: int, version: int) -> None:
-        """Receive version ``version`` bucket by bucket into the model (between batches only)."""
+        """Receive version ``version`` message by message into the copy (between batches only)."""
         link = self.links[rank]
-        while True:
-            kind, _, last, tensors = link.recv(tag=rl.WEIGHTS, what=f"receiving weights of version {version}")
-            self.copy.load(rl.names_of(tensors[0]), tensors[1:])
-            del tensors  # before the next message's buffers: one message's worth alive, not two
-            if last:
-                break
+        what = f"receiving weights of version {version}"
+
+        def messages() -> Iterator[tuple[list[str], list[torch.Tensor]]]:
+            while True:
+                kind, _, last, tensors = link.recv(tag=rl.WEIGHTS, what=what)
+                if last:  # the end: no tensors
+                    return
+                yield rl.names_of(tensors[0]), tensors[1:]
+                del tensors  # before the next message's buffers: one message's worth alive, not two
+
+        stream = messages()
+        self.copy.load_weights(stream)
+        if next(stream, None) is not None:  # the link's next message would be read out of turn
+            raise rl.LinkLost(f"async rollout: generator {self.spec.index} stopped taking version {version}'s weights early")
         self.version = version

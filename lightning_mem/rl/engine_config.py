@@ -65,9 +65,11 @@ class RolloutEngineConfig:
             parallelism, its worker processes; independent of the trainer's). CUDA only, with that
             many visible GPUs; weights then reach the workers one bucket at a time.
         placement: ``colocated`` (the default): the training processes sample the rollouts
-            themselves, between updates. ``separate``: a generator process of its own, with its own
-            copy of the actor, samples ahead of training within ``async_rollout.max_staleness``
-            versions (:mod:`lightning_mem.rl.async_client`); ``hf`` engine only for now.
+            themselves, between updates. ``separate``: generator processes of their own, each with
+            its own copy of the actor, sample ahead of training within ``async_rollout.max_staleness``
+            versions (:mod:`lightning_mem.rl.async_client`), with the engine ``name`` names: ``hf``
+            (a Hugging Face copy) or ``vllm`` (vLLM holds the copy; one device per generator, and
+            the generator never sleeps, so ``sleep_level`` is unused there).
     """
 
     name: EngineName = "hf"
@@ -97,13 +99,6 @@ class RolloutEngineConfig:
         ``generation.<field>`` (a recipe names their parent, ``settings_at("model")``)."""
         if self.tensor_parallel_size > 1:
             self._check_tensor_parallel()
-        if self.placement == "separate" and self.name != "hf":
-            raise SettingError(
-                "rollout_engine.placement",
-                f"`rollout_engine.placement: separate` runs the `hf` engine in a generator process of its own;"
-                f" `rollout_engine.name: {self.name}` is colocated only for now (use `placement: colocated`)",
-                siblings=("rollout_engine.name",),
-            )
         if self.name == "vllm" and _ENGINE_RUNS.get() and importlib.util.find_spec("vllm") is None:
             raise SettingError(
                 "rollout_engine.name",
@@ -121,6 +116,13 @@ class RolloutEngineConfig:
 
     def _check_tensor_parallel(self) -> None:
         tp = self.tensor_parallel_size
+        if self.placement == "separate":
+            raise SettingError(
+                "rollout_engine.tensor_parallel_size",
+                f"={tp} with `rollout_engine.placement: separate`: each generator holds its copy on one device"
+                " (`async_rollout.generator_devices` sets how many generate); use 1",
+                siblings=("rollout_engine.placement",),
+            )
         if self.name != "vllm":
             raise SettingError(
                 "rollout_engine.tensor_parallel_size",

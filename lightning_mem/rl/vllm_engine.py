@@ -21,7 +21,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -94,7 +94,11 @@ class VLLMRolloutEngine(RolloutEngine):
         eos_token_ids, pad_token_id: as for :class:`RolloutEngine`.
         dtype: the engine's weight dtype when ``engine.dtype`` is None (the recipe passes the
             compute dtype of its precision).
-        device: where the generated tensors are returned (the actor's device).
+        prefix_caching: vLLM's prefix cache (a prompt's KV blocks shared by the requests that start
+            with it: a GRPO group's copies of a prompt prefill once). Off in the training process,
+            where every rollout's prompts are new; the generator of separate placement turns it on.
+            Every weight load empties it (:meth:`load_weights`), so no KV computed under old weights
+            serves a new version's tokens.
     """
 
     name = "vllm"
@@ -110,6 +114,7 @@ class VLLMRolloutEngine(RolloutEngine):
         pad_token_id: int,
         dtype: torch.dtype = torch.float32,
         trust_remote_code: bool = False,
+        prefix_caching: bool = False,
     ) -> None:
         super().__init__(config, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id)
         engine.validate(config)
@@ -117,6 +122,8 @@ class VLLMRolloutEngine(RolloutEngine):
         self.model_path = model_path
         self.dtype = resolve_dtype(engine.dtype) or dtype
         self.trust_remote_code = trust_remote_code
+        self.prefix_caching = prefix_caching
+        self.weight_loads = 0  # weight loads so far, each followed by a prefix-cache reset
         self.llm: Any = None
         self.sleeping: int = 0  # the level the engine sleeps at now; 0 awake
         self.synced_bytes = 0  # bytes handed over by the last weight sync
@@ -150,7 +157,7 @@ class VLLMRolloutEngine(RolloutEngine):
             enforce_eager=cfg.enforce_eager,
             max_num_seqs=cfg.max_num_seqs,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
-            enable_prefix_caching=False,  # every rollout's prompts are new, and weights change between them
+            enable_prefix_caching=self.prefix_caching,  # emptied at every weight load (load_weights)
             logprobs_mode="processed_logprobs",  # after temperature, like the trainer's logprobs
             # vLLM's defaults, not the folder's generation_config.json: the rollout samples only what
             # `generation` says (rl/sampling.py). Our stop tokens already hold the folder's eos ids.
@@ -270,10 +277,28 @@ class VLLMRolloutEngine(RolloutEngine):
                 size = sum(t.numel() * t.element_size() for _, t in bucket)
                 total, largest = total + size, max(largest, size)
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(bucket), "is_checkpoint_format": True})
+            self._reset_prefix_cache()
         else:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream(), "is_checkpoint_format": True})
+            self.load_weights(stream())
         self.synced_bytes, self.largest_bucket_bytes = total, largest
         return total
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+        """Load ``(checkpoint name, tensor)`` pairs into the engine's weights in place, in one pass
+        (vLLM's reload finishes a fused layer only when all of its parts arrived, so one version's
+        tensors go in one call, streamed: each is copied in and may be dropped before the next is
+        made), then empty the prefix cache: KV computed under the old weights serves no new token."""
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        self._reset_prefix_cache()
+
+    def _reset_prefix_cache(self) -> None:
+        # Between batches no request holds a block, so the reset cannot be refused; if it were,
+        # sampling on would read KV of the old weights: stop instead.
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM engine: its prefix cache could not be emptied after a weight load (requests"
+                               " still hold KV blocks); sampling on would read KV computed under the old weights")
+        self.weight_loads += 1
 
     # -- sampling ----------------------------------------------------------------------------
     def _sampling_params(self, n: int) -> list[Any]:

@@ -88,6 +88,80 @@ def test_the_generating_rank_holds_its_copy_and_one_message_of_the_sync_exactly(
     assert load.device_peak_bytes == weights + largest_1mb < gen["load_weights"].device_peak_bytes
 
 
+def test_the_generating_ranks_log_prob_pass_runs_the_generators_code_in_the_score_phases_micro_batches(monkeypatch):
+    """Responses of 256 tokens: over the whole batch (a budget above it) the behaviour log-prob pass is
+    the generating rank's peak; in ``model.ppo.logprob_max_tokens_per_microbatch`` micro-batches (the
+    trainer's score phase's knob) that pass is run by the generator's own
+    :meth:`~lightning_mem.rl.async_generator.GeneratorModel.behaviour_logprobs`, each micro-batch
+    within the budget, and the peak falls to the decode's (its KV cache)."""
+    from lightning_mem.rl.async_generator import GeneratorModel
+
+    planned = []
+    original = GeneratorModel.behaviour_logprobs
+
+    def spy(self, exp):
+        plan = self.plan
+
+        def recorded(lengths, max_tokens, **kw):
+            batches = plan(lengths, max_tokens, **kw)
+            planned.append((max_tokens, [len(b) * max(int(lengths[i]) for i in b) for b in batches]))
+            return batches
+
+        self.plan = recorded
+        try:
+            return original(self, exp)
+        finally:
+            self.plan = plan
+
+    monkeypatch.setattr(GeneratorModel, "behaviour_logprobs", spy)
+    long = [*BASE, "--model.generation.max_new_tokens=256"]
+    generate = {}
+    for budget in (100_000, 2048):
+        planned.clear()
+        est = estimate(CONFIG, [*long, f"--model.ppo.logprob_max_tokens_per_microbatch={budget}"])
+        generate[budget] = {p.phase: p for p in est.generator.phases}["generate"]
+        assert planned and all(max_tokens == budget and max(sizes) <= budget for max_tokens, sizes in planned)
+    assert max(len(sizes) for _, sizes in planned) >= 2  # 64 samples of 320 tokens in 2048-token micro-batches
+    whole, split = generate[100_000], generate[2048]
+    assert whole.device_breakdown_bytes["kv_cache"] == 0  # the log-prob pass is the peak, after the decode
+    assert split.device_breakdown_bytes["kv_cache"] > 0  # now the decode is
+    assert split.device_peak_bytes < whole.device_peak_bytes / 2, (split.device_peak_bytes, whole.device_peak_bytes)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_vllm_generating_rank_holds_its_reservation_beside_one_message_of_the_sync(both, device):
+    """``rollout_engine.name: vllm``: the generator's copy is vLLM's reservation, made at its start and
+    held for good: its weights (exact) and the rest of ``gpu_memory_utilization`` of the device (on
+    the CPU, ``cpu_kv_cache_space_gb``). ``load_weights`` adds the largest message's buffers, exactly;
+    ``generate`` the samples and the outbox only. The training rank does not change with the engine."""
+    from lightning_mem.rl import rollout_link as rl
+    from lightning_mem.rl.async_client import weight_messages
+
+    extra, device_memory = ([], None) if device == "cpu" else (
+        ["--trainer.accelerator=gpu", "--model.rollout_engine.gpu_memory_utilization=0.5"], 2 << 30)
+    est = estimate(CONFIG, [*BASE, "--model.rollout_engine.name=vllm", *extra], device_memory=device_memory)
+    gen = {p.phase: p for p in est.generator.phases}
+    model = _tiny_fp32()
+    weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    largest = max(sum(t.numel() * t.element_size() for t in [rl.names_tensor(names), *tensors])
+                  for names, tensors in weight_messages(model, bucket_bytes=256 << 20))
+    reserved = 1 << 30 if device == "cpu" else (1 << 30) - weights  # 1 GiB of KV; half of 2 GiB, less the weights
+    rounded = lambda n: n if device == "cpu" else -(-n // 512) * 512  # noqa: E731 (the CUDA model's blocks)
+    for phase in gen.values():
+        assert phase.device_breakdown_bytes["kv_cache"] == rounded(reserved)
+        assert phase.device_breakdown_bytes["weights"] >= weights
+    if device == "cpu":
+        assert gen["load_weights"].device_peak_bytes == weights + reserved + largest
+        samples = gen["generate"].device_peak_bytes - weights - reserved
+        assert 0 < samples < largest, samples  # 64 samples of 70 tokens and the outbox: well under a message
+        separate, _ = both
+        for ours, hf in zip(est.phases, separate.phases):  # (a few bytes move between runs: run folder names)
+            assert ours.phase == hf.phase and abs(ours.device_peak_bytes - hf.device_peak_bytes) <= 1024
+    else:  # vLLM's profile counts its cuBLAS workspaces inside its share: none beside it
+        assert gen["generate"].device_breakdown_bytes["other"] < 1 << 20
+    assert "vLLM's copy of the actor and its reservation" in " ".join(est.notes)
+
+
 def test_the_generating_rank_on_fake_tensors_equals_the_same_code_on_real_ones(both):
     separate, _ = both
     real = estimate(CONFIG, BASE, fake=False)

@@ -147,6 +147,10 @@ def test_async_settings_fail_before_any_model_loads(tmp_path, no_model_load):
     with pytest.raises(ValueError, match=r"`model.rollout_engine.placement: separate` with `model.advantage_estimator: remax`"):
         _cli(tmp_path, "--model.rollout_engine.placement=separate", "--model.advantage_estimator=remax",
              "--model.ppo.whiten_advantages=false")
+    with pytest.raises(ValueError, match=r"`model.rollout_engine.tensor_parallel_size`=2 with `model.rollout_engine.placement:"
+                                         r" separate`: each generator holds its copy on one device"):
+        _cli(tmp_path, "--model.rollout_engine.placement=separate", "--model.rollout_engine.name=vllm",
+             "--model.rollout_engine.tensor_parallel_size=2")
     with pytest.raises(SystemExit):
         _cli(tmp_path, "--model.rollout_engine.placement=elsewhere")
     with pytest.raises(SystemExit):

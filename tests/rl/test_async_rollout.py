@@ -37,17 +37,15 @@ def test_a_sync_rarer_than_the_bound_allows_is_refused_naming_both_keys():
         AsyncRolloutConfig(timeout_s=0)
 
 
-def test_separate_placement_is_the_hf_engines_only():
+def test_separate_placement_runs_either_engine_on_one_device_per_generator():
+    from lightning_mem.rl.engine_config import engines_stood_in
+
     RolloutEngineConfig(placement="separate").validate()
-    with pytest.raises(SettingError, match=r"^`rollout_engine.placement: separate` runs the `hf` engine"):
-        _vllm_separate().validate()
-
-
-def _vllm_separate() -> RolloutEngineConfig:
-    # The placement rule is checked before the vLLM install check (vLLM may be missing here).
-    cfg = RolloutEngineConfig(placement="separate")
-    cfg.name = "vllm"
-    return cfg
+    with engines_stood_in():  # vLLM may be missing here; its install is checked apart
+        RolloutEngineConfig(name="vllm", placement="separate").validate()
+    with pytest.raises(SettingError, match=r"^`rollout_engine.tensor_parallel_size`=2 with `rollout_engine.placement:"
+                                           r" separate`: each generator holds its copy on one device"):
+        RolloutEngineConfig(name="vllm", placement="separate", tensor_parallel_size=2).validate()
 
 
 @pytest.mark.parametrize("replicas", [1, 2])
