@@ -14,6 +14,7 @@ A Python scalar read from a fake tensor (``loss.item()``) is 0.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -62,6 +63,18 @@ _DEVICE_QUERY = torch.ops.prim.device.default
 
 def _is_fake(x: Any) -> bool:
     return isinstance(x, FakeTensor)
+
+
+def _broadcasts_large(func: Any, tensors: list[torch.Tensor]) -> bool:
+    """Whether pointwise ``func`` broadcasts its inputs to more than :data:`REAL_INT_NUMEL` elements:
+    transformers builds a ``[rows, 1, L, L]`` boolean attention mask from ``L``-long ranges and the
+    ``[rows, L]`` padding mask (gigabytes at a packed 16k-token row), which only fake attention reads."""
+    if len(tensors) < 2 or torch.Tag.pointwise not in func.tags:
+        return False
+    try:
+        return math.prod(torch.broadcast_shapes(*(t.shape for t in tensors))) > REAL_INT_NUMEL
+    except RuntimeError:
+        return False
 
 
 class TrackingMode(TorchDispatchMode):
@@ -129,9 +142,9 @@ class TrackingMode(TorchDispatchMode):
             # (torchmetrics deep-copies a logged metric's default): the copy is left unfilled, and
             # the estimate reads no logged value.
             return args[0]
-        if tensors and not has_fake:  # all inputs real: compute for real, unless large and floating
-            if max(x.numel() for x in tensors) > REAL_FLOAT_INPUT_NUMEL:
-                fake_out = self._floating_on_meta(func, args, kwargs)
+        if tensors and not has_fake:  # all inputs real: compute for real, unless what it makes is large
+            if max(x.numel() for x in tensors) > REAL_FLOAT_INPUT_NUMEL or _broadcasts_large(func, tensors):
+                fake_out = self._large_on_meta(func, args, kwargs)
                 if fake_out is not None:
                     return fake_out
             return func(*args, **kwargs)
@@ -281,10 +294,11 @@ class TrackingMode(TorchDispatchMode):
         except NotOnMeta:
             return DECLINED
 
-    def _floating_on_meta(self, func, args, kwargs):  # noqa: ANN001
-        """``func`` of real CPU tensors as a fake tensor, if it makes a new floating tensor (None if
-        not): its meta kernel on meta copies of the inputs (no data), the result wrapped as fake.
-        Cheaper than the fake mode's own path, which converts each real input on every call."""
+    def _large_on_meta(self, func, args, kwargs):  # noqa: ANN001
+        """``func`` of real CPU tensors as a fake tensor, if it makes a new floating tensor or an
+        integer one too large to be made real (:meth:`_small_int`); None if not: its meta kernel on
+        meta copies of the inputs (no data), the result wrapped as fake. Cheaper than the fake
+        mode's own path, which converts each real input on every call."""
         if func._schema.is_mutable or func.is_view:
             return None
         to_meta = lambda x: (torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")  # noqa: E731
@@ -295,7 +309,7 @@ class TrackingMode(TorchDispatchMode):
         except (NotImplementedError, RuntimeError):
             return None  # no meta kernel: computed for real
         outs = [t for t in leaves_of(meta_out) if isinstance(t, torch.Tensor)]
-        if not outs or all(t.dtype in _REAL_DTYPES for t in outs):
+        if not outs or all(t.dtype in _REAL_DTYPES and t.numel() <= REAL_INT_NUMEL for t in outs):
             return None
         cpu = torch.device("cpu")
         return map_leaves(lambda t: self._make_fake(t, cpu) if isinstance(t, torch.Tensor) else t, meta_out)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_mem.estimate.tracker import REAL_FLOAT_INPUT_NUMEL, MemoryLedger, TrackingMode
+from lightning_mem.estimate.tracker import REAL_FLOAT_INPUT_NUMEL, REAL_INT_NUMEL, MemoryLedger, TrackingMode
 from torch._subclasses.fake_tensor import FakeTensor
 
 
@@ -51,6 +51,25 @@ def test_large_integer_and_boolean_results_stay_real():
     assert int(both.sum()) == int(mask.sum())
     assert int(shifted[1, 0, 5, 7]) == int(ids[1, 0, 5, 7]) + 1
     assert int(where_ids[0, 0, 0, 1]) == 0 and int(where_ids[0, 0, 1, 1]) == int(ids[0, 0, 1, 1])
+
+
+def test_a_boolean_mask_broadcast_past_the_real_limit_runs_fake_and_counts_its_bytes():
+    # transformers' sdpa mask: [rows, 1, L, L] from L-long ranges and the [rows, L] padding mask,
+    # gigabytes for a packed row of 16k tokens; only fake attention reads it.
+    rows, length = 2, 4096
+    q = torch.arange(length).view(1, 1, length, 1)
+    kv = torch.arange(length).view(1, 1, 1, length)
+    padding = torch.ones(rows, 1, 1, length, dtype=torch.bool)
+    ledger = MemoryLedger(set())
+    with TrackingMode(ledger, fake=True):
+        causal = kv <= q  # L x L = REAL_INT_NUMEL elements: still made for real
+        mask = causal & padding
+        live = ledger.device_bytes
+    assert causal.numel() == REAL_INT_NUMEL and not isinstance(causal, FakeTensor)
+    assert bool(causal[0, 0, 5, 3]) and not bool(causal[0, 0, 3, 5])
+    assert isinstance(mask, FakeTensor) and mask.numel() > REAL_INT_NUMEL
+    assert mask.shape == (rows, 1, length, length) and mask.dtype == torch.bool and mask.device.type == "cpu"
+    assert live == causal.numel() + mask.numel()  # one byte a boolean, as a real one holds
 
 
 def test_a_fake_tensors_device_is_answered_without_the_fake_mode():
