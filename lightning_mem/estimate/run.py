@@ -189,8 +189,8 @@ class EstimateRun(RankView, StepIO):
 
     @override
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        if self.step_of(trainer, batch_idx) == 1 and batch_idx == 0:  # the measured step samples full-length responses
-            self.mode.fill_token = self._fill
+        if self.step_of(trainer, batch_idx) == 1 and batch_idx == 0:
+            self.mode.fill_token = self._fill  # the measured step samples full-length responses
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
 
     @override
@@ -293,8 +293,9 @@ class _StepPerEpoch(torch.utils.data.Sampler):
     step) in epoch 0, the rest (the measured step's micro-batches) in epoch 1. Lightning sets the
     epoch before each epoch's iterator is made, and steps the optimizers at an epoch's last batch
     whatever it accumulates. It has no length: Lightning then finds an epoch's last batch by
-    fetching one ahead (with a length it would count to it, and epochs differ here). Also the look-ahead of separate placement
-    (:meth:`~lightning_mem.batching.TokenBudgetSampler.batch_at`): a batch past the last is the last."""
+    fetching one ahead (with a length it would count to it, and epochs differ here). Also the
+    look-ahead of separate placement (:meth:`~lightning_mem.batching.TokenBudgetSampler.batch_at`):
+    a batch past the last is the last."""
 
     def __init__(self, n: int) -> None:
         self.n = n
