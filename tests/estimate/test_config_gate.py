@@ -10,8 +10,8 @@ training rank's phases and then a generating rank's (``load_weights``, ``generat
 The gate is its own step of ``make test`` (marker ``config_gate``, two workers), after the main
 suite. PPO configs are in it too: their estimate runs generation's prefill and last decode
 step, two micro-batches per shape and the first mini-batch (the shortcuts of
-``lightning_mem.estimate.run.EstimateRun``), a minute or two per config on 2 cores, not the
-whole loops.
+``lightning_mem.estimate.run.EstimateRun``), 5-31 s per config on 2 idle cores (2026-11-28), not
+the whole loops.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ def header_peaks(path: Path) -> dict[str, float]:
 
 
 # Configs too long to gate even in the gate's own step (none today: the 70B QLoRA config, 80 blocks
-# of 4-bit layers through forward, recompute and backward on fake tensors, takes about 2 minutes).
+# of 4-bit layers through forward, recompute and backward on fake tensors, the costliest, takes
+# about 30 s).
 _SLOW: set[str] = set()
 
 
