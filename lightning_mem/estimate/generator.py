@@ -149,12 +149,10 @@ def generating_rank(run: Any, stand_in: GeneratorStandIn, *, ranks: int, max_sta
     from lightning_mem.estimate.cuda import padded_attention_masks
     from lightning_mem.estimate.fake import weights_source
     from lightning_mem.rl import rollout_link as rl
-    from lightning_mem.rl.async_client import weight_messages
-    from lightning_mem.rl.async_generator import GeneratorModel, VLLMGeneratorModel
-    from lightning_mem.rl.decode import estimated_decode
+    from lightning_mem.rl.async_generator import GeneratorModel
 
     spec = stand_in.spec
-    vllm = getattr(spec.engine, "name", "hf") == "vllm"
+    vllm = spec.engine_name == "vllm"
     if stand_in.largest is None:
         raise RuntimeError("the estimate's fit asked the generator for no samples: nothing to estimate it from")
     ledger = MemoryLedger(set(run.ledger.vocab_sizes))
@@ -172,20 +170,11 @@ def generating_rank(run: Any, stand_in: GeneratorStandIn, *, ranks: int, max_sta
         copy = GeneratorModel(spec, plan=run.micro_batches)  # the StepIO's plan, as the recipe's passes
         for t in [*copy.model.parameters(), *copy.model.buffers()]:
             ledger.retag(t, "weights")
-        if vllm:  # the rest of vLLM's reservation, beside the weights the copy stands for
-            engine = _reserved_engine(run, ledger, mode, spec, copy.model)
+        # vLLM: the rest of its reservation, beside the weights the copy stands for.
+        engine = _reserved_engine(run, ledger, mode, spec, copy.model) if vllm else None
 
         ledger.reset_peak()
-        for names, tensors in weight_messages(copy.model, bucket_bytes=stand_in.bucket_bytes, dtype=stand_in.sync_dtype):
-            # The message's layout (its names, then the tensors) as the header gives it; the
-            # tensors here are the copy's own (the sync dtype is its dtype), so nothing is made but
-            # the receive buffers.
-            layout = [(torch.uint8, (len("\n".join(names).encode()),)), *((t.dtype, tuple(t.shape)) for t in tensors)]
-            buffers = list(rl.receive_buffers(layout))
-            for buffer, sent in zip(buffers[1:], tensors):
-                buffer.copy_(sent)  # what the wire does
-            copy.load(names, buffers[1:])
-            del buffers, tensors, buffer, sent  # as the generator drops a message before the next
+        _receive_weights(copy, stand_in)
         phases.append(_phase("load_weights", ledger, f"{len(list(copy.model.parameters()))} tensors in messages of"
                                                      f" at most {stand_in.bucket_bytes >> 20} MiB"))
 
@@ -193,15 +182,7 @@ def generating_rank(run: Any, stand_in: GeneratorStandIn, *, ranks: int, max_sta
         outbox = [list(rl.receive_buffers(stand_in.sample_layout)) for _ in range(max_staleness)]
         prompt_ids, prompt_mask = torch.tensor(ids), torch.tensor(mask)  # the request, as the link received it
         ledger.reset_peak()
-        stack = contextlib.ExitStack()
-        with stack:
-            stack.enter_context(estimated_decode(mode.fill_token))
-            if vllm:
-                samples = VLLMGeneratorModel(spec, engine=engine).sample(prompt_ids, prompt_mask, group_size)
-            else:
-                if not run.full_loops:
-                    stack.enter_context(last_decode_step(SimpleNamespace(ledger=ledger, mode=mode), copy.model))
-                samples = copy.sample(prompt_ids, prompt_mask, group_size)
+        samples = _sample(run, ledger, mode, copy, engine, prompt_ids, prompt_mask, group_size)
         rows, width = samples[0].shape
         phases.append(_phase("generate", ledger, f"{rows} x {width} tokens ({max_staleness} batch(es) in the outbox)"))
         del samples, outbox
@@ -213,13 +194,47 @@ def generating_rank(run: Any, stand_in: GeneratorStandIn, *, ranks: int, max_sta
     return RoleEstimate("generating", ranks, phases, notes)
 
 
+def _receive_weights(copy: Any, stand_in: GeneratorStandIn) -> None:
+    """Every message of the weight sync received into buffers made as the link makes them, and loaded."""
+    from lightning_mem.rl import rollout_link as rl
+    from lightning_mem.rl.async_client import weight_messages
+
+    for names, tensors in weight_messages(copy.model, bucket_bytes=stand_in.bucket_bytes, dtype=stand_in.sync_dtype):
+        # The message's layout (its names, then the tensors) as the header gives it; the tensors
+        # here are the copy's own (the sync dtype is its dtype), so nothing is made but the receive
+        # buffers.
+        layout = [(torch.uint8, (len("\n".join(names).encode()),)), *((t.dtype, tuple(t.shape)) for t in tensors)]
+        buffers = list(rl.receive_buffers(layout))
+        for buffer, sent in zip(buffers[1:], tensors):
+            buffer.copy_(sent)  # what the wire does
+        copy.load(names, buffers[1:])
+        del buffers, tensors, buffer, sent  # as the generator drops a message before the next
+
+
+def _sample(run: Any, ledger: MemoryLedger, mode: TrackingMode, copy: Any, engine: Any, prompt_ids: Tensor,
+            prompt_mask: Tensor, group_size: int) -> list[Tensor]:
+    """The request sampled as the generator samples it: by vLLM's stand-in ``engine`` if given, else
+    by the copy, with the estimate's decode shortcut (prefill and last decode step)."""
+    from lightning_mem.rl.async_generator import VLLMGeneratorModel
+    from lightning_mem.rl.decode import estimated_decode
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(estimated_decode(mode.fill_token))
+        if engine is not None:
+            return VLLMGeneratorModel(copy.spec, engine=engine).sample(prompt_ids, prompt_mask, group_size)
+        if not run.full_loops:
+            stack.enter_context(last_decode_step(SimpleNamespace(ledger=ledger, mode=mode), copy.model))
+        return copy.sample(prompt_ids, prompt_mask, group_size)
+
+
 def _reserved_engine(run: Any, ledger: MemoryLedger, mode: TrackingMode, spec: Any, weights: nn.Module) -> Any:
     """vLLM's stand-in for a separate generator: started, with the rest of its reservation held."""
+    from lightning_mem.dtypes import resolve_dtype
     from lightning_mem.estimate.engine import ReservedEngine
 
     engine = ReservedEngine(spec.generation, spec.engine, run=SimpleNamespace(ledger=ledger, mode=mode),
                             on_cuda=run.on_cuda, device_memory=run.device_memory, eos_token_ids=spec.eos_token_ids,
-                            pad_token_id=spec.pad_token_id, dtype=getattr(torch, spec.dtype))
+                            pad_token_id=spec.pad_token_id, dtype=resolve_dtype(spec.dtype))
     engine.reserve_beside(sum(t.numel() * t.element_size() for t in [*weights.parameters(), *weights.buffers()]))
     return engine
 

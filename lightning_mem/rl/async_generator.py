@@ -77,6 +77,11 @@ class GeneratorSpec:
     engine: Any = None
 
     @property
+    def engine_name(self) -> str:
+        """The engine the generators run: ``model.rollout_engine.name`` (``hf`` when none is given)."""
+        return "hf" if self.engine is None else self.engine.name
+
+    @property
     def trainers(self) -> int:
         return self.world_size - self.generators
 
@@ -239,7 +244,7 @@ class VLLMGeneratorModel:
 
 def generator_model(spec: GeneratorSpec, *, plan: Callable[..., list[list[int]]] | None = None) -> Any:
     """The generator's copy of the actor, for the engine ``spec.engine`` names (``model.rollout_engine.name``)."""
-    if spec.engine is not None and spec.engine.name == "vllm":
+    if spec.engine_name == "vllm":
         return VLLMGeneratorModel(spec)
     return GeneratorModel(spec, plan=plan)
 

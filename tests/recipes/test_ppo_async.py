@@ -49,7 +49,7 @@ class SlowTrainer(Callback):
         time.sleep(self.seconds)
 
 
-def _async(k: int, **kw) -> AsyncRolloutConfig:
+def async_config(k: int, **kw) -> AsyncRolloutConfig:
     # Every wait between trainer and generator is bounded by timeout_s: the tests' hang guard,
     # several times a step of a loaded run.
     return AsyncRolloutConfig(max_staleness=k, timeout_s=kw.pop("timeout_s", 120), cpu_threads=1, **kw)
@@ -62,7 +62,7 @@ def _losses(root):
 def test_max_staleness_0_separate_is_the_colocated_run_step_for_step(tmp_path):
     steps, batch = 2, 4  # step 1 samples under the weights step 0 sent
     fit(tmp_path / "colocated", steps=steps, batch_size=batch)
-    module, _ = fit(tmp_path / "separate", steps=steps, batch_size=batch, rollout_engine=SEPARATE, async_rollout=_async(0))
+    module, _ = fit(tmp_path / "separate", steps=steps, batch_size=batch, rollout_engine=SEPARATE, async_rollout=async_config(0))
     colocated, separate = _losses(tmp_path / "colocated"), _losses(tmp_path / "separate")
     for ours, theirs in zip(separate, colocated):
         assert sorted(ours) == sorted(theirs) == list(range(steps))
@@ -79,8 +79,8 @@ def test_no_trained_sample_is_older_than_k_and_versions_are_those_sampled_under(
     TracedModule.trace_path = str(tmp_path / "trace.txt")
     TracedModule.delay_s = 1.0 if faster == "trainer" else 0.0
     callbacks = [SlowTrainer(1.0)] if faster == "generator" else []
-    module, trainer = _fit_with(tmp_path, callbacks, module_cls=TracedModule, steps=steps, rollout_engine=SEPARATE,
-                                async_rollout=_async(k))
+    module, trainer = fit_with(tmp_path, callbacks, module_cls=TracedModule, steps=steps, rollout_engine=SEPARATE,
+                               async_rollout=async_config(k))
     sampled = dict(tuple(int(x) for x in line.split()) for line in (tmp_path / "trace.txt").read_text().splitlines())
     assert [it for it, _ in module.trained] == list(range(steps))
     for iteration, versions in module.trained:
@@ -93,7 +93,7 @@ def test_no_trained_sample_is_older_than_k_and_versions_are_those_sampled_under(
         assert max(it - sampled[it] for it, _ in module.trained) == k
 
 
-def _fit_with(tmp_path, callbacks, **kwargs):
+def fit_with(tmp_path, callbacks, **kwargs):
     original = ppo.PPOModule.configure_callbacks
 
     def with_extra(self):
@@ -116,8 +116,8 @@ class KillGenerator(Callback):
 def test_a_killed_generator_ends_the_run_with_one_line_within_the_timeout(tmp_path):
     timeout = 30.0
     with pytest.raises(LinkLost) as err:
-        _fit_with(tmp_path, [KillGenerator()], module_cls=TracedModule, steps=3, rollout_engine=SEPARATE,
-                  async_rollout=_async(1, timeout_s=timeout))
+        fit_with(tmp_path, [KillGenerator()], module_cls=TracedModule, steps=3, rollout_engine=SEPARATE,
+                 async_rollout=async_config(1, timeout_s=timeout))
     message = str(err.value)
     assert "\n" not in message
     assert message.startswith("async rollout: the generator process (pid ") and "exited with code -9" in message
@@ -137,7 +137,7 @@ def test_a_hung_generator_ends_the_run_within_the_timeout(tmp_path):
     start = time.monotonic()
     with pytest.raises(LinkLost, match=r"async rollout: the generator process \(pid \d+, still running\) failed while"
                                        r" waiting for samples: timed out .*timeout 8s\)$"):
-        fit(tmp_path, module_cls=TracedModule, steps=2, rollout_engine=SEPARATE, async_rollout=_async(0, timeout_s=timeout))
+        fit(tmp_path, module_cls=TracedModule, steps=2, rollout_engine=SEPARATE, async_rollout=async_config(0, timeout_s=timeout))
     assert time.monotonic() - start < 120  # start-up + one timeout, not the hour it sleeps
 
 

@@ -16,7 +16,7 @@ import pytest
 from lightning_mem.rl.engine_config import RolloutEngineConfig
 from tests.helpers import read_metric
 from tests.recipes.test_ppo import fit
-from tests.recipes.test_ppo_async import SlowTrainer, TracedModule, _async, _fit_with
+from tests.recipes.test_ppo_async import SlowTrainer, TracedModule, async_config, fit_with
 from tests.rl.test_vllm_engine import LengthReward
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -34,8 +34,8 @@ def _moving(**kw):
 def test_vllm_generator_runs_ahead_to_the_bound_and_tags_the_versions_it_sampled_under(tmp_path):
     k, steps = 1, 4
     TracedModule.trace_path, TracedModule.delay_s = str(tmp_path / "trace.txt"), 0.0
-    module, _ = _fit_with(tmp_path, [SlowTrainer(1.0)], module_cls=TracedModule, steps=steps,
-                          rollout_engine=VLLM_SEPARATE, async_rollout=_async(k), **_moving())
+    module, _ = fit_with(tmp_path, [SlowTrainer(1.0)], module_cls=TracedModule, steps=steps,
+                         rollout_engine=VLLM_SEPARATE, async_rollout=async_config(k), **_moving())
     sampled = dict(tuple(int(x) for x in line.split()) for line in (tmp_path / "trace.txt").read_text().splitlines())
     assert [it for it, _ in module.trained] == list(range(steps))
     for iteration, versions in module.trained:
@@ -61,7 +61,7 @@ def test_vllm_behaviour_log_probs_equal_the_trainers_after_every_sync(tmp_path):
     A generator left with older weights, or with a prefix of an older version cached, would be off
     by far more after an update at this learning rate."""
     steps = 3
-    fit(tmp_path, steps=steps, rollout_engine=VLLM_SEPARATE, async_rollout=_async(0), **_moving())
+    fit(tmp_path, steps=steps, rollout_engine=VLLM_SEPARATE, async_rollout=async_config(0), **_moving())
     assert read_metric(tmp_path, "async/sampled_version") == {s: float(s) for s in range(steps)}
     kl, diff = read_metric(tmp_path, "mismatch_kl"), read_metric(tmp_path, "engine_logprob_abs_diff")
     assert sorted(kl) == sorted(diff) == list(range(steps))
