@@ -47,8 +47,8 @@ test: install
 	$(MAKE) test-twins
 	$(MAKE) test-vllm
 
-# The memory estimator's gate over every shipped GPU-tier config: a minute or two of fake-tensor
-# work per config, single-threaded Python, so it runs on two workers as a step of its own.
+# The memory estimator's gate over every shipped GPU-tier config: 5-35 s of fake-tensor work per
+# config (2026-11-28), single-threaded Python, so it runs on two workers as a step of its own.
 test-gate: install
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -m "config_gate and not slow" -n 2 --dist loadgroup tests/estimate/test_config_gate.py tests/estimate/test_cuda_model.py
 
