@@ -254,10 +254,8 @@ class VLLMGeneratorModel:
 
 def greedy_answers(engine: Any, model: torch.nn.Module | None, prompt_ids: torch.Tensor,
                    prompt_mask: torch.Tensor) -> list[torch.Tensor]:
-    """ReMax's baseline as the link sends it: one greedy answer per row of the request, its response
-    ids and lengths, from the engine that sampled the request (:func:`~lightning_mem.rl.rollout.greedy_rollout`:
-    ``do_sample`` off for this call; vLLM's sampling parameters then have temperature 0), under the
-    same weights as the request's samples."""
+    """ReMax's baseline as the link sends it: one greedy answer per row (response ids, lengths) by the
+    engine that sampled the request, same weights (:func:`~lightning_mem.rl.rollout.greedy_rollout`)."""
     from lightning_mem.rl.rollout import greedy_rollout
 
     exp = greedy_rollout(engine, model, prompt_ids, prompt_mask)
