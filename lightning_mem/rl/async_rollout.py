@@ -5,7 +5,9 @@ At iteration ``t`` it has sent the prompts of iterations up to ``t + max_stalene
 loader, :meth:`~lightning_mem.batching.TokenBudgetSampler.batch_at`), takes iteration ``t``'s samples
 and the version each was sampled under, and after the update sends the weights when a sync is due.
 With ``max_staleness: 0`` it sends the trainer's random state along and takes it back, so the
-generator draws exactly the samples the colocated run would.
+generator draws exactly the samples the colocated run would. With ``greedy_baseline`` (ReMax) every
+request asks for one greedy answer per row too, decoded by the generator right after the request's
+samples under the same weights (:class:`GreedyAnswers`): a baseline always has its samples' version.
 
 The version counter is in the checkpoint. A resumed run starts a new generator with an empty queue:
 the queue is *rebuilt* from the resumed iteration's prompts (samples in flight at the checkpoint
