@@ -86,7 +86,7 @@ from lightning_mem.rl.advantages import (
 from lightning_mem.rl.async_client import default_host
 from lightning_mem.rl.async_config import AsyncRolloutConfig, check_generator_devices
 from lightning_mem.rl.async_generator import GeneratorSpec
-from lightning_mem.rl.async_rollout import AsyncRollouts
+from lightning_mem.rl.async_rollout import AsyncRollouts, GreedyAnswers
 from lightning_mem.rl.config import CriticConfig, GRPOConfig, KLConfig, PPOConfig, RewardModelConfig, RolloutCorrectionConfig
 from lightning_mem.rl.loss_aggregation import counts, denominator, token_weights, weighted_sum
 from lightning_mem.rl.policy_losses import SEQUENCE_LOSSES, policy_loss
@@ -193,7 +193,7 @@ class PPOModule(LightningModule):
                        trust_remote_code=trust_remote_code, attn_implementation=attn_implementation)
         # logger=False: the CLI logs the whole resolved config (lightning_mem.cli.RunConfigCallback).
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "critic_optimizer", "reward"], logger=False)
-        ppo = self._check_rollout_engine(rollout_engine, generation, ppo, async_rollout, advantage_estimator)
+        ppo = self._check_rollout_engine(rollout_engine, generation, ppo, async_rollout)
         self.rollout_engine_config = rollout_engine
         self.async_config = async_rollout
         self.automatic_optimization = False  # several optimizer steps per rollout
@@ -221,7 +221,7 @@ class PPOModule(LightningModule):
 
     @staticmethod
     def _check_rollout_engine(rollout_engine: RolloutEngineConfig, generation: GenerationConfig, ppo: PPOConfig,
-                              async_rollout: AsyncRolloutConfig | None = None, advantage_estimator: str = "gae") -> PPOConfig:
+                              async_rollout: AsyncRolloutConfig | None = None) -> PPOConfig:
         """The engine's settings, and a rollout correction only where there is drift to correct (in
         separate placement, on by default: the generator's weights lag the trainer's). Returns
         ``ppo``, or a copy of it with that default correction (never the caller's object changed:
@@ -229,9 +229,6 @@ class PPOModule(LightningModule):
         with settings_at("model"):
             rollout_engine.validate(generation)
         separate = rollout_engine.placement == "separate"
-        if separate and advantage_estimator in GREEDY_BASELINE:
-            raise ValueError(f"`model.rollout_engine.placement: separate` with `model.advantage_estimator:"
-                             f" {advantage_estimator}`: the generator samples no greedy baseline yet (use `colocated`)")
         if separate and async_rollout is not None and async_rollout.rollout_correction and not ppo.rollout_correction.enabled:
             ppo = dataclasses.replace(ppo, rollout_correction=RolloutCorrectionConfig(mode="tis"))
             rank_zero_info(
@@ -590,6 +587,7 @@ class PPOModule(LightningModule):
         client.start()
         group = self.grpo.group_size if self.advantage_estimator in GROUPED else 1
         self.async_rollouts = AsyncRollouts(self.async_config, client, self._prompts_of, group_size=group,
+                                            greedy_baseline=self.advantage_estimator in GREEDY_BASELINE,
                                             say=rank_zero_info)
         if self._async_state is not None:
             self.async_rollouts.load_state_dict(self._async_state)
@@ -683,9 +681,12 @@ class PPOModule(LightningModule):
         return exp
 
     def _separate_rollout(self, batch: dict[str, Any]) -> Experience:
-        """The generator's samples of this iteration's prompts, each tagged with its weight version;
-        the staleness counts join the step's metrics (summed over ranks)."""
-        exp, metrics = self.async_rollouts.rollout(self.iteration, batch, self.actor)
+        """The generator's samples of this iteration's prompts, each tagged with its weight version
+        (under ReMax with the greedy answers it sampled beside them, the same weights'); the
+        staleness counts join the step's metrics (summed over ranks)."""
+        exp, greedy, metrics = self.async_rollouts.rollout(self.iteration, batch, self.actor)
+        if greedy is not None:
+            exp.baseline_responses = self._decode(greedy)
         for name in ("input_ids", "attention_mask", "prompt_lengths", "response_ids", "response_mask",
                      "engine_logprobs", "versions"):
             setattr(exp, name, getattr(exp, name).to(self.device))
@@ -703,7 +704,7 @@ class PPOModule(LightningModule):
                                                                      prompt_mask, synced=synced))
         return exp
 
-    def _decode(self, exp: Experience) -> list[str]:
+    def _decode(self, exp: Experience | GreedyAnswers) -> list[str]:
         return [self.tokenizer.decode(ids[: int(n)], skip_special_tokens=True)
                 for ids, n in zip(exp.response_ids, exp.response_lengths)]
 

@@ -24,7 +24,8 @@ The estimate runs both with the code the run runs:
   ``generate`` samples the measured step's request -- the prefill and last decode step of
   :func:`~lightning_mem.estimate.decode_peak.last_decode_step`, then the behaviour log-probs in the
   micro-batches of ``model.ppo.logprob_max_tokens_per_microbatch`` (the estimate's StepIO plan, as
-  for the recipe's score phase) -- while the ``max_staleness`` batches sampled ahead wait in its outbox.
+  for the recipe's score phase), and under ReMax the greedy answers' decode beside the samples --
+  while the ``max_staleness`` batches sampled ahead wait in its outbox.
 
   With ``model.rollout_engine.name: vllm`` the generator's copy is vLLM's, which cannot run on fake
   tensors: as in a colocated estimate (:mod:`lightning_mem.estimate.engine`) it is a reservation
@@ -89,32 +90,33 @@ class GeneratorStandIn:
         self.closed = False
         self.actor: nn.Module | None = None
         self.requests: deque = deque()
-        #: The largest request (``prompt_ids, prompt_mask`` as lists, ``group_size``) and its samples' layout.
-        self.largest: tuple[list, list, int] | None = None
+        #: The largest request (``prompt_ids, prompt_mask`` as lists, ``group_size``, whether it asks for
+        #: greedy answers) and its samples' layout.
+        self.largest: tuple[list, list, int, bool] | None = None
         self.sample_layout: list[tuple[torch.dtype, tuple[int, ...]]] = []
 
     def start(self) -> None:
         pass
 
     def submit(self, iteration: int, prompt_ids: Tensor, prompt_mask: Tensor, *, group_size: int = 1,
-               rng_state: Tensor | None = None) -> None:
-        self.requests.append((iteration, prompt_ids, prompt_mask, group_size, rng_state))
+               rng_state: Tensor | None = None, greedy_baseline: bool = False) -> None:
+        self.requests.append((iteration, prompt_ids, prompt_mask, group_size, rng_state, greedy_baseline))
         self.submitted = max(self.submitted, iteration)
 
     def receive(self) -> tuple[int, int, list[Tensor]]:
         from lightning_mem.rl import rollout_link as rl
         from lightning_mem.rl.async_generator import GeneratorModel
 
-        iteration, prompt_ids, prompt_mask, group_size, rng_state = self.requests.popleft()
+        iteration, prompt_ids, prompt_mask, group_size, rng_state, greedy = self.requests.popleft()
         largest = self.largest is None or prompt_ids.numel() >= len(self.largest[0]) * len(self.largest[0][0])
         if largest:  # as numbers: a tensor kept here would stay alive in the training rank's ledger
-            self.largest = (prompt_ids.tolist(), prompt_mask.tolist(), group_size)
+            self.largest = (prompt_ids.tolist(), prompt_mask.tolist(), group_size, greedy)
         actor, ledger = self.actor, self.run.ledger
         was_training = actor.training
         with ledger.unmeasured(), self.run.generation(actor):
             try:
                 samples = GeneratorModel(self.spec, model=actor, plan=self.run.micro_batches).sample(
-                    prompt_ids, prompt_mask, group_size)
+                    prompt_ids, prompt_mask, group_size, greedy=greedy)
             finally:
                 actor.train(was_training)
         take_peak_now(ledger)  # the samples have arrived: they count from here
@@ -161,7 +163,7 @@ def generating_rank(run: Any, stand_in: GeneratorStandIn, *, ranks: int, max_sta
     padded = padded_attention_masks() if run.device_model is not None and run.device_model.padded_batches \
         else contextlib.nullcontext()
     phases = []
-    ids, mask, group_size = stand_in.largest
+    ids, mask, group_size, greedy = stand_in.largest
     with attribution(ledger, run.fake), weights_source(run.fake), padded, mode:
         if run.device_model is not None and not vllm:  # one thread's cuBLAS workspaces: it runs no backward
             # (vLLM's profile counts its own inside `gpu_memory_utilization`)
@@ -182,7 +184,7 @@ def generating_rank(run: Any, stand_in: GeneratorStandIn, *, ranks: int, max_sta
         outbox = [list(rl.receive_buffers(stand_in.sample_layout)) for _ in range(max_staleness)]
         prompt_ids, prompt_mask = torch.tensor(ids), torch.tensor(mask)  # the request, as the link received it
         ledger.reset_peak()
-        samples = _sample(run, ledger, mode, copy, engine, prompt_ids, prompt_mask, group_size)
+        samples = _sample(run, ledger, mode, copy, engine, prompt_ids, prompt_mask, group_size, greedy)
         rows, width = samples[0].shape
         phases.append(_phase("generate", ledger, f"{rows} x {width} tokens ({max_staleness} batch(es) in the outbox)"))
         del samples, outbox
@@ -212,19 +214,20 @@ def _receive_weights(copy: Any, stand_in: GeneratorStandIn) -> None:
 
 
 def _sample(run: Any, ledger: MemoryLedger, mode: TrackingMode, copy: Any, engine: Any, prompt_ids: Tensor,
-            prompt_mask: Tensor, group_size: int) -> list[Tensor]:
+            prompt_mask: Tensor, group_size: int, greedy: bool) -> list[Tensor]:
     """The request sampled as the generator samples it: by vLLM's stand-in ``engine`` if given, else
-    by the copy, with the estimate's decode shortcut (prefill and last decode step)."""
+    by the copy, with the estimate's decode shortcut (prefill and last decode step); with ``greedy``
+    (ReMax) its greedy answers too, by the same call."""
     from lightning_mem.rl.async_generator import VLLMGeneratorModel
     from lightning_mem.rl.decode import estimated_decode
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(estimated_decode(mode.fill_token))
         if engine is not None:
-            return VLLMGeneratorModel(copy.spec, engine=engine).sample(prompt_ids, prompt_mask, group_size)
+            return VLLMGeneratorModel(copy.spec, engine=engine).sample(prompt_ids, prompt_mask, group_size, greedy=greedy)
         if not run.full_loops:
             stack.enter_context(last_decode_step(SimpleNamespace(ledger=ledger, mode=mode), copy.model))
-        return copy.sample(prompt_ids, prompt_mask, group_size)
+        return copy.sample(prompt_ids, prompt_mask, group_size, greedy=greedy)
 
 
 def _reserved_engine(run: Any, ledger: MemoryLedger, mode: TrackingMode, spec: Any, weights: nn.Module) -> Any:

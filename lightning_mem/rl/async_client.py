@@ -119,10 +119,12 @@ class AsyncRolloutClient:
 
     # -- traffic ---------------------------------------------------------------------------------
     def submit(self, iteration: int, prompt_ids: Tensor, prompt_mask: Tensor, *, group_size: int = 1,
-               rng_state: Tensor | None = None) -> None:
-        """Send iteration ``iteration``'s prompts (and, to sample in lockstep, the trainer's random state)."""
+               rng_state: Tensor | None = None, greedy_baseline: bool = False) -> None:
+        """Send iteration ``iteration``'s prompts (and, to sample in lockstep, the trainer's random
+        state); ``greedy_baseline``: ask for one greedy answer per row too (ReMax)."""
         tensors = [prompt_ids.cpu(), prompt_mask.cpu()] + ([rng_state] if rng_state is not None else [])
-        self._sends += self.link.isend(rl.REQUEST, iteration, group_size, tensors, tag=rl.CONTROL,
+        number = rl.request_number(group_size, greedy_baseline)
+        self._sends += self.link.isend(rl.REQUEST, iteration, number, tensors, tag=rl.CONTROL,
                                        what=f"sending the prompts of iteration {iteration}")
         self.submitted = max(self.submitted, iteration)
 
@@ -133,7 +135,8 @@ class AsyncRolloutClient:
     def receive(self) -> tuple[int, int, list[Tensor]]:
         """The next batch of samples the generator sent: its iteration, the weight version it was
         sampled under, and ``input_ids, attention_mask, prompt_lengths, response_ids, response_mask,
-        behaviour logprobs`` (and the random state after sampling, in lockstep)."""
+        behaviour logprobs`` (then the greedy answers' response ids and lengths, if asked for, and the
+        random state after sampling, in lockstep)."""
         kind, iteration, version, tensors = self.link.recv(tag=rl.SAMPLES, what="waiting for samples")
         if kind != rl.SAMPLE_BATCH:
             raise rl.LinkLost(f"{self.describe()} sent a message of kind {kind} where samples were due")

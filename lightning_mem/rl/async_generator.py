@@ -12,7 +12,9 @@ the version it was sampled under, with the behaviour log-probs: the sampled toke
 the weights that sampled them. The ``hf`` engine's copy (:class:`GeneratorModel`) scores them in
 the micro-batches of the trainer's own no-grad passes
 (``model.ppo.logprob_max_tokens_per_microbatch``); vLLM (:class:`VLLMGeneratorModel`) returns its
-own, and holds the process's only copy of the weights.
+own, and holds the process's only copy of the weights. When a request asks for it (ReMax's
+baseline), the same engine then decodes one greedy answer per row under the same weights
+(:func:`greedy_answers`), and they go back in the same batch.
 
 Weights are only loaded between batches. With ``hf`` every batch prefills its own KV cache; vLLM's
 prefix cache is emptied at every weight load. No token of a new version reads KV written under an
@@ -158,13 +160,18 @@ class GeneratorModel:
         self.tensors = dict(self.model.named_parameters())
         self.tensors.update(self.model.named_buffers())
 
-    def sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int) -> list[torch.Tensor]:
+    def sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int, *,
+               greedy: bool = False) -> list[torch.Tensor]:
         """One request's samples: ``input_ids, attention_mask, prompt_lengths, response_ids,
-        response_mask`` and the behaviour log-probs (the sampled tokens scored with the same weights)."""
+        response_mask`` and the behaviour log-probs (the sampled tokens scored with the same weights);
+        with ``greedy``, then one greedy answer per row (:func:`greedy_answers`), same weights."""
         device = self.spec.device
-        exp = self.engine.generate(self.model, prompt_ids.to(device), prompt_mask.to(device), group_size=group_size)
+        prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
+        exp = self.engine.generate(self.model, prompt_ids, prompt_mask, group_size=group_size)
         behaviour = self.behaviour_logprobs(exp)
         out = [exp.input_ids, exp.attention_mask, exp.prompt_lengths, exp.response_ids, exp.response_mask, behaviour]
+        if greedy:
+            out += greedy_answers(self.engine, self.model, prompt_ids, prompt_mask)
         return [t.cpu() for t in out]  # what the link sends (gloo: host tensors)
 
     @torch.no_grad()
@@ -226,11 +233,14 @@ class VLLMGeneratorModel:
             engine.start()  # config only, dummy weights: the trainer's first sync brings the real ones
         self.engine = engine
 
-    def sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int) -> list[torch.Tensor]:
-        """As :meth:`GeneratorModel.sample`, the behaviour log-probs vLLM's own."""
+    def sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int, *,
+               greedy: bool = False) -> list[torch.Tensor]:
+        """As :meth:`GeneratorModel.sample`, the behaviour log-probs vLLM's own (greedy: temperature 0)."""
         exp = self.engine.generate(None, prompt_ids, prompt_mask, group_size=group_size)
         out = [exp.input_ids, exp.attention_mask, exp.prompt_lengths, exp.response_ids, exp.response_mask,
                exp.engine_logprobs.float()]
+        if greedy:
+            out += greedy_answers(self.engine, None, prompt_ids, prompt_mask)
         return [t.cpu() for t in out]
 
     def load_weights(self, messages: Iterable[tuple[list[str], list[torch.Tensor]]]) -> None:
@@ -240,6 +250,16 @@ class VLLMGeneratorModel:
                 del names, tensors  # copied in: dropped before the next message is received
 
         self.engine.load_weights(pairs())
+
+
+def greedy_answers(engine: Any, model: torch.nn.Module | None, prompt_ids: torch.Tensor,
+                   prompt_mask: torch.Tensor) -> list[torch.Tensor]:
+    """ReMax's baseline as the link sends it: one greedy answer per row (response ids, lengths) by the
+    engine that sampled the request, same weights (:func:`~lightning_mem.rl.rollout.greedy_rollout`)."""
+    from lightning_mem.rl.rollout import greedy_rollout
+
+    exp = greedy_rollout(engine, model, prompt_ids, prompt_mask)
+    return [exp.response_ids, exp.response_lengths]
 
 
 def generator_model(spec: GeneratorSpec, *, plan: Callable[..., list[list[int]]] | None = None) -> Any:
@@ -350,14 +370,15 @@ class Generator:
 
     def _sample(self, rank: int, request: tuple) -> None:
         self.pending[rank].popleft()
-        r, group_size, payload = request
+        r, number, payload = request
+        group_size, greedy = rl.read_request_number(number)
         prompt_ids, prompt_mask = payload[0], payload[1]
         lockstep = len(payload) > 2  # the trainer's random state: sample exactly as it would have
         if lockstep:
             torch.set_rng_state(payload[2])
         if self.spec.delay_s:
             time.sleep(self.spec.delay_s)
-        out = self.copy.sample(prompt_ids, prompt_mask, group_size)
+        out = self.copy.sample(prompt_ids, prompt_mask, group_size, greedy=greedy)
         if self.spec.trace_path:
             with open(self.spec.trace_path, "a") as f:
                 f.write(f"{r} {self.version}\n")

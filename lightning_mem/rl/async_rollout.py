@@ -5,7 +5,9 @@ At iteration ``t`` it has sent the prompts of iterations up to ``t + max_stalene
 loader, :meth:`~lightning_mem.batching.TokenBudgetSampler.batch_at`), takes iteration ``t``'s samples
 and the version each was sampled under, and after the update sends the weights when a sync is due.
 With ``max_staleness: 0`` it sends the trainer's random state along and takes it back, so the
-generator draws exactly the samples the colocated run would.
+generator draws exactly the samples the colocated run would. With ``greedy_baseline`` (ReMax) every
+request asks for one greedy answer per row too, decoded by the generator right after the request's
+samples under the same weights (:class:`GreedyAnswers`): a baseline always has its samples' version.
 
 The version counter is in the checkpoint. A resumed run starts a new generator with an empty queue:
 the queue is *rebuilt* from the resumed iteration's prompts (samples in flight at the checkpoint
@@ -17,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -28,6 +30,16 @@ from lightning_mem.rl.rollout import Experience
 
 log = logging.getLogger(__name__)
 
+_SAMPLES = 6  # a batch's sample tensors (rollout_link's SAMPLE_BATCH); the greedy answers' 2 follow
+
+
+class GreedyAnswers(NamedTuple):
+    """The greedy answer to each request row (ReMax's baseline), sampled beside the request's samples
+    under the same weights: ``response_ids`` ``[N, R]`` and ``response_lengths`` ``[N]``."""
+
+    response_ids: Tensor
+    response_lengths: Tensor
+
 
 class AsyncRollouts:
     """Args:
@@ -35,12 +47,14 @@ class AsyncRollouts:
         client: the rollout group's end on this rank (started).
         prompts: iteration -> that iteration's prompt batch on this rank (``input_ids``, ``attention_mask``).
         group_size: copies of each prompt sampled (GRPO's group).
+        greedy_baseline: ask for one greedy answer per row too (ReMax's baseline).
         say: where the run's lines go (resume, drain); a recipe passes its rank-zero logger.
     """
 
     def __init__(self, config: AsyncRolloutConfig, client: AsyncRolloutClient, prompts: Callable[[int], dict[str, Any]],
-                 *, group_size: int = 1, say: Callable[[str], None] = log.info) -> None:
+                 *, group_size: int = 1, greedy_baseline: bool = False, say: Callable[[str], None] = log.info) -> None:
         self.config, self.client, self.prompts, self.group_size = config, client, prompts, group_size
+        self.greedy_baseline = greedy_baseline
         self.say = say
         self.version = 0  # the weights' version: PPO iterations whose update they hold
         self.resumed = False
@@ -57,9 +71,11 @@ class AsyncRollouts:
         self.resumed = True
 
     # -- the step ----------------------------------------------------------------------------------
-    def rollout(self, iteration: int, batch: dict[str, Any], actor: nn.Module) -> tuple[Experience, dict[str, float]]:
+    def rollout(self, iteration: int, batch: dict[str, Any], actor: nn.Module,
+                ) -> tuple[Experience, GreedyAnswers | None, dict[str, float]]:
         """Iteration ``iteration``'s samples (of ``batch``'s prompts), each tagged in ``Experience.versions``
-        with the version it was sampled under, and the step's async metrics (histogram, dropped, waits)."""
+        with the version it was sampled under; the greedy answers sampled with them, if asked for (else
+        None); and the step's async metrics (histogram, dropped, waits)."""
         k = self.config.max_staleness
         if not self._started:
             self._start(iteration, actor)
@@ -77,8 +93,9 @@ class AsyncRollouts:
             self._sent.pop(iteration)
             version, tensors = self._take(iteration)
         waited = time.perf_counter() - t0
+        greedy = GreedyAnswers(*tensors[_SAMPLES: _SAMPLES + 2]) if self.greedy_baseline else None
         if lockstep:
-            torch.set_rng_state(tensors[6])
+            torch.set_rng_state(tensors[-1])
         exp = _experience(tensors, self.group_size)
         exp.versions = torch.full((len(exp),), version, dtype=torch.long, device=exp.input_ids.device)
         stale = iteration - version
@@ -87,7 +104,7 @@ class AsyncRollouts:
         dropped = n if self.config.late(version, iteration) else 0.0
         metrics.update({"async/dropped": dropped + redone, "async/late": n if stale > k else 0.0,
                         "async/sampled_version": float(version), "async/wait_s": waited})
-        return exp, metrics
+        return exp, greedy, metrics
 
     def after_update(self, iteration: int, actor: nn.Module) -> None:
         """The weights now hold iteration ``iteration``'s update: send them if a sync is due."""
@@ -121,7 +138,8 @@ class AsyncRollouts:
         if self.group_size > 1:
             ids, mask = ids.repeat_interleave(self.group_size, dim=0), mask.repeat_interleave(self.group_size, dim=0)
         self._sent[iteration] = batch["input_ids"].cpu()
-        self.client.submit(iteration, ids, mask, group_size=self.group_size, rng_state=rng_state)
+        self.client.submit(iteration, ids, mask, group_size=self.group_size, rng_state=rng_state,
+                           greedy_baseline=self.greedy_baseline)
 
     def _check_same_prompts(self, iteration: int, batch: dict[str, Any]) -> None:
         sent = self._sent.pop(iteration)
@@ -137,7 +155,7 @@ class AsyncRollouts:
 
 
 def _experience(tensors: list[Tensor], group_size: int) -> Experience:
-    input_ids, attention_mask, prompt_lengths, response_ids, response_mask, behaviour = tensors[:6]
+    input_ids, attention_mask, prompt_lengths, response_ids, response_mask, behaviour = tensors[:_SAMPLES]
     n = input_ids.shape[0]
     return Experience(input_ids=input_ids, attention_mask=attention_mask, prompt_lengths=prompt_lengths,
                       response_ids=response_ids, response_mask=response_mask,

@@ -6,6 +6,13 @@ group is separate from Lightning's (its own TCP store), so the training collecti
 traffic never wait on each other. Gloo on CPU; a GPU run would create the group with NCCL the
 same way (not exercised yet).
 
+A request and its answer: ``REQUEST`` (``a`` the iteration, ``b`` :func:`request_number` of the
+group size and whether to add greedy answers; the prompt ids and mask, then, in lockstep, the
+trainer's random state) and ``SAMPLE_BATCH`` (``a`` the iteration, ``b`` the weight version it was
+sampled under; ``input_ids, attention_mask, prompt_lengths, response_ids, response_mask`` and the
+behaviour log-probs, then, if asked for, the greedy answers' response ids and lengths, then, in
+lockstep, the generator's random state).
+
 Every wait has a deadline. A gloo wait that runs out closes the pair for good, so a timeout here is
 final: :class:`LinkLost` says, on one line, which peer and what was awaited.
 """
@@ -24,6 +31,9 @@ from torch import Tensor
 CONTROL, WEIGHTS, SAMPLES = 1, 2, 3
 #: Message kinds in a header's first slot.
 REQUEST, WEIGHT_UPDATE, STOP, SAMPLE_BATCH, READY = 1, 2, 3, 4, 5
+#: A REQUEST's ``b`` is its group size, plus this flag when the trainer asks for one greedy answer
+#: per row as well (ReMax's baseline): :func:`request_number`, :func:`read_request_number`.
+GREEDY_BASELINE = 1 << 32
 
 #: The longest the generator may take to start (spawn, imports, loading its copy of the actor).
 STARTUP_S = 600.0
@@ -117,6 +127,16 @@ class Link:
         header = self.recv_header(tag=tag, what=what, timeout_s=timeout_s)
         kind, a, b = (int(x) for x in header[:3])
         return kind, a, b, self.recv_payload(header, tag=tag, what=what)
+
+
+def request_number(group_size: int, greedy_baseline: bool) -> int:
+    """A REQUEST's ``b``: the group size, flagged with :data:`GREEDY_BASELINE` when asked for."""
+    return group_size | (GREEDY_BASELINE if greedy_baseline else 0)
+
+
+def read_request_number(b: int) -> tuple[int, bool]:
+    """A REQUEST's ``b`` as ``(group_size, greedy_baseline)``."""
+    return b & (GREEDY_BASELINE - 1), bool(b & GREEDY_BASELINE)
 
 
 def receive_buffers(layout: Sequence[tuple[torch.dtype, tuple[int, ...]]]) -> Iterator[Tensor]:

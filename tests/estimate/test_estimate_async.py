@@ -162,6 +162,37 @@ def test_a_vllm_generating_rank_holds_its_reservation_beside_one_message_of_the_
     assert "vLLM's copy of the actor and its reservation" in " ".join(est.notes)
 
 
+def test_a_remax_generating_rank_counts_the_greedy_decode_beside_the_requests_samples(monkeypatch):
+    """ReMax: the generating rank's ``generate`` runs the generator's own ``sample`` with the greedy
+    answers asked for, as the request asks. Against the same estimate with the greedy decode left
+    out, its peak is the same decode's (the same KV cache: one decode at a time) with the request's
+    samples alive beside it: higher by at least their bytes, and by less than the greedy answers'
+    on top. The greedy answers travel in the samples' layout."""
+    import lightning_mem.estimate.generator as generator
+
+    sampled = generator._sample
+    asked, sizes = [], {}
+
+    def recorded(*args):
+        samples = sampled(*args)
+        asked.append(args[-1])
+        sizes[args[-1]] = [t.numel() * t.element_size() for t in samples]
+        return samples
+
+    monkeypatch.setattr(generator, "_sample", recorded)
+    remax = [*BASE, "--model.advantage_estimator=remax"]
+    est = estimate(CONFIG, remax)
+    monkeypatch.setattr(generator, "_sample", lambda *args: recorded(*args[:-1], False))
+    without = estimate(CONFIG, remax)
+    assert asked == [True, False]  # the request asked for them; the control leaves them out
+    rows = 8  # ReMax samples one answer per prompt: the batch's 8 prompts
+    assert len(sizes[False]) == 6 and sizes[True][6:] == [rows * 6 * 8, rows * 8]  # ids of 6 new tokens, lengths
+    ours, theirs = ({p.phase: p for p in e.generator.phases}["generate"] for e in (est, without))
+    assert ours.device_breakdown_bytes["kv_cache"] == theirs.device_breakdown_bytes["kv_cache"] > 0
+    samples, answers = sum(sizes[False]), sum(sizes[True][6:])
+    assert samples <= ours.device_peak_bytes - theirs.device_peak_bytes < samples + answers
+
+
 def test_the_generating_rank_on_fake_tensors_equals_the_same_code_on_real_ones(both):
     separate, _ = both
     real = estimate(CONFIG, BASE, fake=False)

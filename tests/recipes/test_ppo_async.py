@@ -73,6 +73,41 @@ def test_max_staleness_0_separate_is_the_colocated_run_step_for_step(tmp_path):
     assert module.async_rollouts.client.process.exitcode == 0  # stopped, not killed
 
 
+class BaselineProbe(ppo.PPOModule):
+    """The recipe, recording each step's greedy answers (ReMax's baseline) and their scores."""
+
+    def score(self, exp):
+        super().score(exp)
+        self.baselines = getattr(self, "baselines", [])
+        self.baselines.append((list(exp.baseline_responses), exp.baseline_scores.tolist()))
+
+
+def test_remax_at_max_staleness_0_separate_is_the_colocated_run_step_for_step(tmp_path):
+    """ReMax: the generator decodes each prompt's greedy answer beside the request's samples, under the
+    same weights. In lockstep the run is the colocated one: the same greedy answers, the same baseline
+    scores, the same losses. Scores that vary (the answers' length) and large steps (lr 1e-2): a
+    baseline decoded under stale weights would differ at step 1."""
+    import torch
+
+    from tests.rl.test_vllm_engine import LengthReward
+
+    steps, batch = 2, 4
+    remax = dict(module_cls=BaselineProbe, steps=steps, batch_size=batch, advantage_estimator="remax",
+                 reward=LengthReward(), optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2))
+    colocated, _ = fit(tmp_path / "colocated", **remax)
+    separate, _ = fit(tmp_path / "separate", rollout_engine=SEPARATE, async_rollout=async_config(0), **remax)
+    assert len(separate.baselines) == steps and all(len(answers) == batch for answers, _ in separate.baselines)
+    assert separate.baselines == colocated.baselines  # the greedy answers and their scores, step by step
+    assert any(score for _, scores in separate.baselines for score in scores)  # not all empty answers
+    for name in ("policy_loss", "reward_mean", "baseline_reward_mean"):
+        ours, theirs = read_metric(tmp_path / "separate", name), read_metric(tmp_path / "colocated", name)
+        assert sorted(ours) == sorted(theirs) == list(range(steps)), name
+        for step in range(steps):
+            assert ours[step] == pytest.approx(theirs[step], abs=1e-6), (name, step, ours, theirs)
+    assert read_metric(tmp_path / "separate", "async/staleness_0") == {s: float(batch) for s in range(steps)}
+    assert separate.async_rollouts.client.process.exitcode == 0
+
+
 @pytest.mark.parametrize("faster", ["generator", "trainer"])
 def test_no_trained_sample_is_older_than_k_and_versions_are_those_sampled_under(tmp_path, faster):
     k, steps = 2, 4
@@ -144,9 +179,11 @@ def test_a_hung_generator_ends_the_run_within_the_timeout(tmp_path):
 def test_async_settings_fail_before_any_model_loads(tmp_path, no_model_load):
     with pytest.raises(ValueError, match=r"`model.async_rollout.weight_sync_steps`=3 with `model.async_rollout.max_staleness`=1"):
         _cli(tmp_path, "--model.rollout_engine.placement=separate", "--model.async_rollout.weight_sync_steps=3")
-    with pytest.raises(ValueError, match=r"`model.rollout_engine.placement: separate` with `model.advantage_estimator: remax`"):
+    # ReMax in separate placement works (the generator samples its greedy baseline); sampling nothing
+    # but greedy answers stays refused there as anywhere.
+    with pytest.raises(ValueError, match=r"^`model.generation.do_sample: false` with `model.advantage_estimator: remax`"):
         _cli(tmp_path, "--model.rollout_engine.placement=separate", "--model.advantage_estimator=remax",
-             "--model.ppo.whiten_advantages=false")
+             "--model.generation.do_sample=false")
     with pytest.raises(ValueError, match=r"`model.rollout_engine.tensor_parallel_size`=2 with `model.rollout_engine.placement:"
                                          r" separate`: each generator holds its copy on one device"):
         _cli(tmp_path, "--model.rollout_engine.placement=separate", "--model.rollout_engine.name=vllm",

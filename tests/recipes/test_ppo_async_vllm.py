@@ -6,13 +6,15 @@ Marked ``vllm`` (run in ``.venv-vllm``: ``make test-vllm``; skipped where vLLM i
 sample is older than the bound and the versions the trainer records are those the generator sampled
 under; with ``max_staleness: 0`` the behaviour log-probs (vLLM's own) equal the trainer's
 recomputed old log-probs after every sync, at a learning rate that moves the weights visibly (a batch
-sampled one version behind is off by a mismatch KL of 0.2-0.7 at this rate).
+sampled one version behind is off by a mismatch KL of 0.2-0.7 at this rate); and under ReMax the
+greedy answers vLLM decodes are, at every step, the trainer's own greedy decode of its weights.
 """
 
 from __future__ import annotations
 
 import pytest
 
+import recipes.ppo as ppo
 from lightning_mem.rl.engine_config import RolloutEngineConfig
 from tests.helpers import read_metric
 from tests.recipes.test_ppo import fit
@@ -67,3 +69,33 @@ def test_vllm_behaviour_log_probs_equal_the_trainers_after_every_sync(tmp_path):
     assert sorted(kl) == sorted(diff) == list(range(steps))
     assert all(abs(v) < 1e-6 for v in kl.values()), kl  # measured: ~1e-13
     assert all(v < 1e-5 for v in diff.values()), diff  # measured: ~2e-7 (one sampled a version behind: 0.5-1.1)
+
+
+class GreedyCheck(ppo.PPOModule):
+    """Records, per step, the greedy answers the generator sent and the trainer's own greedy decode of
+    the same prompts with the weights it holds (the ``hf`` engine's ``greedy_rollout``)."""
+
+    def _separate_rollout(self, batch):
+        import torch
+
+        from lightning_mem.rl.rollout import RolloutEngine, greedy_rollout
+
+        exp = super()._separate_rollout(batch)
+        engine = RolloutEngine(self.generation, eos_token_ids=self.eos_token_ids, pad_token_id=self.tokenizer.pad_token_id)
+        with torch.no_grad():
+            ours = greedy_rollout(engine, self.actor, batch["input_ids"], batch["attention_mask"])
+        self.greedy = getattr(self, "greedy", [])
+        self.greedy.append((exp.baseline_responses, self._decode(ours)))
+        return exp
+
+
+def test_remax_with_a_vllm_generator_decodes_the_greedy_baseline_under_the_trained_weights(tmp_path):
+    """``max_staleness: 0``: every step's greedy answers (vLLM, temperature 0) are the trainer's own
+    greedy decode under the weights just synced, answer for answer, after updates that change them."""
+    steps, batch = 3, 4
+    module, _ = fit(tmp_path, module_cls=GreedyCheck, steps=steps, batch_size=batch, advantage_estimator="remax",
+                    rollout_engine=VLLM_SEPARATE, async_rollout=async_config(0), **_moving())
+    assert len(module.greedy) == steps
+    for step, (theirs, ours) in enumerate(module.greedy):
+        assert len(theirs) == batch and theirs == ours, (step, theirs, ours)
+    assert len(read_metric(tmp_path, "baseline_reward_mean")) == steps

@@ -2,7 +2,8 @@
 
 - ``hf`` (:class:`~lightning_mem.rl.async_generator.GeneratorModel`): its behaviour log-prob pass
   runs in the micro-batches of the trainer's no-grad passes (``model.ppo.logprob_max_tokens_per_microbatch``,
-  padded or packed), each within the budget, and gives the log-probs of the whole-batch pass.
+  padded or packed), each within the budget, and gives the log-probs of the whole-batch pass; the
+  greedy answers it adds when asked (ReMax) are ``greedy_rollout``'s on the same weights.
 - ``vllm`` (:class:`~lightning_mem.rl.async_generator.VLLMGeneratorModel`, marked ``vllm``): each
   version, streamed in the weight sync's messages, is loaded in place, its log-probs are then the
   new weights', and no prefix cached under an old version serves a new one (the same run without
@@ -82,6 +83,28 @@ def test_the_whole_batch_pass_is_the_plain_policy_forward():
     with torch.no_grad():
         plain = policy_forward(gen.model, exp, chunk_size=gen.spec.logits_chunk_size).logprobs.float()
     assert torch.equal(gen.behaviour_logprobs(exp), plain * exp.response_mask)
+
+
+def test_the_greedy_answers_are_greedy_rollouts_on_the_same_weights_beside_unchanged_samples():
+    """ReMax: with ``greedy`` the generator's batch carries, after its six sample tensors, one greedy
+    answer per row (response ids and lengths), token for token those of ``greedy_rollout`` on the
+    same weights; the samples are those drawn without it, and sampling stays on afterwards."""
+    from lightning_mem.rl.rollout import RolloutEngine, greedy_rollout
+
+    gen = GeneratorModel(spec())
+    ids, mask = prompts(4)
+    torch.manual_seed(3)
+    plain = gen.sample(ids, mask, group_size=1)
+    torch.manual_seed(3)
+    ours = gen.sample(ids, mask, group_size=1, greedy=True)
+    assert len(plain) == 6 and len(ours) == 8
+    for a, b in zip(ours[:6], plain):
+        assert torch.equal(a, b)
+    assert gen.engine.config.do_sample  # the greedy call switched it off for itself only
+    engine = RolloutEngine(gen.spec.generation, eos_token_ids=[EOS], pad_token_id=PAD)
+    expected = greedy_rollout(engine, gen.model, ids, mask)
+    assert torch.equal(ours[6], expected.response_ids)
+    assert torch.equal(ours[7], expected.response_lengths)
 
 
 def test_the_budget_reaches_the_generator_from_the_recipes_ppo_settings():
@@ -182,5 +205,32 @@ def test_vllm_generator_loads_each_version_and_no_prefix_cached_under_an_old_one
         # The control: without the reset the cached prompts' KV of version 1 serve version 0's tokens.
         monkeypatch.setattr(VLLMRolloutEngine, "_reset_prefix_cache", lambda self: None)
         assert version(actors[0]) > 1e-2
+    finally:
+        gen.engine.close()
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(900)
+def test_vllms_greedy_answers_are_greedy_rollouts_of_the_same_weights():
+    """ReMax with a vLLM generator: its greedy answers (temperature 0), after a version is loaded,
+    are token for token the ``hf`` engine's ``greedy_rollout`` on the actor that sent it; its samples
+    are not greedy (the request's own sampling parameters)."""
+    from lightning_mem.models import load_causal_lm
+    from lightning_mem.rl.async_generator import generator_model
+    from lightning_mem.rl.engine_config import RolloutEngineConfig
+    from lightning_mem.rl.rollout import RolloutEngine, greedy_rollout
+
+    gen = generator_model(spec(engine=RolloutEngineConfig(name="vllm", max_num_seqs=32, placement="separate")))
+    try:
+        torch.manual_seed(0)
+        actor = load_causal_lm(str(TINY_MODEL), dtype="float32").eval()
+        gen.load_weights(_messages(actor))
+        ids, mask = prompts(8)
+        ours = gen.sample(ids, mask, group_size=1, greedy=True)
+        assert len(ours) == 8 and gen.engine.config.do_sample
+        expected = greedy_rollout(RolloutEngine(gen.spec.generation, eos_token_ids=[EOS], pad_token_id=PAD), actor, ids, mask)
+        assert torch.equal(ours[7], expected.response_lengths)
+        assert torch.equal(ours[6], expected.response_ids)
+        assert not torch.equal(ours[3], ours[6])  # the samples are not the greedy answers
     finally:
         gen.engine.close()

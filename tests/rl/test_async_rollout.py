@@ -1,6 +1,6 @@
 """The pieces of separate placement without a model: the staleness settings and their rule, the
-look-ahead of the prompt sampler, and the rollout link (messages round trip; a dead or silent peer
-is one line, in time)."""
+look-ahead of the prompt sampler, and the rollout link (messages round trip, a request's number
+carries its group size and greedy flag; a dead or silent peer is one line, in time)."""
 
 from __future__ import annotations
 
@@ -46,6 +46,13 @@ def test_separate_placement_runs_either_engine_on_one_device_per_generator():
     with pytest.raises(SettingError, match=r"^`rollout_engine.tensor_parallel_size`=2 with `rollout_engine.placement:"
                                            r" separate`: each generator holds its copy on one device"):
         RolloutEngineConfig(name="vllm", placement="separate", tensor_parallel_size=2).validate()
+
+
+def test_a_requests_number_carries_its_group_size_and_the_greedy_flag():
+    for group_size in (1, 4, 1024):
+        for greedy in (False, True):
+            assert rl.read_request_number(rl.request_number(group_size, greedy)) == (group_size, greedy)
+    assert rl.request_number(4, False) == 4  # without the flag, the group size as before
 
 
 @pytest.mark.parametrize("replicas", [1, 2])
