@@ -170,9 +170,11 @@ class GeneratorModel:
         exp = self.engine.generate(self.model, prompt_ids, prompt_mask, group_size=group_size)
         behaviour = self.behaviour_logprobs(exp)
         out = [exp.input_ids, exp.attention_mask, exp.prompt_lengths, exp.response_ids, exp.response_mask, behaviour]
+        out = [t.cpu() for t in out]  # what the link sends (gloo: host tensors); off the device before the greedy decode
+        del exp, behaviour
         if greedy:
-            out += greedy_answers(self.engine, self.model, prompt_ids, prompt_mask)
-        return [t.cpu() for t in out]  # what the link sends (gloo: host tensors)
+            out += [t.cpu() for t in greedy_answers(self.engine, self.model, prompt_ids, prompt_mask)]
+        return out
 
     @torch.no_grad()
     def behaviour_logprobs(self, exp: Experience) -> torch.Tensor:
