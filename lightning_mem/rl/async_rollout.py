@@ -94,7 +94,7 @@ class AsyncRollouts:
             version, tensors = self._take(iteration)
         waited = time.perf_counter() - t0
         greedy = GreedyAnswers(*tensors[_SAMPLES: _SAMPLES + 2]) if self.greedy_baseline else None
-        if lockstep:
+        if len(tensors) > _SAMPLES + 2 * self.greedy_baseline:  # sent in lockstep: the generator's random state
             torch.set_rng_state(tensors[-1])
         exp = _experience(tensors, self.group_size)
         exp.versions = torch.full((len(exp),), version, dtype=torch.long, device=exp.input_ids.device)
