@@ -162,10 +162,15 @@ def test_the_command_imports_bitsandbytes_uncompiled():
         "import bitsandbytes.functional as F\n"
         "assert torch.compile is compile_\n"
         "assert 'torch._inductor.compile_fx' not in sys.modules\n"
+        "torch.manual_seed(0)\n"
         "w = torch.randn(64, 64)\n"
         "q, state = F.quantize_4bit(w, quant_type='nf4')\n"
-        "err = (F.dequantize_4bit(q, state) - w).abs().max().item()\n"
-        "assert err < 0.5, err\n"
+        "err = (F.dequantize_4bit(q, state) - w).abs().reshape(-1, state.blocksize).amax(1)\n"
+        "absmax = w.abs().reshape(-1, state.blocksize).amax(1)\n"
+        # NF4's widest gap between neighbouring levels is 0.277 of a block's absmax, so a value
+        # lands at most about 0.14 of it from its level; 0.2 leaves room for rounding near the edges
+        # and still fails on a kernel that returns garbage (error of the order of absmax itself).
+        "assert (err <= 0.2 * absmax).all(), (err / absmax).max().item()\n"
         "print('ok')\n"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600)
