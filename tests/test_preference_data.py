@@ -146,7 +146,9 @@ BAD_ROWS = [
     ({"chosen": [USER("a"), BOT("2")], "rejected": [USER("b"), BOT("3")]}, r"`chosen` and `rejected` share no first message"),
     ({"chosen": [USER("a"), BOT("2")], "rejected": [USER("a"), BOT("2"), USER("more"), BOT("3")]},
      r"`chosen` is an empty completion"),
-    ({"prompt": "1 + 1 =", "chosen": "2", "rejected": "3", "margin": "big"}, r"`margin` must be a number, got 'big'"),
+    ({"chosen": [USER("a"), BOT("2")], "rejected": [USER("a"), BOT("2")]}, r"`chosen` equals `rejected`"),
+    ({"prompt": "1 + 1 =", "chosen": "2", "rejected": "3", "margin": "big"}, r"`margin` must be a finite number, got 'big'"),
+    ({"prompt": "1 + 1 =", "chosen": "2", "rejected": "3", "margin": float("nan")}, r"`margin` must be a finite number, got nan"),
 ]
 
 

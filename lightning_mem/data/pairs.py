@@ -17,6 +17,7 @@ the cut, is dropped; both are counted (:class:`PairStats`) and reported in one w
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from numbers import Real
 from typing import Any
@@ -99,6 +100,8 @@ def row_to_pair(row: dict[str, Any]) -> tuple[list[dict[str, str]], list[dict[st
             )
         for value, side in ((chosen, "chosen"), (rejected, "rejected")):
             _as_messages(value, "assistant", where, side)  # the messages' own checks
+        if chosen == rejected:
+            raise DataFormatError(f"{where}: `chosen` equals `rejected`: a pair must differ")
         shared = _common_prefix(chosen, rejected)
         if shared == 0:
             raise DataFormatError(
@@ -112,8 +115,8 @@ def row_to_pair(row: dict[str, Any]) -> tuple[list[dict[str, str]], list[dict[st
     margin = row.get("margin", 0.0)
     if margin is None:
         margin = 0.0
-    if isinstance(margin, bool) or not isinstance(margin, Real):
-        raise DataFormatError(f"{where}: `margin` must be a number, got {margin!r}")
+    if isinstance(margin, bool) or not isinstance(margin, Real) or not math.isfinite(margin):
+        raise DataFormatError(f"{where}: `margin` must be a finite number, got {margin!r}")
     return _system(row, prompt) + prompt, chosen, rejected, float(margin)
 
 
