@@ -26,6 +26,7 @@ from lightning_mem.data import (
     row_to_conversation,
     tokenize_example,
 )
+from lightning_mem.data.preference import flatten_pair_rows
 from lightning_mem.settings import SettingError, settings_at
 from tests.helpers import ARITH, REPO, TINY_MODEL
 
@@ -273,9 +274,15 @@ def test_packed_and_padded_pairs_give_the_same_log_probs_and_end_states():
 
     with torch.no_grad():
         padded = scored(PairCollator(0)(pairs))
-        packed = scored(PairCollator(0, packing=True, row_length=44)(pairs))
-    for a, b in zip(padded, packed):
+        rows = PairCollator(0, packing=True, row_length=44)(pairs)
+        assert rows["input_ids"].shape[0] > 1
+        packed = scored(rows)
+        flat = flatten_pair_rows(rows)  # the one row flash-attention's varlen path takes
+        assert flat["input_ids"].shape[0] == 1
+        one_row = scored(flat)
+    for a, b, c in zip(padded, packed, one_row):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
 
 
 def _fake_trainer(rank: int, replicas: int = 2, accumulate: int = 2, processed: int = 0):

@@ -49,6 +49,7 @@ from lightning_mem.data.preference import (  # noqa: F401
     PreferenceDataset,
     PairCollator,
     PreferenceDataModule,
+    flatten_pair_rows,
 )
 
 from lightning_mem.data.prompts import (  # noqa: F401
@@ -89,6 +90,7 @@ __all__ = [
     "PreferenceDataset",
     "PairCollator",
     "PreferenceDataModule",
+    "flatten_pair_rows",
     "PromptDataset",
     "collate_left_padded",
     "FullBatchSampler",

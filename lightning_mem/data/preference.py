@@ -149,6 +149,21 @@ class PairCollator:
         return batch
 
 
+def flatten_pair_rows(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A packed pair micro-batch of several rows as one row of their real tokens
+    (:func:`~lightning_mem.data.packing.flatten_rows`: what flash-attention's varlen path isolates),
+    with ``target_positions`` and ``sequence_ends`` moved to the same tokens in it; every other key
+    is unchanged (``target_sequence`` still names each target's side)."""
+    flat = packed.flatten_rows(batch)
+    if flat is batch:
+        return batch
+    width, rows = batch["input_ids"].shape[1], batch["row_tokens"]
+    row_starts = torch.cumsum(rows, 0) - rows  # where each row's tokens begin in the one row
+    for key in ("target_positions", "sequence_ends"):
+        flat[key] = row_starts[batch[key] // width] + batch[key] % width
+    return flat
+
+
 class InOrderSampler(TokenBudgetSampler):
     """Micro-batches of consecutive pairs in dataset order (no shuffling, no length sorting), under
     the same budget: ``batch_size`` pairs, ``max_tokens`` padded tokens (``lengths`` are the
