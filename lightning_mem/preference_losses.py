@@ -73,6 +73,8 @@ class PreferenceLossSettings:
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if not isinstance(self.loss_type, (str, list, tuple)):
+            raise SettingError("loss_type", f" must be a name or a list of names, got {self.loss_type!r}")
         types = self.loss_types
         unknown = [name for name in types if name not in LOSS_TYPES]
         if not types or unknown:
@@ -130,11 +132,6 @@ class SequenceLogps:
 
     sums: Tensor
     tokens: Tensor
-
-    @property
-    def means(self) -> Tensor:
-        """``[B]`` float32 per-token mean log-probs (a count of 0 is read as 1: an empty completion)."""
-        return self.sums.float() / self.tokens.clamp(min=1).to(torch.float32)
 
 
 @dataclass

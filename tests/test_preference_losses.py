@@ -264,7 +264,8 @@ def test_weighted_types_are_the_weighted_sum_of_each_alone():
     assert out.nll_weight == pytest.approx(1.0 + 2.0)  # sft's and orpo's
     # with a reference read, the rewards are DPO's: beta times the summed log-ratio
     torch.testing.assert_close(out.chosen_rewards, 0.1 * (sides[0].sums - sides[2].sums))
-    assert PreferenceLossSettings(loss_type=["sigmoid", "bco_pair", "sft"], loss_weights=[0.8, 0.2, 1.0])
+    mpo = PreferenceLossSettings(loss_type=["sigmoid", "bco_pair", "sft"], loss_weights=[0.8, 0.2, 1])
+    assert mpo.weights == (0.8, 0.2, 1.0) and preference_loss(mpo, *sides).nll_weight == 1.0
 
 
 @pytest.mark.parametrize("name", [n for n in LOSS_TYPES if n != "sft"])
@@ -317,6 +318,7 @@ def test_missing_reference_is_one_line_naming_the_loss_types():
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"loss_type": "dpo"}, r"`dpo\.loss_type` must be one of sigmoid, sigmoid_norm, hinge, .*, simpo, orpo .* got unknown 'dpo'"),
     ({"loss_type": []}, r"`dpo\.loss_type` must be one of .* got an empty list"),
+    ({"loss_type": 3}, r"`dpo\.loss_type` must be a name or a list of names, got 3"),
     ({"loss_type": ["sigmoid", "sigmoid"]}, r"`dpo\.loss_type` lists 'sigmoid' twice"),
     ({"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0]}, r"`dpo\.loss_weights` needs one weight per `dpo\.loss_type` entry \(2\), got 1"),
     ({"loss_weights": [-1.0]}, r"`dpo\.loss_weights` must be finite numbers >= 0, got -1.0"),
