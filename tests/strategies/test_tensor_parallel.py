@@ -108,11 +108,13 @@ def test_models_without_a_plan_or_with_styles_not_applied_are_refused():
 
 
 def test_strategy_arguments_that_cannot_work_fail_at_construction():
-    with pytest.raises(SettingError, match=r"^`sequence_parallel`: true needs `tensor_parallel_size` > 1"):
+    args = r"trainer\.strategy\.init_args"  # where the Trainer takes a strategy's arguments
+    with pytest.raises(SettingError, match=rf"^`{args}\.sequence_parallel`: true needs `{args}\.tensor_parallel_size` > 1"):
         FSDP2Strategy(sequence_parallel=True)
-    with pytest.raises(SettingError, match=r"^`context_parallel_size` must be an int >= 1, got 0"):
+    with pytest.raises(SettingError, match=rf"^`{args}\.context_parallel_size` must be an int >= 1, got 0"):
         FSDP2Strategy(context_parallel_size=0)
-    with pytest.raises(ValueError, match="`cpu_offload=True` cannot be combined with `tensor_parallel_size=2`"):
+    with pytest.raises(SettingError, match=rf"^`{args}\.cpu_offload: true` cannot be combined with"
+                                           rf" `{args}\.tensor_parallel_size: 2`"):
         FSDP2Strategy(cpu_offload=True, tensor_parallel_size=2)
     FSDP2Strategy(cpu_offload=True, context_parallel_size=2)  # sequences split, shards on the host: fine
 
