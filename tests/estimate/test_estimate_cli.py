@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -12,7 +13,8 @@ import pytest
 from lightning_mem.callbacks.fit_check import FitCheck, config_from_argv
 from lightning_mem.estimate import parse_size, tier_of, usable_bytes
 from lightning_mem.estimate.__main__ import main
-from tests.helpers import REPO
+from lightning_mem.settings import SettingError
+from tests.helpers import HANG_GUARD_S, REPO
 
 
 def test_parse_size():
@@ -38,20 +40,40 @@ def test_margin():
 
 
 def test_json_output_and_exit_code(capsys):
-    code = main(["--config", "configs/sft/tiny_cpu.yaml", "--device-memory", "64MiB", "--json"])
+    code = main(["--config", "configs/sft/tiny_cpu.yaml", "--device-memory", "1.15GiB", "--json"])
     out = json.loads(capsys.readouterr().out)
-    assert code == 1 and out["fits"] is False  # the tiny step needs ~120 MiB
+    assert code == 1 and out["fits"] is False  # the tiny step needs ~120 MiB, 1.15 GiB leaves ~36 MiB
     assert out["device_peak_bytes"] == max(p["device_peak_bytes"] for p in out["phases"])
     phase = out["phases"][0]
     assert set(phase["device_breakdown_bytes"]) == {
         "weights", "gradients", "optimizer_state", "activations", "logits", "kv_cache", "other"}
     assert sum(phase["device_breakdown_bytes"].values()) == phase["device_peak_bytes"]
-    assert out["margin"]["fraction"] == 0.1 and out["usable_device_bytes"] == usable_bytes(64 << 20)
+    assert out["margin"]["fraction"] == 0.1 and out["usable_device_bytes"] == usable_bytes(int(1.15 * (1 << 30)))
 
 
-def test_bad_override_fails_before_any_model():
+def test_bad_override_fails_before_any_model(capsys):
     with pytest.raises(SystemExit):
         main(["--config", "configs/sft/tiny_cpu.yaml", "--data.max_lenght", "8"])
+    err = capsys.readouterr().err  # the recipe's parser, named as the command the user ran
+    assert "tip: For details of accepted options run: python -m lightning_mem.estimate --help" in err
+    assert "__main__.py" not in err
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--config", "configs/sft/qwen2.5-1.5b_1x24gb.yaml", "--model.name_or_path", "Qwen/Qwen2.5-3B"],
+     "error: `model.name_or_path`: no config.json is shipped for the hub id 'Qwen/Qwen2.5-3B' (looked in "),
+    (["--config", "configs/sft/qwen2.5-1.5b_1x24gb.yaml", "--device-memory", "24XB"],
+     "error: `--device-memory`: cannot read '24XB' as a size; write e.g. 24GiB, 80GB or a byte count"),
+    (["--config", "configs/sft/tiny_cpu.yaml", "--device-memory", "1GiB"],
+     "error: `--device-memory`: 1GiB leaves nothing for the run: the estimate reserves 1.10 GiB of a device that"
+     " size (10% of the device for allocator fragmentation + 1 GiB for the CUDA context); give at least 1.12 GiB"),
+], ids=["unshipped-hub-id", "unreadable-size", "all-reserve"])
+def test_the_command_prints_a_bad_setting_as_one_line(args, message):
+    done = subprocess.run([sys.executable, "-m", "lightning_mem.estimate", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=HANG_GUARD_S, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(message), done.stderr[-2000:]
 
 
 def test_llama_8b_1x24gb_host_memory():
@@ -80,7 +102,9 @@ def test_fit_check_report_warns_with_suggestions():
     }
     with pytest.warns(UserWarning, match=r"(?s)train 30.0 GiB.*--a=1"):
         FitCheck().report(result)
-    with pytest.raises(RuntimeError, match="run out of memory"):
+    with pytest.warns(UserWarning, match=r"^  fits \(10.0 GiB\): smaller: --a=1$"), pytest.raises(
+            SettingError, match=r"^`trainer.callbacks\[FitCheck\].init_args.fail`: true, and estimated peaks per rank train"
+                                r" 30.0 GiB: more than the 20.0 GiB usable .* The run will likely run out of memory.$"):
         FitCheck(fail=True).report(result)
 
 
