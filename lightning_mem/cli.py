@@ -272,18 +272,31 @@ class RecipeCLI(LightningCLI):
                 self.datamodule_class(**config.data.as_dict())
 
     def instantiate_classes(self) -> None:
+        # jsonargparse re-raises a constructor's error (a callback's, a strategy's, a reward's) inside
+        # its own "Does not validate against any of the Union subtypes", which lists every subtype's
+        # message but is raised from the first subtype's error only (a strategy's first is `str`).
+        # Every class but the module and datamodule (Lightning's own instantiators, registered
+        # first) is built through _build, which remembers a user error on its way out; one whose
+        # message the final error reports is raised as it is, to print as one line.
+        self._constructor_errors: list[BaseException] = []
+        self.parser.add_instantiator(self._build, object, subclasses=True)
         try:
             super().instantiate_classes()
         except Exception as err:
-            # jsonargparse re-raises a constructor's error (a callback's, a strategy's, a reward's)
-            # as its own "Does not validate against any of the Union subtypes": a user error it was
-            # raised from is raised as it is, to print as one line.
-            user_error = user_error_in(err, USER_ERRORS)
+            user_error = user_error_in(err, USER_ERRORS) or next(
+                (e for e in reversed(self._constructor_errors) if str(e) in str(err)), None)
             if user_error is None:
                 raise
             raise user_error from None
         if self.datamodule is not None and hasattr(self.datamodule, "config_key"):
             self.datamodule.config_key = "data"  # errors while reading the data name data.<argument>
+
+    def _build(self, class_type: type, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return class_type(*args, **kwargs)
+        except USER_ERRORS as err:
+            self._constructor_errors.append(err)
+            raise
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         self._args = args  # auto_fit estimates the run from its own command line

@@ -107,3 +107,23 @@ def test_the_estimator_models_each_checkpointing_mode(tmp_path):
     assert peak["full"] < peak["selective"] < peak["none"], peak
     measured = max(p.device_peak_bytes for p in measure_fit("configs/sft/tiny_cpu.yaml", overrides(policy="selective"), steps=2)[0])
     assert measured == pytest.approx(peak["selective"], rel=0.05)
+
+
+def test_a_callback_that_has_nothing_to_work_on_names_itself():
+    import types
+
+    from torch import nn
+
+    from lightning_mem.callbacks import CompileBlocks, LigerKernels
+    from lightning_mem.strategies import FSDP2Strategy
+
+    plain = types.SimpleNamespace(strategy=object())  # a trainer whose strategy is not FSDP2
+    for callback in (ActivationCheckpointing(), CompileBlocks(), LigerKernels()):
+        name = type(callback).__name__
+        with pytest.raises(SettingError, match=rf"^`trainer.callbacks\[{name}\]`: the LightningModule holds no Hugging"
+                                               r" Face model"):
+            callback.on_fit_start(plain, nn.Linear(2, 2))
+    fsdp2 = types.SimpleNamespace(strategy=FSDP2Strategy())
+    with pytest.raises(SettingError, match=r"^`trainer.callbacks\[ActivationCheckpointing\]` under FSDP2Strategy: set"
+                                           r" `trainer.strategy.init_args.activation_checkpointing` instead"):
+        ActivationCheckpointing().on_fit_start(fsdp2, nn.Linear(2, 2))

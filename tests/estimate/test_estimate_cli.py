@@ -94,6 +94,26 @@ def test_config_from_argv():
     assert config_from_argv(argv) == ("c.yaml", ["--data.max_length", "8"])
 
 
+def test_fit_check_without_a_config_names_its_argument(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["train.py", "fit", "--trainer.max_steps=3"])
+    with pytest.raises(SettingError, match=r"^`trainer.callbacks\[FitCheck\].init_args.config`: none given, and no"
+                                           r" --config on the command line"):
+        FitCheck().command(24 << 30, 1)
+
+
+def test_the_estimators_own_refusals_name_the_flag_or_key(tmp_path):
+    from lightning_mem.estimate.recipe_config import precision_plugin, recipe_for, recipe_parts
+
+    with pytest.raises(SettingError, match=r"^`--recipe` is needed: cannot tell the recipe of --config"):
+        recipe_for(tmp_path / "mine" / "x.yaml")
+    with pytest.raises(SettingError, match=r"^`--recipe` 'recipes.no_such_recipe': no such module$"):
+        recipe_parts("recipes.no_such_recipe")
+    with pytest.raises(SettingError, match=r"^`--recipe` 'recipes.rewards': expected one LightningModule"):
+        recipe_parts("recipes.rewards")
+    with pytest.raises(SettingError, match=r"^`trainer.precision`: the estimator does not know 'transformer-engine'$"):
+        precision_plugin("transformer-engine")
+
+
 def test_fit_check_report_warns_with_suggestions():
     result = {
         "phases": [{"phase": "train", "device_peak_bytes": 30 << 30}], "usable_device_bytes": 20 << 30,

@@ -119,6 +119,20 @@ def test_strategy_arguments_that_cannot_work_fail_at_construction():
     FSDP2Strategy(cpu_offload=True, context_parallel_size=2)  # sequences split, shards on the host: fine
 
 
+def test_a_model_without_heads_and_packing_under_a_split_are_refused_naming_the_key():
+    from transformers import PretrainedConfig
+
+    from lightning_mem.ranks import check_packing_splits
+
+    with pytest.raises(SettingNotSupported, match=r"^`context_parallel_size`: \w+ names no"
+                                                  r" `num_attention_heads`"):
+        check_model_parallel(PretrainedConfig(), context_parallel_size=2)
+    trainer = types.SimpleNamespace(strategy=types.SimpleNamespace(tensor_parallel_size=2, context_parallel_size=1))
+    with pytest.raises(SettingNotSupported, match=r"^`data.packing: true` with"
+                                                  r" `trainer.strategy.init_args.tensor_parallel_size: 2`"):
+        check_packing_splits(trainer, packing_key="data.packing")
+
+
 def test_a_recipe_names_its_yaml_key_before_any_model_loads():
     # What the SFT and PPO recipes do in setup: the strategy checks the config.json, nothing loads.
     trainer = types.SimpleNamespace(strategy=FSDP2Strategy(tensor_parallel_size=8))
