@@ -91,7 +91,8 @@ def estimate_with_suggestions(config: str, overrides: list[str], device_bytes: i
 
 def choose(result: dict[str, Any]) -> dict[str, Any] | None:
     """The suggestion to apply: None when the run fits as it is, else the first (cheapest) that
-    fits. No suggestion fitting is an error: the run would run out of memory."""
+    fits. No suggestion fitting is an error: the run would run out of memory; it names the
+    smallest way that fits (LoRA, QLoRA), if the estimate found one."""
     if result["fits"]:
         return None
     fitting = [s for s in result.get("suggestions") or [] if s.get("fits")]
@@ -100,12 +101,16 @@ def choose(result: dict[str, Any]) -> dict[str, Any] | None:
     usable = result["usable_device_bytes"] / GiB
     tried = "; ".join(f"{s['what']}: {s['device_peak_bytes'] / GiB:.2f} GiB" if "device_peak_bytes" in s
                       else f"{s['what']}: {s.get('error')}" for s in result.get("suggestions") or [])
+    # Adapters change what trains: named, never applied.
+    way = next((s for s in result.get("smaller") or [] if s.get("fits")), None)
+    smaller = (f"; the smallest way that does: {way['what']}, estimated at {way['device_peak_bytes'] / GiB:.2f} GiB:"
+               f" {way['command']}" if way else "")
     raise SettingError(
         "auto_fit",
         f"`auto_fit: true`: the run's estimated peak {result['device_peak_bytes'] / GiB:.2f} GiB exceeds the"
         f" {usable:.2f} GiB usable of {result['device_memory_bytes'] / GiB:.2f} GiB (the rest is the estimate's"
-        f" reserve: {result['margin']['what']}), and no suggestion fits ({tried or 'none applies'}); see"
-        " `python -m lightning_mem.estimate --config ... --suggest`",
+        f" reserve: {result['margin']['what']}), and no suggestion fits ({tried or 'none lowers the peak'}){smaller};"
+        " see `python -m lightning_mem.estimate --config ... --suggest`",
     )
 
 

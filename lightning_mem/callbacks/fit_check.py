@@ -103,6 +103,10 @@ class FitCheck(Callback):
         for s in result.get("suggestions") or []:
             if s.get("fits"):
                 lines.append(f"  fits ({s['device_peak_bytes'] / gib:.1f} GiB): {s['what']}: {' '.join(s['overrides'])}")
+        for s in result.get("smaller") or []:  # only when no suggestion fits: a way with adapters
+            if s.get("fits"):
+                lines.append(f"  nothing else fits; the smallest way that does ({s['device_peak_bytes'] / gib:.1f}"
+                             f" GiB): {s['what']}: {s['command']}")
         if self.fail:
             # The suggestions first, then the refusal as one line.
             if len(lines) > 1:

@@ -66,20 +66,23 @@ def main(argv: list[str] | None = None) -> int:
     with _quiet_lightning(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         result = estimate(args.config, overrides, recipe=recipe, world_size=args.world_size, device_memory=device_bytes)
-        suggestions = None
+        advice = None
         if args.suggest and result.device_peak_bytes > report.usable_bytes(device_bytes):
-            suggestions = suggest(
+            advice = suggest(
                 result.parsed, recipe, overrides, device_bytes,
                 lambda extra: estimate(args.config, extra, recipe=recipe, world_size=args.world_size,
                                        device_memory=device_bytes),
                 base=result, config=args.config, limit=args.suggestions,
+                estimate_config=lambda config, extra, module, ranks: estimate(
+                    config, extra, recipe=module, world_size=ranks, device_memory=device_bytes),
             )
     if args.json:
-        print(report.dumps(report.to_dict(result, device_bytes, suggestions)))
+        print(report.dumps(report.to_dict(result, device_bytes, advice)))
     else:
         print(report.table(result, device_bytes))
-        if suggestions is not None:
-            print(report.suggestions_text(suggestions))
+        if advice is not None:
+            print(report.suggestions_text(advice.suggestions, advice.dropped, smaller=advice.smaller,
+                                          peak=result.device_peak_bytes, device_bytes=device_bytes))
     fits = device_bytes is None or result.device_peak_bytes <= report.usable_bytes(device_bytes)
     return 0 if fits else 1
 

@@ -99,7 +99,17 @@ def verdict(peak: int, device_bytes: int | None) -> str:
     return "fits" if peak <= usable_bytes(device_bytes) else "does NOT fit"
 
 
-def to_dict(estimate: Any, device_bytes: int | None, suggestions: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def device_needed(peak: int) -> float:
+    """The smallest device, in GiB (rounded up to 0.1), whose usable bytes hold ``peak``."""
+    tenths = math.ceil((peak + MARGIN_BYTES) / (1 - MARGIN_FRACTION) / GiB * 10)
+    while usable_bytes(int(tenths / 10 * GiB)) < peak:  # the float above may round a byte short
+        tenths += 1
+    return tenths / 10
+
+
+def to_dict(estimate: Any, device_bytes: int | None, advice: Any = None) -> dict[str, Any]:
+    """The estimate as JSON-ready data; with ``advice`` (:class:`~lightning_mem.estimate.suggest.Advice`),
+    its ``suggestions``, ``dropped`` and ``smaller``."""
     out: dict[str, Any] = {
         "config": estimate.config,
         "recipe": estimate.recipe,
@@ -120,8 +130,8 @@ def to_dict(estimate: Any, device_bytes: int | None, suggestions: list[dict[str,
             "training": _role(estimate.world_size, estimate.phases, device_bytes),
             "generating": _role(generator.ranks, generator.phases, device_bytes),
         }
-    if suggestions is not None:
-        out["suggestions"] = suggestions
+    if advice is not None:
+        out.update(advice.to_dict())
     return out
 
 
@@ -191,8 +201,12 @@ def dumps(data: dict[str, Any]) -> str:
     return json.dumps(data, indent=2)
 
 
-def suggestions_text(suggestions: list[dict[str, Any]]) -> str:
-    """The suggestions as ready-to-run commands, each with its estimated peak and cost."""
+def suggestions_text(suggestions: list[dict[str, Any]], dropped: list[dict[str, Any]] = (), *,
+                     smaller: list[dict[str, Any]] | None = None, peak: int | None = None,
+                     device_bytes: int | None = None) -> str:
+    """The suggestions as ready-to-run commands, each with its estimated peak and cost; the
+    candidates dropped for not lowering the run's ``peak``; and, when nothing fits, one line that
+    says so, with the smallest way that does (``smaller``) and its command."""
     lines = ["", "suggestions (re-estimated, cheapest first; costs per rank and optimizer step):"]
     for s in suggestions:
         if "device_peak_bytes" not in s:
@@ -203,4 +217,42 @@ def suggestions_text(suggestions: list[dict[str, Any]]) -> str:
         if "cost" in s:
             lines.append(f"    cost: {s['cost']['text']}")
         lines.append(f"    {s.get('command') or ' '.join(s['overrides'])}")
+    if dropped:
+        own = f" {peak / GiB:.2f} GiB" if peak is not None else ""
+        lines.append(f"  not suggested, no lower than the config's own{own}: "
+                     + "; ".join(f"{s['what']} at {s['device_peak_bytes'] / GiB:.2f} GiB" for s in dropped))
+    if not any(s.get("fits") for s in suggestions) and peak is not None and device_bytes is not None:
+        lines += nothing_fits_lines(suggestions, smaller, peak, device_bytes)
     return "\n".join(lines)
+
+
+def nothing_fits_lines(suggestions: list[dict[str, Any]], smaller: list[dict[str, Any]] | None, peak: int,
+                       device_bytes: int) -> list[str]:
+    """``nothing fits ...`` in one line: the lowest peak the run reaches, and the smallest way down
+    the LoRA/QLoRA ladder that fits (or, if none does, the lowest of all and the device it needs);
+    then the command of the way it names."""
+    lowered = [s for s in suggestions if "device_peak_bytes" in s]
+    lowest = min(lowered, key=lambda s: s["device_peak_bytes"], default=None)
+    reach = lowest["device_peak_bytes"] if lowest else peak
+    how = "as configured"
+    if lowest is not None:
+        parts = lowest["what"].count(" + ") + 1
+        how = f"{parts} of the above combined" if parts > 1 else lowest["what"]
+    head = (f"nothing fits {device_bytes / GiB:.1f} GiB ({usable_bytes(device_bytes) / GiB:.2f} GiB usable): the"
+            f" lowest this run reaches is {reach / GiB:.2f} GiB ({how})")
+    ways = [s for s in smaller or [] if "device_peak_bytes" in s]
+    failed = "".join(f"; cannot estimate {s['what']}: {s['error']}" for s in smaller or [] if "error" in s)
+    fitting = [s for s in ways if s["fits"]]
+    if fitting:
+        way = fitting[0]
+        return [f"{head}; the smallest way that does: {way['what']}, estimated at "
+                f"{way['device_peak_bytes'] / GiB:.2f} GiB:", f"  {way['command']}"]
+    low = min(ways, key=lambda s: s["device_peak_bytes"], default=None)
+    if low is None or low["device_peak_bytes"] >= reach:
+        tried = "; ".join(f"{s['what']} at {s['device_peak_bytes'] / GiB:.2f} GiB" for s in ways)
+        rest = (f"; the smaller ways need more: {tried}" if ways
+                else "; no LoRA or QLoRA way of this model to try" if smaller is not None and not failed else "")
+        return [f"{head}, which needs a device of at least {device_needed(reach):.1f} GiB{rest}{failed}"]
+    tried = "; ".join(f"{s['what']} at {s['device_peak_bytes'] / GiB:.2f} GiB" for s in ways)
+    return [f"{head}; nor does any smaller way ({tried}){failed}; the lowest, {low['what']}, needs a device of"
+            f" at least {device_needed(low['device_peak_bytes']):.1f} GiB:", f"  {low['command']}"]
