@@ -59,21 +59,30 @@ def test_bad_override_fails_before_any_model(capsys):
     assert "__main__.py" not in err
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["--config", "configs/sft/qwen2.5-1.5b_1x24gb.yaml", "--model.name_or_path", "Qwen/Qwen2.5-3B"],
-     "error: `model.name_or_path`: no config.json is shipped for the hub id 'Qwen/Qwen2.5-3B' (looked in "),
-    (["--config", "configs/sft/qwen2.5-1.5b_1x24gb.yaml", "--device-memory", "24XB"],
-     "error: `--device-memory`: cannot read '24XB' as a size; write e.g. 24GiB, 80GB or a byte count"),
-    (["--config", "configs/sft/tiny_cpu.yaml", "--device-memory", "1GiB"],
-     "error: `--device-memory`: 1GiB leaves nothing for the run: the estimate reserves 1.10 GiB of a device that"
-     " size (10% of the device for allocator fragmentation + 1 GiB for the CUDA context); give at least 1.12 GiB"),
-], ids=["unshipped-hub-id", "unreadable-size", "all-reserve"])
-def test_the_command_prints_a_bad_setting_as_one_line(args, message):
+def test_the_command_prints_a_bad_setting_as_one_line():
+    args = ["--config", "configs/sft/qwen2.5-1.5b_1x24gb.yaml", "--model.name_or_path", "Qwen/Qwen2.5-3B"]
     done = subprocess.run([sys.executable, "-m", "lightning_mem.estimate", *args], cwd=REPO, capture_output=True,
                           text=True, timeout=HANG_GUARD_S, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and errors[0].startswith(message), done.stderr[-2000:]
+    assert len(errors) == 1 and errors[0].startswith(
+        "error: `model.name_or_path`: no config.json is shipped for the hub id 'Qwen/Qwen2.5-3B' (looked in "), errors
+
+
+@pytest.mark.parametrize(("size", "message"), [
+    ("24XB", "error: `--device-memory`: cannot read '24XB' as a size; write e.g. 24GiB, 80GB or a byte count"),
+    ("1GiB", "error: `--device-memory`: 1GiB leaves nothing for the run: the estimate reserves 1.10 GiB of a device"
+             " that size (10% of the device for allocator fragmentation + 1 GiB for the CUDA context); give at least"
+             " 1.12 GiB"),
+], ids=["unreadable", "all-reserve"])
+def test_a_device_size_it_cannot_use_is_one_line_before_any_estimate(size, message, capsys, monkeypatch):
+    from lightning_mem.cli import DEBUG_ENV, run_command
+
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    with pytest.raises(SystemExit) as exit_info:  # as `python -m lightning_mem.estimate` runs main
+        run_command(lambda: main(["--config", "configs/sft/tiny_cpu.yaml", "--device-memory", size]))
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [message]
 
 
 def test_llama_8b_1x24gb_host_memory():
