@@ -56,14 +56,12 @@ def split_command_line(args: list[str]) -> tuple[str, list[str]]:
 def device_budget(device_memory: str | None) -> tuple[int, str]:
     """The bytes to fit into, and where they come from: ``device_memory`` (``24GiB``, ``80GB``,
     bytes) if set, else this process's CUDA device."""
-    from lightning_mem.estimate.report import parse_size
+    from lightning_mem.estimate.report import check_device_size, parse_size
 
     if device_memory is not None:
-        try:
-            return parse_size(device_memory), f"device_memory={device_memory}"
-        except ValueError:
-            raise SettingError("device_memory", f": cannot read {device_memory!r} as a size; write e.g. 24GiB,"
-                                                " 80GB or a byte count") from None
+        device_bytes = parse_size(device_memory, key="device_memory")
+        check_device_size(device_bytes, key="device_memory", text=device_memory)
+        return device_bytes, f"device_memory={device_memory}"
     import torch
 
     if not torch.cuda.is_available():
@@ -74,6 +72,7 @@ def device_budget(device_memory: str | None) -> tuple[int, str]:
         )
     index = int(os.environ.get("LOCAL_RANK", 0))
     props = torch.cuda.get_device_properties(index)
+    check_device_size(props.total_memory, key="device_memory", text=f"{props.name}'s {props.total_memory / GiB:.2f} GiB")
     return props.total_memory, f"{props.name} (cuda:{index})"
 
 
@@ -109,8 +108,9 @@ def choose(result: dict[str, Any]) -> dict[str, Any] | None:
     raise SettingError(
         "auto_fit",
         f"`auto_fit: true`: the run's estimated peak {result['device_peak_bytes'] / GiB:.2f} GiB exceeds the"
-        f" {usable:.2f} GiB usable, and no suggestion fits ({tried or 'none lowers the peak'}){smaller}; see"
-        " `python -m lightning_mem.estimate --config ... --suggest`",
+        f" {usable:.2f} GiB usable of {result['device_memory_bytes'] / GiB:.2f} GiB (the rest is the estimate's"
+        f" reserve: {result['margin']['what']}), and no suggestion fits ({tried or 'none lowers the peak'}){smaller};"
+        " see `python -m lightning_mem.estimate --config ... --suggest`",
     )
 
 

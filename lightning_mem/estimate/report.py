@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_mem.estimate.tracker import CATEGORIES
+from lightning_mem.settings import SettingError
 
 GiB = 1 << 30
 # What the tracked tensor bytes leave out on a real card: the caching allocator's fragmentation
@@ -26,11 +27,15 @@ _TIER_NAME = re.compile(r"_(\d+)x(\d+)gb", re.IGNORECASE)
 
 
 def parse_size(text: str, *, key: str = "--device-memory") -> int:
-    """``24GiB``, ``80GB``, ``24 GiB``, ``25769803776`` -> bytes. A bare ``GB`` is decimal, ``GiB`` binary."""
+    """``24GiB``, ``80GB``, ``24 GiB``, ``25769803776`` -> bytes. A bare ``GB`` is decimal, ``GiB`` binary.
+
+    Raises:
+        SettingError: naming ``key``, when ``text`` is no size.
+    """
     match = _SIZE.match(str(text))
     unit = (match.group(2) or "").lower() if match else None
     if match is None or unit not in _UNITS:
-        raise ValueError(f"`{key}`: cannot read {text!r} as a size; write e.g. 24GiB, 80GB or a byte count")
+        raise SettingError(key, f": cannot read {text!r} as a size; write e.g. 24GiB, 80GB or a byte count")
     return int(float(match.group(1)) * _UNITS[unit])
 
 
@@ -70,6 +75,22 @@ def training_ranks(config: str | Path, tier: Tier) -> int:
 def usable_bytes(device_bytes: int) -> int:
     """Device memory the tracked tensors may use: the device less the margin."""
     return int(device_bytes * (1 - MARGIN_FRACTION)) - MARGIN_BYTES
+
+
+def check_device_size(device_bytes: int, *, key: str, text: str | None = None) -> None:
+    """Refuse a device too small for the margin alone (:data:`MARGIN_TEXT`): nothing would be left
+    for the run, and every estimate would be said not to fit a negative budget.
+
+    Raises:
+        SettingError: naming ``key``, with the margin in bytes and the least device it leaves room on.
+    """
+    if usable_bytes(device_bytes) > 0:
+        return
+    least = math.ceil((MARGIN_BYTES / (1 - MARGIN_FRACTION)) / GiB * 100 + 1e-9) / 100  # the first 0.01 GiB above
+    reserve = device_bytes - usable_bytes(device_bytes)
+    raise SettingError(
+        key, f": {text or f'{device_bytes / GiB:.2f} GiB'} leaves nothing for the run: the estimate reserves"
+        f" {reserve / GiB:.2f} GiB of a device that size ({MARGIN_TEXT}); give at least {least:.2f} GiB")
 
 
 def verdict(peak: int, device_bytes: int | None) -> str:
