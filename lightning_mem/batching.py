@@ -217,8 +217,9 @@ class TokenBudgetSampler(DistributedSampler):
 
     ``weights`` (one number per sample, e.g. its label tokens, or a row of k numbers per sample) and
     ``accumulate_grad_batches`` make every yielded batch a :class:`MicroBatch` carrying its
-    optimizer step's total weight (or k totals) over all ranks. Steps are grouped as Lightning groups them: ``accumulate_grad_batches`` consecutive
-    batches from the start of each epoch, the last group possibly shorter. Every rank computes the
+    optimizer step's total weight (or k totals) over all ranks. Steps are grouped as Lightning
+    groups them: ``accumulate_grad_batches`` consecutive batches from the start of each epoch, the
+    last group possibly shorter. Every rank computes the
     same total without a collective, since every rank knows the whole (seeded) plan.
 
     It subclasses ``DistributedSampler`` so that Lightning uses it as is instead of injecting its own.
