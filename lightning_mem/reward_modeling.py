@@ -28,7 +28,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_mem.checkpointing import staged_directory
-from lightning_mem.data.packing import flatten_rows
 from lightning_mem.export import gather_state_dict
 from lightning_mem.settings import SettingNotSupported
 
@@ -62,18 +61,6 @@ def read_positions(input_ids: Tensor, sequence_ends: Tensor, pad_token_id: int |
     index = torch.arange(flat.numel(), device=flat.device)
     last_non_pad = torch.where(flat != pad_token_id, index, torch.full_like(index, -1)).cummax(0).values
     return last_non_pad.index_select(0, sequence_ends).clamp(min=0)
-
-
-def varlen_rows(batch: dict[str, Tensor], positions: Tensor) -> tuple[dict[str, Tensor], Tensor]:
-    """A packed micro-batch as one row of its real tokens (what flash-attention's varlen path
-    isolates, :func:`lightning_mem.data.packing.flatten_rows`), and ``positions`` moved to that row:
-    flat position ``r * width + t`` becomes ``t`` plus the real tokens of the rows before ``r``."""
-    flat = flatten_rows(batch)
-    if flat is batch:
-        return batch, positions
-    rows, width = batch["row_tokens"], batch["input_ids"].shape[1]
-    before = torch.cumsum(rows, 0) - rows
-    return flat, before[positions // width] + positions % width
 
 
 def check_unsplit(strategy: Any) -> None:

@@ -43,6 +43,7 @@ from lightning_mem.checkpointing import check_trainable_kept, keep_trainable
 from lightning_mem.cli import RecipeCLI, run_command
 from lightning_mem.clipping import ClipsGradients
 from lightning_mem.data import PreferenceDataModule
+from lightning_mem.data.preference import flatten_pair_rows
 from lightning_mem.data.packing import VARLEN_ATTENTION, check_packing_attention
 from lightning_mem.dtypes import cast_trainable, trainer_dtypes, resolve_dtype
 from lightning_mem.export import export_main
@@ -60,7 +61,6 @@ from lightning_mem.reward_modeling import (
     head_name,
     pair_metrics,
     read_positions,
-    varlen_rows,
 )
 from lightning_mem.schedules import build_lr_scheduler, check_schedule
 from lightning_mem.settings import SettingError, settings_at
@@ -207,9 +207,9 @@ class RewardModelModule(FreesGradientsAfterStep, ClipsGradients, LightningModule
     # -- the algorithm: Bradley-Terry over the step's pairs ------------------------------------
     def rewards(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """``[2B]`` rewards of the micro-batch's sequences, chosen sides first."""
-        positions = read_positions(batch["input_ids"], batch["sequence_ends"], self.scorer.config.pad_token_id)
         if self.hparams.attn_implementation in VARLEN_ATTENTION:
-            batch, positions = varlen_rows(batch, positions)  # varlen flash-attention isolates one row's sequences
+            batch = flatten_pair_rows(batch)  # varlen flash-attention isolates the sequences of one row only
+        positions = read_positions(batch["input_ids"], batch["sequence_ends"], self.scorer.config.pad_token_id)
         return self.scorer(batch["input_ids"], batch.get("attention_mask"), positions, position_ids=batch.get("position_ids"))
 
     def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -21,7 +21,6 @@ from lightning_mem.reward_modeling import (
     check_unsplit,
     pair_metrics,
     read_positions,
-    varlen_rows,
 )
 from lightning_mem.rl.reward import check_reward_model_source, reward_model_outputs
 from lightning_mem.settings import SettingError, SettingNotSupported
@@ -91,14 +90,6 @@ def test_packed_rows_score_as_padded_rows_and_project_only_the_read_positions():
                      position_ids=packed["position_ids"])
     torch.testing.assert_close(row, padded, rtol=1e-5, atol=1e-5)
     assert projected == [3, 3]  # the head saw one row per sequence, not every position
-
-
-def test_varlen_rows_move_positions_to_the_flattened_row():
-    batch = collate_packed([{"input_ids": [5] * n, "labels": [5] * n} for n in (3, 4, 2)], row_length=5)
-    assert batch["row_tokens"].tolist() == [3, 4, 2]  # next-fit: one sequence a row, rows 4 wide
-    ends = torch.tensor([2, 4 + 3, 8 + 1])
-    flat, moved = varlen_rows(batch, ends)
-    assert flat["input_ids"].shape == (1, 9) and moved.tolist() == [2, 6, 8]
 
 
 def test_bradley_terry_at_hand_worked_values():
