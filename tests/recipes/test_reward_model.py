@@ -125,7 +125,8 @@ def _uneven_pairs(path):
 def test_step_is_a_mean_over_its_pairs_whatever_the_micro_batches_and_ranks(tmp_path):
     """One SGD step (lr 1: weights move by exactly the gradient) over the same 12 pairs, with their
     margins and the centring term: one micro-batch; micro-batches of unequal pair counts
-    accumulated; two FSDP2 ranks, each its own micro-batches. Every run writes the same weights."""
+    accumulated; two FSDP2 ranks, each its own micro-batches; packed rows (data.packing). Every run
+    writes the same weights."""
     from safetensors.torch import load_file
 
     from lightning_mem.models import load_tokenizer
@@ -145,7 +146,8 @@ def test_step_is_a_mean_over_its_pairs_whatever_the_micro_batches_and_ranks(tmp_
     # An accumulation longer than the epoch: its one optimizer step takes every micro-batch.
     runs = {"one_micro_batch": ["--data.max_tokens_per_batch=4096"],
             "accumulated": ["--data.max_tokens_per_batch=160", "--trainer.accumulate_grad_batches=16"],
-            "two_ranks": [*fsdp2, "--data.max_tokens_per_batch=160", "--trainer.accumulate_grad_batches=16"]}
+            "two_ranks": [*fsdp2, "--data.max_tokens_per_batch=160", "--trainer.accumulate_grad_batches=16"],
+            "packed": ["--data.packing=true", "--data.max_tokens_per_batch=4096"]}
     weights = {}
     for name, extra in runs.items():
         root = tmp_path / name
@@ -155,7 +157,7 @@ def test_step_is_a_mean_over_its_pairs_whatever_the_micro_batches_and_ranks(tmp_
     initial = load_file(start / "model.safetensors")
     reference = {k: v - initial[k] for k, v in weights["one_micro_batch"].items()}
     assert reference["score.weight"].abs().sum() > 0
-    for name in ("accumulated", "two_ranks"):
+    for name in ("accumulated", "two_ranks", "packed"):
         for key, update in reference.items():
             error = float((weights[name][key] - initial[key] - update).norm() / update.norm().clamp(min=1e-12))
             assert error <= 2e-5, (name, key, error)
