@@ -24,6 +24,27 @@ VAL_PAIRS = ARITH / "preference_val.jsonl"
 SHORT_STEPS = 60  # of the config's 300: the held-out accuracy is past 0.9 by then (docs/reward_model.md)
 
 
+def test_the_script_regenerates_the_reward_pairs_byte_for_byte(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_preference_pairs", REPO / "scripts" / "make_preference_pairs.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    made = script.make_reward_pairs(tmp_path)
+    assert made.read_bytes() == (ARITH / "reward_train.jsonl").read_bytes()
+    pairs = [row_to_pair(json.loads(line)) for line in made.read_text().splitlines()]
+    held_out = {prompt[-1]["content"] for prompt, _, _, _ in map(row_to_pair, map(json.loads, VAL_PAIRS.read_text().splitlines()))}
+    assert not any(prompt[-1]["content"] in held_out for prompt, _, _, _ in pairs)
+    # Four a prompt: two near misses (off by one or two, the digits swapped, the other operation), two wide ones.
+    assert len(pairs) % 4 == 0 and len(pairs) > 12000
+    for i in range(0, len(pairs), 4):
+        prompt, chosen = pairs[i][0][-1]["content"], int(pairs[i][1][0]["content"])
+        near = {v for values in script.near_misses(prompt, chosen).values() for v in values}
+        rejected = [int(r[0]["content"]) for _, _, r, _ in pairs[i : i + 4]]
+        assert all(p[0][-1]["content"] == prompt for p in pairs[i : i + 4])
+        assert set(rejected[:2]) <= near and not set(rejected[2:]) & (near | {chosen}), (prompt, rejected)
+
+
 def _fit(root, *extra, config=CONFIG):
     run = run_recipe("reward_model", "fit", "--config", config, f"--trainer.default_root_dir={root}",
                      *csv_logger_args(root), "--trainer.enable_progress_bar=false", *extra)
