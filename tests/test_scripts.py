@@ -102,3 +102,17 @@ def test_the_readmes_demo_figure_is_the_recorded_runs():
     low, high = map(int, claim.groups())
     rates = record["greedy_exact"].values()
     assert (low, high) == (math.floor(100 * min(rates)), math.ceil(100 * max(rates)))
+
+
+def test_reward_model_figure_reads_every_logged_metric_and_splits_quarters(tmp_path):
+    """scripts/reward_model_figure.py's record: each metric by step from the CSV logger's files (a
+    blank cell is a metric not logged at that step), and the means of four quarters in step order."""
+    from scripts.reward_model_figure import metrics, quarters
+
+    log = tmp_path / "lightning_logs" / "version_0" / "metrics.csv"
+    log.parent.mkdir(parents=True)
+    log.write_text("epoch,step,gold_reward_mean,val_accuracy\n0,0,0.5,\n0,1,1.0,\n0,1,,0.75\n")
+    assert metrics(tmp_path) == {"gold_reward_mean": {0: 0.5, 1: 1.0}, "val_accuracy": {1: 0.75}}
+    assert quarters({3: 4.0, 0: 1.0, 2: 3.0, 1: 2.0, 4: 9.0}) == [1.0, 2.0, 3.0, 4.0]  # the 5th is left over
+    with pytest.raises(SystemExit, match="too few logged steps"):
+        quarters({0: 1.0})

@@ -42,7 +42,8 @@ RUNS: dict[str, tuple[str, list[str]]] = {
     "sft_packed": ("sft", ["--config", "configs/sft/tiny_cpu_packed.yaml", "--trainer.max_steps=2", *SFT_SHORT]),
     "qlora": ("qlora", ["--config", "configs/qlora/tiny_cpu.yaml", "--trainer.max_steps=2", *SFT_SHORT]),
     "reward_model": ("reward_model", ["--config", "configs/reward_model/tiny_cpu.yaml", "--trainer.max_steps=2",
-                                      f"--model.name_or_path={TINY_MODEL}", "--checkpoint.every_n_train_steps=2",
+                                      f"--model.name_or_path={TINY_MODEL}", "--model.lora=null",  # full fine-tuning
+                                      "--checkpoint.every_n_train_steps=2",
                                       *SFT_SHORT]),
     "reward_model_lora": ("reward_model", ["--config", "configs/reward_model/tiny_cpu.yaml", "--trainer.max_steps=2",
                                            f"--model.name_or_path={TINY_MODEL}", "--model.lora.r=4",
@@ -124,7 +125,7 @@ def test_export_from_an_fsdp2_sharded_checkpoint_equals_the_runs_export(runs, tm
 @pytest.mark.parametrize(
     ("name", "weights", "extra"),
     [("qlora", "adapter_model.safetensors", []), ("ppo", "model.safetensors", [f"--model.name_or_path={TINY_MODEL}"]),
-     ("reward_model", "model.safetensors", [f"--model.name_or_path={TINY_MODEL}"]),
+     ("reward_model", "model.safetensors", [f"--model.name_or_path={TINY_MODEL}", "--model.lora=null"]),
      # the adapters and head from the checkpoint, merged into the run's saved random base
      ("reward_model_lora", "model.safetensors", [f"--model.name_or_path={TINY_MODEL}", "--model.lora.r=4"])],
 )
