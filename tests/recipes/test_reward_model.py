@@ -6,6 +6,7 @@ the micro-batches; and PPO with the learned reward starts from the CLI and raise
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -63,8 +64,8 @@ def rm_run(tmp_path_factory, sft_export):
 def test_short_fit_reaches_the_held_out_accuracy(rm_run):
     accuracy = read_metric(rm_run, "val_accuracy")
     assert list(accuracy) == [SHORT_STEPS - 1] and accuracy[SHORT_STEPS - 1] >= SHORT_ACCURACY, accuracy
-    losses = [v for _, v in sorted(read_metric(rm_run, "train_loss").items())]
-    assert losses[-1] < losses[0] < 1.0, losses  # from about ln 2 (a new head) down
+    # A head that tells nothing scores ln 2 on every pair (measured: 0.666 after 60 steps).
+    assert read_metric(rm_run, "val_loss")[SHORT_STEPS - 1] < math.log(2)
     for name in ("train_accuracy", "train_margin", "train_mean_reward", "train_min_reward", "train_max_reward",
                  "val_loss", "val_margin", "val_mean_reward", "val_min_reward", "val_max_reward", "grad_norm"):
         assert read_metric(rm_run, name), name
