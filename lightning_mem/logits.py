@@ -639,6 +639,32 @@ def _scored_forward(model: nn.Module, inputs: dict[str, Tensor], positions: Tens
     return TokenScores(*scores)
 
 
+class _HiddenRows(nn.Module):
+    """Stands in for the output layer: returns the final hidden states at ``positions``, ``[n, hidden]``."""
+
+    def __init__(self, positions: Tensor) -> None:
+        super().__init__()
+        self.positions = positions
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        return hidden_states.reshape(-1, hidden_states.shape[-1]).index_select(0, self.positions)
+
+
+def hidden_states_at(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, positions: Tensor, *,
+                     position_ids: Tensor | None = None) -> Tensor:
+    """``[n, hidden]``: the final hidden states ``model``'s output layer would read at ``positions``
+    (flat indices ``b * T + t``), its output layer skipped (a distillation teacher's forward: the
+    loss applies the output layer itself, a chunk at a time). Arguments as :func:`score_tokens`."""
+    check_supported(model)  # a model that post-processes its logits cannot be read this way either
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+    if position_ids is not None:
+        inputs["position_ids"] = position_ids
+    lm = causal_lm_of(model)
+    with _output_layer_replaced(lm, _HiddenRows(positions)):
+        out = model(**inputs, use_cache=False)
+    return out.logits if hasattr(out, "logits") else out[0]
+
+
 def next_token_targets(input_ids: Tensor, labels: Tensor, ignore_index: int = -100) -> tuple[Tensor, Tensor]:
     """``(positions, targets)`` for next-token cross-entropy: position ``t`` predicts ``labels[t + 1]``
     wherever that label is not ``ignore_index`` (the shift ``transformers`` applies to ``labels``)."""
