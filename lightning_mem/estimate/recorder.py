@@ -204,7 +204,7 @@ class PhaseRecorder(Callback):
         else:  # the time outside its phases is train, unless it named a train phase itself
             self._fold_rest(self.step_description(accumulate))
             if "train" not in self._names and self._rest is not None:
-                self._keep(self._rest)
+                self._keep_peak(self._rest)
         self._measuring = False
 
     def step_description(self, accumulate: int) -> str:
@@ -246,9 +246,9 @@ class PhaseRecorder(Callback):
             self._rest = new
 
     def _record(self, name: str, shape: str) -> None:
-        self._keep(self._estimate(name, shape))
+        self._keep_peak(self._estimate(name, shape))
 
-    def _keep(self, new: PhaseEstimate) -> None:
+    def _keep_peak(self, new: PhaseEstimate) -> None:
         """``new`` is its phase's peak if it is the largest seen (the host peak: the largest either way)."""
         old = self.peaks.get(new.phase)
         if old is None or new.device_peak_bytes > old.device_peak_bytes:
