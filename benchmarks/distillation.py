@@ -10,8 +10,8 @@ each storage the loss allocates is counted from its creation to its release, exa
 figure is its peak; the backward's is its peak less the gradients it returns (the student's hidden
 rows and output weight, fp32). Each is divided by one chunk of ``[chunk, vocab]`` fp32 logits: the
 loss is built to stay within 1.5 of them beside its inputs (lightning_mem.distillation.divergences).
-For scale: the usual way (both models' whole logits, their fp32 upcasts and log-softmaxes) holds
-at least four ``[8192, vocab]`` fp32 tensors, 16 x 1.08 = 17 chunks of 512 rows.
+For scale, the last rows measure the usual way: both output layers on all rows and the divergence
+on the whole logits (``reference_rows``, TRL's formulation), in chunks of 512 rows.
 
 Step time: one SFT step (forward, backward, AdamW) of the tiny student (assets/tiny-llama-student)
 on a 1,024-token micro-batch of the shipped arithmetic data, without and with logit distillation
@@ -37,7 +37,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from lightning_mem.distillation import Divergence, distillation_divergence  # noqa: E402
+from lightning_mem.distillation import Divergence, distillation_divergence, reference_rows  # noqa: E402
 
 VOCAB, STUDENT_HIDDEN, TEACHER_HIDDEN = 151_936, 896, 3584
 
@@ -69,9 +69,11 @@ class NewBytes(TorchDispatchMode):
         return out
 
 
-def loss_transients(kind: str, top_k: int | None, *, tokens: int = 8192, chunk: int = 512, vocab: int = VOCAB,
-                    autocast: bool = True) -> tuple[int, int]:
-    """``(forward peak, backward peak less its returned gradients)`` in bytes (module docstring)."""
+def loss_transients(kind: str, top_k: int | None, *, tokens: int = 8192, chunk: int | None = 512,
+                    vocab: int = VOCAB, autocast: bool = True, whole: bool = False) -> tuple[int, int]:
+    """``(forward peak, backward peak less its returned gradients)`` in bytes (module docstring).
+    ``whole``: the usual way instead, both output layers on all rows and
+    :func:`~lightning_mem.distillation.divergences.reference_rows` on the whole logits."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
@@ -83,8 +85,14 @@ def loss_transients(kind: str, top_k: int | None, *, tokens: int = 8192, chunk: 
         teacher_hidden = torch.empty(tokens, TEACHER_HIDDEN, dtype=torch.bfloat16)
         forward = NewBytes()
         with forward, torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False, enabled=autocast):
-            loss = distillation_divergence(hidden, student, teacher_hidden, teacher, divergence=Divergence(kind, 0.5),
-                                           top_k=top_k, chunk_size=chunk).sum()
+            if whole:
+                with torch.no_grad():
+                    teacher_logits = teacher(teacher_hidden)
+                loss = reference_rows(student(hidden), teacher_logits, Divergence(kind, 0.5), top_k=top_k).sum()
+                del teacher_logits
+            else:
+                loss = distillation_divergence(hidden, student, teacher_hidden, teacher,
+                                               divergence=Divergence(kind, 0.5), top_k=top_k, chunk_size=chunk).sum()
         backward = NewBytes()
         with backward:
             loss.backward()
@@ -101,6 +109,11 @@ def bytes_table(tokens: int, chunks: list[int]) -> list[str]:
             unit = chunk * VOCAB * 4
             rows.append(f"| {kind} | {top_k or '-'} | {chunk} | {forward / 2**20:,.0f} MiB | {backward / 2**20:,.0f} MiB"
                         f" | {forward / unit:.2f} / {backward / unit:.2f} |")
+    for kind in ("forward_kl", "jsd"):
+        forward, backward = loss_transients(kind, None, tokens=tokens, whole=True)
+        unit = 512 * VOCAB * 4
+        rows.append(f"| {kind}, whole logits | - | all | {forward / 2**20:,.0f} MiB | {backward / 2**20:,.0f} MiB"
+                    f" | {forward / unit:.2f} / {backward / unit:.2f} (of 512 rows) |")
     return rows
 
 

@@ -12,11 +12,13 @@ import torch
 from torch import nn
 
 from lightning_mem.distillation import (
+    Divergence,
     DistillationSettings,
     LogitDistillation,
     Teacher,
     TeacherSettings,
     held_models,
+    reference_rows,
     shared_vocabulary,
 )
 from lightning_mem.logits import next_token_targets, score_tokens
@@ -118,6 +120,28 @@ def test_resident_and_parked_teachers_give_the_same_loss_and_gradients(teacher_d
     assert resident_loss.item() > 0
     assert torch.equal(resident_loss, parked_loss)
     assert all(torch.equal(a, b) for a, b in zip(resident_grads, parked_grads))
+
+
+def test_the_distilled_loss_is_the_textbook_one(teacher_dir):
+    """The recipe's path (the teacher's hidden rows, the student's beside its chunked cross-entropy,
+    the sliced divergence) against both models' whole logits with plain autograd: the same loss
+    and student gradients."""
+    kd = _distillation(teacher_dir, "host", loss="jsd", beta=0.3, temperature=1.5, kd_ratio=0.7)
+    loss, grads = _step(kd)
+    torch.manual_seed(5)
+    student = load_causal_lm(str(STUDENT), dtype="float32")
+    ids, mask, positions, targets = _batch()
+    rows = lambda logits: logits.reshape(-1, logits.shape[-1])[positions]  # noqa: E731
+    with kd.teacher.on_device(), torch.no_grad():
+        teacher_logits = rows(kd.teacher.model(input_ids=ids, attention_mask=mask).logits)
+    student_logits = rows(student(input_ids=ids, attention_mask=mask).logits)
+    ce = -torch.log_softmax(student_logits, -1).gather(-1, targets[:, None]).sum()
+    divergence = reference_rows(student_logits, teacher_logits, Divergence("jsd", 0.3), temperature=1.5).sum()
+    want = 0.3 * ce + 0.7 * divergence
+    want.backward()
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-5)
+    for got, expected in zip(grads, [p.grad for p in student.parameters()]):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
 
 
 def test_the_teachers_logprobs_are_its_log_softmax_at_the_targets(teacher_dir):
