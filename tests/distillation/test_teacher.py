@@ -92,13 +92,17 @@ def test_a_parked_teacher_is_on_the_device_only_inside_its_forward(teacher_dir):
     assert teacher.location == "host"
     assert all(set(module_residency(m).home.values()) == {CPU} for m in parked)  # they return to the student's device
     ids, mask, positions, _ = _batch()
-    seen = []
-    with teacher.on_device():
-        seen.append(teacher.location)
-        hidden = teacher.hidden_states(ids, mask, positions)
-    assert seen == ["device"] and teacher.location == "host"
-    assert all(module_location(m) == "host" for m in parked)
-    assert hidden.shape == (positions.numel(), teacher.model.config.hidden_size) and not hidden.requires_grad
+    host_storage = [p.data_ptr() for m in parked for p in m.parameters()]
+    seen, hidden = [], []
+    for _ in range(2):
+        with teacher.on_device():
+            seen.append(teacher.location)
+            hidden.append(teacher.hidden_states(ids, mask, positions))
+        assert teacher.location == "host" and all(module_location(m) == "host" for m in parked)
+        # Frozen: the host copy is kept, parking again drops the device one (no copy back, no new buffers).
+        assert [p.data_ptr() for m in parked for p in m.parameters()] == host_storage
+    assert seen == ["device", "device"] and torch.equal(hidden[0], hidden[1])
+    assert hidden[0].shape == (positions.numel(), teacher.model.config.hidden_size) and not hidden[0].requires_grad
 
 
 def _step(kd: LogitDistillation):
