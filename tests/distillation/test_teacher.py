@@ -118,12 +118,14 @@ def _step(kd: LogitDistillation):
 
 
 @pytest.mark.parametrize("loss, top_k", [("forward_kl", None), ("jsd", 16)])
-def test_resident_and_parked_teachers_give_the_same_loss_and_gradients(teacher_dir, loss, top_k):
+def test_resident_parked_and_own_device_teachers_give_the_same_loss_and_gradients(teacher_dir, loss, top_k):
+    """``host`` and a device named by itself (here the CPU, the student's too) against ``device``."""
     resident_loss, resident_grads = _step(_distillation(teacher_dir, "device", loss=loss, top_k=top_k))
-    parked_loss, parked_grads = _step(_distillation(teacher_dir, "host", loss=loss, top_k=top_k))
     assert resident_loss.item() > 0
-    assert torch.equal(resident_loss, parked_loss)
-    assert all(torch.equal(a, b) for a, b in zip(resident_grads, parked_grads))
+    for placement in ("host", "cpu"):
+        other_loss, other_grads = _step(_distillation(teacher_dir, placement, loss=loss, top_k=top_k))
+        assert torch.equal(resident_loss, other_loss), placement
+        assert all(torch.equal(a, b) for a, b in zip(resident_grads, other_grads)), placement
 
 
 def test_the_distilled_loss_is_the_textbook_one(teacher_dir):
@@ -259,3 +261,19 @@ def test_a_parked_teacher_leaves_the_gpu_outside_its_forward(teacher_dir):
         assert all(p.device.type == "cuda" for p in body)
         hidden = kd.teacher.hidden_states(ids, mask, positions)
     assert hidden.device.type == "cuda" and all(p.device.type == "cpu" for p in body)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second CUDA device")
+def test_a_teacher_on_a_device_of_its_own_sends_its_hidden_states_to_the_students(teacher_dir):
+    """``placement: cuda:1``: the teacher's forward on the second device, its hidden states and a
+    copy of its output layer on the student's; the loss equals a resident teacher's."""
+    student_device = torch.device("cuda:0")
+    kd = LogitDistillation(DistillationSettings(TeacherSettings(str(teacher_dir), placement="cuda:1")))
+    kd.check(str(STUDENT))
+    kd.teacher.load(student_device=student_device, compute_dtype=torch.float32, width=kd.vocabulary.width)
+    assert next(kd.teacher.model.parameters()).device == torch.device("cuda:1")
+    assert kd.teacher.output_layer.weight.device == student_device
+    ids, mask, positions, _ = (t.to(student_device) for t in _batch())
+    hidden = kd.teacher_hidden(ids, mask, positions)
+    assert hidden.device == student_device
