@@ -179,7 +179,9 @@ class Teacher:
         own = placement_device(placement)
         self.home = own or student_device
         if placement != "host":
-            model.to(self.home)
+            # nn.Module's own move, as Lightning moves a QLoRA base: transformers' override refuses a
+            # bitsandbytes model, whose weights (and their quantization state) move as any others.
+            nn.Module.to(model, self.home)
             if own is not None and own != student_device and self.output_layer_with_student:
                 head = _sliced(self._head(), self.width)
                 self._head_copy = _copy_to(head, student_device)
