@@ -144,10 +144,10 @@ def _step_runner(distill: bool, *, loss: bool = True):
         hidden = kd.teacher_hidden(batch["input_ids"], batch["attention_mask"], positions) if kd else None
         distilled = kd is not None and loss
         out = score_tokens(student, batch["input_ids"], batch["attention_mask"], positions, targets, chunk_size=512,
-                           with_hidden=distilled)
+                           extra=kd.in_forward(hidden, chunk_size=512) if distilled else None)
         total = -out.logprobs.sum()
         if distilled:
-            total = kd.mix(total, kd.divergence(student, out.hidden, hidden, chunk_size=512).sum())
+            total = kd.mix(total, out.extra.sum())
         (total / targets.numel()).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

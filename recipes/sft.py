@@ -237,17 +237,18 @@ class SFTModule(FreesGradientsAfterStep, ClipsGradients, LightningModule):
             with memory_phase(self._trainer, "teacher"):  # the teacher's forward, no gradients: a phase of its own
                 teacher = self.distillation.teacher_hidden(batch["input_ids"], batch.get("attention_mask"), positions,
                                                            position_ids=batch.get("position_ids"))
-        # Packed rows (data.packing) have restarting position_ids and no attention mask.
+        # Packed rows (data.packing) have restarting position_ids and no attention mask. With a teacher,
+        # the divergence is computed in the same forward, from the same rows and output layer.
+        divergence = None if teacher is None else self.distillation.in_forward(teacher, chunk_size=self.logits_chunk_size)
         scores = score_tokens(
             self.model, batch["input_ids"], batch.get("attention_mask"), positions, targets,
-            chunk_size=self.logits_chunk_size, position_ids=batch.get("position_ids"), with_hidden=teacher is not None,
+            chunk_size=self.logits_chunk_size, position_ids=batch.get("position_ids"), extra=divergence,
         )
         # The count is the targets' length: the host knows it, whoever found them.
         cross_entropy, tokens = -scores.logprobs.sum(), targets.numel()
         if teacher is None:
             return cross_entropy, tokens
-        divergence = self.distillation.divergence(self.model, scores.hidden, teacher,
-                                                  chunk_size=self.logits_chunk_size).sum()
+        divergence = scores.extra.sum()
         for name, value in (("train_ce_loss", cross_entropy), ("train_kd_loss", divergence)):
             self.log(name, value.detach() / max(tokens, 1), on_step=True, on_epoch=False)
         return self.distillation.mix(cross_entropy, divergence), tokens

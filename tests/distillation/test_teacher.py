@@ -111,8 +111,9 @@ def _step(kd: LogitDistillation):
     student = load_causal_lm(str(STUDENT), dtype="float32")
     ids, mask, positions, targets = _batch()
     teacher_hidden = kd.teacher_hidden(ids, mask, positions)
-    scores = score_tokens(student, ids, mask, positions, targets, chunk_size=4, with_hidden=True)
-    loss = kd.mix(-scores.logprobs.sum(), kd.divergence(student, scores.hidden, teacher_hidden, chunk_size=4).sum())
+    scores = score_tokens(student, ids, mask, positions, targets, chunk_size=4,
+                          extra=kd.in_forward(teacher_hidden, chunk_size=4))
+    loss = kd.mix(-scores.logprobs.sum(), scores.extra.sum())
     loss.backward()
     return loss.detach(), [p.grad for p in student.parameters()]
 
