@@ -164,6 +164,21 @@ def test_the_teachers_logprobs_are_its_log_softmax_at_the_targets(teacher_dir):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_an_on_policy_teacher_parks_whole_and_scores_with_its_own_output_layer(teacher_dir):
+    """``output_layer_with_student=False`` (on-policy distillation reads log-probs only): every
+    parameter parks, the output layer too, and :meth:`Teacher.logprobs` gives the resident values."""
+    resident = Teacher(TeacherSettings(str(teacher_dir)))
+    resident.load(student_device=CPU, compute_dtype=torch.float32, width=TOKENS)
+    parked = Teacher(TeacherSettings(str(teacher_dir), placement="host"))
+    parked.load(student_device=CPU, compute_dtype=torch.float32, width=TOKENS)
+    assert {id(p) for m in parked._parked for p in m.parameters()} == {id(p) for p in parked.model.parameters()}
+    ids, mask, positions, targets = _batch()
+    with parked.on_device():
+        got = parked.logprobs(ids, mask, positions, targets, chunk_size=3)
+    assert parked.location == "host"
+    assert torch.equal(got, resident.logprobs(ids, mask, positions, targets, chunk_size=3))
+
+
 def test_held_models_finds_the_teacher_outside_the_module_tree(teacher_dir):
     class Owner(nn.Module):
         def __init__(self) -> None:
