@@ -15,8 +15,9 @@ on the whole logits (``reference_rows``, TRL's formulation), in chunks of 512 ro
 
 Step time: one SFT step (forward, backward, AdamW) of the tiny student (assets/tiny-llama-student)
 on a 1,024-token micro-batch of the shipped arithmetic data, without and with logit distillation
-from the 4-block tiny model (forward KL, the teacher resident), in alternating rounds so that load
-from other jobs falls on both alike; the median per variant.
+from the 4-block tiny model (forward KL, the teacher resident), and with the teacher's forward
+alone (its hidden states dropped: the rest is the divergence's own cost), in alternating rounds so
+that load from other jobs falls on all alike; the median per variant.
 """
 
 from __future__ import annotations
@@ -117,8 +118,9 @@ def bytes_table(tokens: int, chunks: list[int]) -> list[str]:
     return rows
 
 
-def _step_runner(distill: bool):
-    """One SFT step of the tiny student, with or without the tiny teacher's forward KL."""
+def _step_runner(distill: bool, *, loss: bool = True):
+    """One SFT step of the tiny student, with or without the tiny teacher's forward KL (``loss=False``:
+    the teacher's forward runs, its hidden states are dropped: what the divergence itself costs)."""
     from lightning_mem.data import SFTDataModule
     from lightning_mem.distillation import DistillationSettings, LogitDistillation, TeacherSettings
     from lightning_mem.logits import score_tokens
@@ -140,12 +142,13 @@ def _step_runner(distill: bool):
     def step() -> None:
         positions, targets = batch["target_positions"], batch["target_ids"]
         hidden = kd.teacher_hidden(batch["input_ids"], batch["attention_mask"], positions) if kd else None
+        distilled = kd is not None and loss
         out = score_tokens(student, batch["input_ids"], batch["attention_mask"], positions, targets, chunk_size=512,
-                           with_hidden=kd is not None)
-        loss = -out.logprobs.sum()
-        if kd is not None:
-            loss = kd.mix(loss, kd.divergence(student, out.hidden, hidden, chunk_size=512).sum())
-        (loss / targets.numel()).backward()
+                           extra=kd.in_forward(hidden, chunk_size=512) if distilled else None)
+        total = -out.logprobs.sum()
+        if distilled:
+            total = kd.mix(total, out.extra.sum())
+        (total / targets.numel()).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -153,7 +156,8 @@ def _step_runner(distill: bool):
 
 
 def step_times(rounds: int, steps: int) -> dict[str, float]:
-    runners = {"sft": _step_runner(False), "sft + distillation": _step_runner(True)}
+    runners = {"sft": _step_runner(False), "sft + the teacher's forward": _step_runner(True, loss=False),
+               "sft + distillation": _step_runner(True)}
     for run in runners.values():  # warm-up
         run()
     times: dict[str, list[float]] = {name: [] for name in runners}

@@ -3,6 +3,7 @@
     python -m recipes.sft fit --config configs/sft/tiny_cpu.yaml
     python -m recipes.sft fit --config configs/sft/tiny_cpu.yaml --ckpt_path last   # resume
     python -m recipes.sft fit --config configs/sft/tiny_cpu_lora.yaml               # LoRA adapters
+    python -m recipes.sft fit --config configs/sft/tiny_cpu_distill.yaml            # from a teacher's logits
     python -m recipes.sft merge --adapter runs/sft/tiny_cpu_lora/export --out runs/sft/tiny_cpu_lora/merged
     python -m recipes.sft export --config configs/sft/tiny_cpu.yaml \
         --ckpt_path runs/sft/tiny_cpu/checkpoints/last.ckpt --out runs/sft/tiny_cpu/export_last
@@ -11,7 +12,10 @@ The memory plan (strategy, precision, checkpointing, offload, optimizer) lives i
 file is the algorithm: next-token cross-entropy on the assistant's tokens, as a token mean over
 each optimizer step (every micro-batch of the accumulation, every rank). With ``model.lora`` the
 base is frozen and LoRA adapters train (:mod:`lightning_mem.lora`): checkpoints then hold the
-adapters only, and the export is a peft adapter that ``merge`` folds into a plain HF model.
+adapters only, and the export is a peft adapter that ``merge`` folds into a plain HF model. With
+``model.distillation`` a frozen teacher's forward (its own phase, ``teacher``) gives its final hidden
+states at the same positions, and the divergence of the student's distribution from the teacher's is
+mixed with the cross-entropy (:mod:`lightning_mem.distillation`).
 """
 
 from __future__ import annotations
@@ -216,7 +220,7 @@ class SFTModule(FreesGradientsAfterStep, ClipsGradients, LightningModule):
     def forward(self, **batch: torch.Tensor) -> Any:
         return self.model(**batch)
 
-    # -- the algorithm: cross-entropy on assistant tokens ---------------------------------------
+    # -- the algorithm: cross-entropy on assistant tokens (and the teacher's divergence) -------------
     def loss(self, batch: dict[str, torch.Tensor], *, distill: bool = False) -> tuple[torch.Tensor, int]:
         """``(summed loss, label tokens)`` of a micro-batch; -100 marks prompt and padding. The loss is
         the cross-entropy, mixed with the divergence from the teacher when ``distill`` (training with
@@ -230,20 +234,21 @@ class SFTModule(FreesGradientsAfterStep, ClipsGradients, LightningModule):
             positions, targets = next_token_targets(batch["input_ids"], batch["labels"])
         teacher = None
         if distill and self.distillation is not None:
-            with memory_phase(self.trainer, "teacher"):  # the teacher's forward, no gradients: a phase of its own
+            with memory_phase(self._trainer, "teacher"):  # the teacher's forward, no gradients: a phase of its own
                 teacher = self.distillation.teacher_hidden(batch["input_ids"], batch.get("attention_mask"), positions,
                                                            position_ids=batch.get("position_ids"))
-        # Packed rows (data.packing) have restarting position_ids and no attention mask.
+        # Packed rows (data.packing) have restarting position_ids and no attention mask. With a teacher,
+        # the divergence is computed in the same forward, from the same rows and output layer.
+        divergence = None if teacher is None else self.distillation.in_forward(teacher, chunk_size=self.logits_chunk_size)
         scores = score_tokens(
             self.model, batch["input_ids"], batch.get("attention_mask"), positions, targets,
-            chunk_size=self.logits_chunk_size, position_ids=batch.get("position_ids"), with_hidden=teacher is not None,
+            chunk_size=self.logits_chunk_size, position_ids=batch.get("position_ids"), extra=divergence,
         )
         # The count is the targets' length: the host knows it, whoever found them.
         cross_entropy, tokens = -scores.logprobs.sum(), targets.numel()
         if teacher is None:
             return cross_entropy, tokens
-        divergence = self.distillation.divergence(self.model, scores.hidden, teacher,
-                                                  chunk_size=self.logits_chunk_size).sum()
+        divergence = scores.extra.sum()
         for name, value in (("train_ce_loss", cross_entropy), ("train_kd_loss", divergence)):
             self.log(name, value.detach() / max(tokens, 1), on_step=True, on_epoch=False)
         return self.distillation.mix(cross_entropy, divergence), tokens

@@ -9,14 +9,16 @@ mixed half and half with the cross-entropy), once with ``model.distillation`` of
 `scripts/eval_arithmetic.py` scores each export's greedy exact-answer rate on the shipped prompts
 (and the teacher's once). The teacher is the SFT demo's export (``--teacher``); when that folder
 does not exist it is trained first (``configs/sft/tiny_cpu.yaml``, about 2 minutes on 2 idle cores).
-The record (rates, the command, the date and machine) goes to ``--out``; docs/distillation.md
-states it.
+The record (rates, the command, the date and machine, a fingerprint of the runs' inputs) goes to
+``--out``; docs/distillation.md states it, and tests/test_scripts.py checks the two agree and that
+the record is of the current inputs (rerun this after changing them).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import os
 import platform
@@ -28,6 +30,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "configs/sft/tiny_cpu_distill.yaml"
 RECORD = ROOT / "docs" / "distill_figure.json"
+#: What the runs train on and from: when one of these changes, the recorded figure is stale.
+INPUTS = (CONFIG, "configs/sft/tiny_cpu.yaml", "data/arithmetic/train.jsonl", "data/arithmetic/val.jsonl",
+          "data/arithmetic/prompts.jsonl", "assets/tiny-llama/config.json", "assets/tiny-llama-student/config.json")
+
+
+def fingerprint() -> str:
+    """sha256 over the runs' inputs (:data:`INPUTS`)."""
+    digest = hashlib.sha256()
+    for name in INPUTS:
+        digest.update(name.encode() + b"\0" + (ROOT / name).read_bytes())
+    return digest.hexdigest()
 
 
 def _env() -> dict[str, str]:
@@ -76,7 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"seed {seed}: greedy_exact SFT alone {sft:.3f}, distilled {kd:.3f}", flush=True)
     record = {
         "greedy_exact": rows, "teacher_greedy_exact": greedy_exact(teacher),
-        "distill_wins_every_seed": all(r["distill"] > r["sft"] for r in rows.values()),
+        "distill_wins_every_seed": all(r["distill"] > r["sft"] for r in rows.values()), "inputs": fingerprint(),
         "date": datetime.date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "command": " ".join(["python scripts/distill_figure.py", "--seeds", *map(str, args.seeds), *overrides]),
     }

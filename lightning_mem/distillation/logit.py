@@ -5,12 +5,11 @@ Per micro-batch, at the positions the cross-entropy scores (the assistant's toke
 1. the teacher's forward, without gradients (:meth:`LogitDistillation.teacher_hidden`; a recipe
    runs it as its own phase, so the memory monitor and the estimate show it): its final hidden
    states at those positions, ``[n, H_t]``;
-2. the student's forward returns its own there (``score_tokens(..., with_hidden=True)``) beside
-   the cross-entropy;
-3. :meth:`LogitDistillation.divergence`: each position's divergence of the student from the teacher,
-   both output layers applied a vocabulary slice at a time
-   (:mod:`lightning_mem.distillation.divergences`);
-4. :meth:`LogitDistillation.mix`: ``(1 - kd_ratio) * CE + kd_ratio * KD`` (torchtune's), both summed
+2. inside the student's forward, beside the cross-entropy (``score_tokens(..., extra=...)`` with
+   :meth:`LogitDistillation.in_forward`, where a strategy has the student's output layer whole):
+   each position's divergence of the student from the teacher, both output layers applied a
+   vocabulary slice at a time (:mod:`lightning_mem.distillation.divergences`);
+3. :meth:`LogitDistillation.mix`: ``(1 - kd_ratio) * CE + kd_ratio * KD`` (torchtune's), both summed
    over the micro-batch's tokens, so that the recipe's step scale makes each a token mean over the
    optimizer step.
 
@@ -21,6 +20,7 @@ scale by it to keep gradient sizes comparable across temperatures).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -31,7 +31,6 @@ from lightning_mem.distillation.divergences import Divergence, distillation_dive
 from lightning_mem.distillation.teacher import Teacher, TeacherSettings
 from lightning_mem.distillation.vocabulary import SharedVocabulary, shared_vocabulary
 from lightning_mem.data.packing import check_packing_attention
-from lightning_mem.logits import causal_lm_of
 from lightning_mem.settings import SettingError, SettingNotSupported, check_fields, settings_at
 
 
@@ -69,8 +68,8 @@ class LogitDistillation:
     """The teacher and the loss of logit distillation (see the module docstring).
 
     The recipe calls :meth:`check` in ``setup`` (before anything loads), :meth:`load_teacher` in
-    ``configure_model``, then per micro-batch :meth:`teacher_hidden`, :meth:`divergence` and
-    :meth:`mix`. Errors name keys relative to the settings (a recipe adds its prefix).
+    ``configure_model``, then per micro-batch :meth:`teacher_hidden`, :meth:`in_forward` (the
+    student's scoring forward computes the divergence) and :meth:`mix`. Errors name keys relative to the settings (a recipe adds its prefix).
     """
 
     def __init__(self, settings: DistillationSettings) -> None:
@@ -128,15 +127,21 @@ class LogitDistillation:
         with self.teacher.on_device():
             return self.teacher.hidden_states(input_ids, attention_mask, positions, position_ids=position_ids)
 
-    def divergence(self, student: nn.Module, student_hidden: Tensor, teacher_hidden: Tensor, *,
+    def divergence(self, student_hidden: Tensor, student_head: nn.Module, teacher_hidden: Tensor, *,
                    chunk_size: int | str | None = "auto") -> Tensor:
-        """``[n]`` fp32: each position's divergence of ``student``'s distribution from the teacher's."""
+        """``[n]`` fp32: each position's divergence of the student's distribution (its hidden rows
+        through ``student_head``) from the teacher's."""
         s = self.settings
         return distillation_divergence(
-            student_hidden, causal_lm_of(student).get_output_embeddings(), teacher_hidden, self.teacher.output_layer,
-            divergence=self.measure, temperature=float(s.temperature), width=self.vocabulary.width, top_k=s.top_k,
-            chunk_size=chunk_size,
+            student_hidden, student_head, teacher_hidden, self.teacher.output_layer, divergence=self.measure,
+            temperature=float(s.temperature), width=self.vocabulary.width, top_k=s.top_k, chunk_size=chunk_size,
         )
+
+    def in_forward(self, teacher_hidden: Tensor, *, chunk_size: int | str | None = "auto"
+                   ) -> Callable[[Tensor, nn.Module], Tensor]:
+        """:meth:`divergence` against ``teacher_hidden``, as ``score_tokens``' ``extra``: run inside
+        the student's forward on its scored rows and its own output layer."""
+        return lambda hidden, head: self.divergence(hidden, head, teacher_hidden, chunk_size=chunk_size)
 
     def mix(self, cross_entropy: Tensor, divergence: Tensor) -> Tensor:
         """``(1 - kd_ratio) * cross_entropy + kd_ratio * divergence`` (both summed over the same tokens)."""

@@ -17,8 +17,11 @@ carries it (it reloads from ``name_or_path``). Where it lives (``placement``):
 - ``device``: on the student's device for the whole fit;
 - ``host``: on the host between its uses, as PPO's memory plan parks frozen models
   (:mod:`lightning_mem.offload`): :meth:`Teacher.on_device` brings it in for its forward and parks
-  it again. For logit distillation its output layer (and an input embedding tied to it) stays on
-  the device: the student's loss applies it in its forward and backward;
+  it again. It never changes, so its host copy (pinned on CUDA) is made once and kept: parking
+  drops the device tensors, and each forward costs one host-to-device copy (a 4-bit teacher, whose
+  weights carry quantization state that moves with them, is copied back each time). For logit
+  distillation its output layer (and an input embedding tied to it) stays on the device: the
+  student's loss applies it in its forward and backward;
 - a device of its own (``cuda:1``): there for the whole fit; what it computes comes back to the
   student's device (for logit distillation with a copy of its output layer there).
 
@@ -130,6 +133,7 @@ class Teacher:
         self.student_device = torch.device("cpu")
         self.home = torch.device("cpu")  # where its forward runs
         self._parked: list[nn.Module] = []  # what lives on the host between uses
+        self._host: dict[int, list[Tensor]] = {}  # their kept host tensors, by id of the part
         self._head_copy: nn.Linear | None = None
 
     # -- loading and placing ----------------------------------------------------------------------
@@ -175,7 +179,9 @@ class Teacher:
         own = placement_device(placement)
         self.home = own or student_device
         if placement != "host":
-            model.to(self.home)
+            # nn.Module's own move, as Lightning moves a QLoRA base: transformers' override refuses a
+            # bitsandbytes model, whose weights (and their quantization state) move as any others.
+            nn.Module.to(model, self.home)
             if own is not None and own != student_device and self.output_layer_with_student:
                 head = _sliced(self._head(), self.width)
                 self._head_copy = _copy_to(head, student_device)
@@ -183,9 +189,16 @@ class Teacher:
         head = self._head()
         kept = {id(p) for p in head.parameters()} if self.output_layer_with_student else set()
         self._parked = _without(model, kept)
+        pin = student_device.type == "cuda"  # loaded on the host: pinned here, as offload pins what leaves a GPU
+        quantized = self.settings.quantization is not None
         for part in self._parked:
-            offload.offload_module(part)
-            offload.module_residency(part).home = {name: student_device for name in offload.module_residency(part).home}
+            ledger = offload.offload_module(part)
+            ledger.home = {name: student_device for name in ledger.home}
+            if pin:
+                for tensor in _tensors(part):
+                    tensor.data = tensor.data.pin_memory()
+            if not quantized:
+                self._host[id(part)] = [t.data for t in _tensors(part)]
         if kept:  # the output layer (and an embedding tied to it) lives on the device
             for module in model.modules():
                 if any(id(p) in kept for p in module.parameters(recurse=False)):
@@ -213,12 +226,23 @@ class Teacher:
         from lightning_mem import offload
 
         for part in self._parked:
-            offload.reload_module(part)
+            offload.reload_module(part)  # copies to the device; the kept host tensors stay
         try:
             yield
         finally:
             for part in self._parked:
-                offload.offload_module(part)
+                self._park(part)
+
+    def _park(self, part: nn.Module) -> None:
+        from lightning_mem import offload
+
+        kept = self._host.get(id(part))
+        if kept is None:
+            offload.offload_module(part)
+            return
+        for tensor, host in zip(_tensors(part), kept):
+            tensor.data = host  # the device copy is dropped; the host one is still exact
+        offload.module_residency(part).location = "host"
 
     # -- what it computes (call inside on_device) ----------------------------------------------
     def hidden_states(self, input_ids: Tensor, attention_mask: Tensor | None, positions: Tensor, *,
@@ -241,6 +265,10 @@ class Teacher:
             logprobs, _ = chunked_logprobs(hidden, wanted, _sliced(self._head(), self.width), chunk_size=chunk_size,
                                            temperature=temperature)
         return logprobs.to(self.student_device)
+
+
+def _tensors(module: nn.Module) -> list[Tensor]:
+    return [*module.parameters(), *(b for b in module.buffers() if b is not None)]
 
 
 def _to(device: torch.device, *tensors: Tensor | None) -> list[Tensor | None]:

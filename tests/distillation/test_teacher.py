@@ -92,13 +92,17 @@ def test_a_parked_teacher_is_on_the_device_only_inside_its_forward(teacher_dir):
     assert teacher.location == "host"
     assert all(set(module_residency(m).home.values()) == {CPU} for m in parked)  # they return to the student's device
     ids, mask, positions, _ = _batch()
-    seen = []
-    with teacher.on_device():
-        seen.append(teacher.location)
-        hidden = teacher.hidden_states(ids, mask, positions)
-    assert seen == ["device"] and teacher.location == "host"
-    assert all(module_location(m) == "host" for m in parked)
-    assert hidden.shape == (positions.numel(), teacher.model.config.hidden_size) and not hidden.requires_grad
+    host_storage = [p.data_ptr() for m in parked for p in m.parameters()]
+    seen, hidden = [], []
+    for _ in range(2):
+        with teacher.on_device():
+            seen.append(teacher.location)
+            hidden.append(teacher.hidden_states(ids, mask, positions))
+        assert teacher.location == "host" and all(module_location(m) == "host" for m in parked)
+        # Frozen: the host copy is kept, parking again drops the device one (no copy back, no new buffers).
+        assert [p.data_ptr() for m in parked for p in m.parameters()] == host_storage
+    assert seen == ["device", "device"] and torch.equal(hidden[0], hidden[1])
+    assert hidden[0].shape == (positions.numel(), teacher.model.config.hidden_size) and not hidden[0].requires_grad
 
 
 def _step(kd: LogitDistillation):
@@ -107,19 +111,22 @@ def _step(kd: LogitDistillation):
     student = load_causal_lm(str(STUDENT), dtype="float32")
     ids, mask, positions, targets = _batch()
     teacher_hidden = kd.teacher_hidden(ids, mask, positions)
-    scores = score_tokens(student, ids, mask, positions, targets, chunk_size=4, with_hidden=True)
-    loss = kd.mix(-scores.logprobs.sum(), kd.divergence(student, scores.hidden, teacher_hidden, chunk_size=4).sum())
+    scores = score_tokens(student, ids, mask, positions, targets, chunk_size=4,
+                          extra=kd.in_forward(teacher_hidden, chunk_size=4))
+    loss = kd.mix(-scores.logprobs.sum(), scores.extra.sum())
     loss.backward()
     return loss.detach(), [p.grad for p in student.parameters()]
 
 
 @pytest.mark.parametrize("loss, top_k", [("forward_kl", None), ("jsd", 16)])
-def test_resident_and_parked_teachers_give_the_same_loss_and_gradients(teacher_dir, loss, top_k):
+def test_resident_parked_and_own_device_teachers_give_the_same_loss_and_gradients(teacher_dir, loss, top_k):
+    """``host`` and a device named by itself (here the CPU, the student's too) against ``device``."""
     resident_loss, resident_grads = _step(_distillation(teacher_dir, "device", loss=loss, top_k=top_k))
-    parked_loss, parked_grads = _step(_distillation(teacher_dir, "host", loss=loss, top_k=top_k))
     assert resident_loss.item() > 0
-    assert torch.equal(resident_loss, parked_loss)
-    assert all(torch.equal(a, b) for a, b in zip(resident_grads, parked_grads))
+    for placement in ("host", "cpu"):
+        other_loss, other_grads = _step(_distillation(teacher_dir, placement, loss=loss, top_k=top_k))
+        assert torch.equal(resident_loss, other_loss), placement
+        assert all(torch.equal(a, b) for a, b in zip(resident_grads, other_grads)), placement
 
 
 def test_the_distilled_loss_is_the_textbook_one(teacher_dir):
@@ -155,6 +162,21 @@ def test_the_teachers_logprobs_are_its_log_softmax_at_the_targets(teacher_dir):
     want = torch.log_softmax(logits.reshape(-1, logits.shape[-1])[positions] / 2.0, -1).gather(-1, targets[:, None])[:, 0]
     assert got.shape == targets.shape
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_an_on_policy_teacher_parks_whole_and_scores_with_its_own_output_layer(teacher_dir):
+    """``output_layer_with_student=False`` (on-policy distillation reads log-probs only): every
+    parameter parks, the output layer too, and :meth:`Teacher.logprobs` gives the resident values."""
+    resident = Teacher(TeacherSettings(str(teacher_dir)))
+    resident.load(student_device=CPU, compute_dtype=torch.float32, width=TOKENS)
+    parked = Teacher(TeacherSettings(str(teacher_dir), placement="host"))
+    parked.load(student_device=CPU, compute_dtype=torch.float32, width=TOKENS)
+    assert {id(p) for m in parked._parked for p in m.parameters()} == {id(p) for p in parked.model.parameters()}
+    ids, mask, positions, targets = _batch()
+    with parked.on_device():
+        got = parked.logprobs(ids, mask, positions, targets, chunk_size=3)
+    assert parked.location == "host"
+    assert torch.equal(got, resident.logprobs(ids, mask, positions, targets, chunk_size=3))
 
 
 def test_held_models_finds_the_teacher_outside_the_module_tree(teacher_dir):
@@ -255,3 +277,19 @@ def test_a_parked_teacher_leaves_the_gpu_outside_its_forward(teacher_dir):
         assert all(p.device.type == "cuda" for p in body)
         hidden = kd.teacher.hidden_states(ids, mask, positions)
     assert hidden.device.type == "cuda" and all(p.device.type == "cpu" for p in body)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second CUDA device")
+def test_a_teacher_on_a_device_of_its_own_sends_its_hidden_states_to_the_students(teacher_dir):
+    """``placement: cuda:1``: the teacher's forward on the second device, its hidden states and a
+    copy of its output layer on the student's; the loss equals a resident teacher's."""
+    student_device = torch.device("cuda:0")
+    kd = LogitDistillation(DistillationSettings(TeacherSettings(str(teacher_dir), placement="cuda:1")))
+    kd.check(str(STUDENT))
+    kd.teacher.load(student_device=student_device, compute_dtype=torch.float32, width=kd.vocabulary.width)
+    assert next(kd.teacher.model.parameters()).device == torch.device("cuda:1")
+    assert kd.teacher.output_layer.weight.device == student_device
+    ids, mask, positions, _ = (t.to(student_device) for t in _batch())
+    hidden = kd.teacher_hidden(ids, mask, positions)
+    assert hidden.device == student_device

@@ -68,6 +68,20 @@ def test_every_distillation_key_from_yaml_with_a_lora_student_on_packed_rows(tmp
     assert (root / "random_teacher").is_dir()  # the config-only teacher's seeded weights, for the 4-bit load
 
 
+def test_a_student_sharded_by_fsdp2_distills(tmp_path):
+    """Two FSDP2 ranks (gloo, CPU offload, checkpointing: configs/sft/tiny_cpu_fsdp2.yaml), each with
+    its own teacher parked on the host: the divergence runs inside the student's forward, where the
+    root unit's output layer is whole (outside it that layer is a DTensor shard)."""
+    root = tmp_path
+    run = run_recipe("sft", "fit", "--config", "configs/sft/tiny_cpu_fsdp2.yaml", f"--trainer.default_root_dir={root}",
+                     *csv_logger_args(root), *SHORT[:-2], "--data.max_tokens_per_batch=256", "--trainer.max_steps=2",
+                     "--model.name_or_path=assets/tiny-llama-student",
+                     f"--model.distillation={{teacher: {{name_or_path: {TINY_MODEL}, placement: host}}}}")
+    assert run.returncode == 0, run.stderr[-3000:]
+    kd = read_metric(root, "train_kd_loss")
+    assert sorted(kd) == [0, 1] and all(0 < v < 10 for v in kd.values())
+
+
 def test_the_estimate_shows_the_teachers_phase_and_the_students():
     from lightning_mem.estimate import estimate
 
