@@ -95,7 +95,7 @@ from lightning_mem.rl.policy_losses import SEQUENCE_LOSSES, policy_loss
 from lightning_mem.rl.rollout_correction import correction_weights, mismatch_kl
 from lightning_mem.rl.sample_filters import groups_filtered, overlong_penalty, truncated, varied_groups
 from lightning_mem.rl.engines import RolloutEngineConfig, logprob_mismatch
-from lightning_mem.rl.distillation import OnPolicyDistillation, TeacherConfig, check_reward_free_objective
+from lightning_mem.rl.distillation import NoReward, TeacherConfig, check_signals, on_policy_distillation
 from lightning_mem.rl.critic import SeparateCritic, SharedHead, ValueHead, ValueModel, load_value_model, value_function
 from lightning_mem.rl.memory_plan import PhaseMemory, PhaseMemoryPlan
 from lightning_mem.rl.microbatch import PackedBudget
@@ -197,9 +197,6 @@ class PPOModule(LightningModule):
         super().__init__()
         if isinstance(lora, dict):  # load_from_checkpoint passes the saved hyperparameters back as dicts
             lora = LoraSettings(**lora)
-        if isinstance(teacher, dict):
-            with settings_at("model.teacher"):
-                teacher = TeacherConfig(**teacher)
         # Every check that needs no model runs here, so a bad config fails in a second.
         self._validate(name_or_path, dtype, lora, advantage_estimator, reward, reward_model, reference,
                        generation, ppo, kl, grpo, critic, memory_plan, logits_chunk_size,
@@ -213,13 +210,13 @@ class PPOModule(LightningModule):
         self.strict_loading = False  # checkpoints hold only what trains (on_save_checkpoint)
         self.optimizer_factory, self.critic_optimizer_factory = optimizer, critic_optimizer
         self.lr_scheduler_factory = lr_scheduler
-        self.reward_fn = reward
+        self.reward_fn = NoReward() if reward is None and reward_model is None else reward  # a teacher alone: 0
         self.lora = lora
         self.generation, self.ppo, self.kl, self.grpo = generation, ppo, kl, grpo
         self.critic_config, self.memory_plan = critic, memory_plan
         # Kept as given: under the CLI, hparams hold the parsed config's plain dicts, not this dataclass.
         self.reward_model_config = reward_model
-        self.distillation = OnPolicyDistillation(teacher) if teacher is not None else None
+        self.distillation = on_policy_distillation(teacher)
         self.logits_chunk_size = check_chunk_size(logits_chunk_size, key="model.logits_chunk_size")
         self.advantage_estimator = advantage_estimator
         self.use_critic = advantage_estimator in WITH_CRITIC
@@ -310,9 +307,7 @@ class PPOModule(LightningModule):
         resolve_dtype(dtype, key="model.dtype")
         if advantage_estimator not in ADVANTAGE_ESTIMATORS:
             raise SettingError("model.advantage_estimator", f" must be one of {ADVANTAGE_ESTIMATORS}, got {advantage_estimator!r}")
-        if (reward is None) == (reward_model is None) and not (reward is None and teacher is not None):  # a teacher alone may train
-            raise SettingError("model.reward", "set one of `model.reward` (a rule's class_path) and `model.reward_model`"
-                               " (or neither beside `model.teacher`)")
+        check_signals(reward, reward_model, teacher, advantage_estimator, filter_groups=ppo.filter_groups)
         if reward is not None and not callable(reward):
             raise TypeError(f"`model.reward` must be a RewardFunction, got {type(reward).__name__}")
         if reward_model is not None:
@@ -333,9 +328,6 @@ class PPOModule(LightningModule):
         with settings_at("model.memory_plan"):
             memory_plan.validate()
         PPOModule._validate_objective(advantage_estimator, generation, ppo, critic)
-        if teacher is not None and reward is None and reward_model is None:
-            with settings_at("model"):
-                check_reward_free_objective(advantage_estimator, filter_groups=ppo.filter_groups)
 
     @staticmethod
     def _validate_objective(advantage_estimator, generation, ppo, critic) -> None:
@@ -515,11 +507,8 @@ class PPOModule(LightningModule):
             )
         if self.distillation is not None:  # frozen, outside this module's tree, placed as `model.teacher.placement` says
             with settings_at("model"):
-                teacher = self.distillation.load(self.trainer, compute_dtype=dtypes["compute"],
-                                                 trust_remote_code=hp.trust_remote_code,
-                                                 attn_implementation=hp.attn_implementation)
-            if self.ppo.packing:
-                use_packed_sdpa(teacher)
+                self.distillation.load(self.trainer, compute_dtype=dtypes["compute"],
+                                       trust_remote_code=hp.trust_remote_code, attn_implementation=hp.attn_implementation)
         self.eos_token_ids = _eos_ids(self.actor, self.tokenizer)
         # Separate placement: the generators run the configured engine; a training rank samples
         # nothing, so it holds the plain one (no weights of its own, nothing to start or sync).
@@ -768,8 +757,6 @@ class PPOModule(LightningModule):
             exp.sample_stats["overlong_penalty"] = penalty.to(torch.float64).sum()
 
     def _scores(self, exp: Experience, responses: list[str]) -> Tensor:
-        if self.reward_fn is None and self.reward_model is None:  # a distillation teacher is the only signal
-            return torch.as_tensor([0.0] * len(responses)).to(self.device)  # host scores, as a rule's are
         if self.reward_fn is not None:
             scores = self.reward_fn(exp.prompts, responses, exp.rows)
         else:

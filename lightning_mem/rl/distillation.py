@@ -47,7 +47,8 @@ from torch import Tensor
 
 from lightning_mem.distillation.teacher import Teacher, TeacherSettings
 from lightning_mem.distillation.vocabulary import SharedVocabulary, shared_vocabulary
-from lightning_mem.settings import SettingError, SettingNotSupported, check_fields
+from lightning_mem.rl.reward import RewardFunction
+from lightning_mem.settings import SettingError, SettingNotSupported, check_fields, settings_at
 
 
 @dataclass
@@ -80,6 +81,13 @@ def _splits_sequences(trainer: Any) -> dict[str, int]:
     return {key: degree for key, degree in degrees.items() if degree > 1}
 
 
+class NoReward(RewardFunction):
+    """Every response scores 0: the reward of a run whose only signal is the teacher."""
+
+    def score(self, prompts: list[str], responses: list[str], rows: list[dict[str, Any]]) -> list[float]:
+        return [0.0] * len(responses)
+
+
 class OnPolicyDistillation:
     """The teacher of on-policy distillation and its advantage (see the module docstring).
 
@@ -90,6 +98,7 @@ class OnPolicyDistillation:
 
     def __init__(self, config: TeacherConfig) -> None:
         self.config = config
+        self.packing = False
         # The whole teacher parks under `placement: host`: only its own forward reads its output layer.
         self.teacher = Teacher(config, output_layer_with_student=False, key="teacher")
         self.vocabulary: SharedVocabulary | None = None
@@ -111,6 +120,7 @@ class OnPolicyDistillation:
             raise SettingNotSupported(
                 "teacher", f" with `trainer.strategy.init_args.{key}: {degree}`: the teacher scores whole sequences on"
                 " every rank; use data parallelism (FSDP2 without those degrees)")
+        self.packing = packing
         if packing and self.config.attn_implementation is not None:  # unset: the student's, checked by the recipe
             check_packing_attention(self.config.attn_implementation, key="teacher.attn_implementation",
                                     packing_key="ppo.packing")
@@ -123,17 +133,22 @@ class OnPolicyDistillation:
              random_init_dir: str = "random_teacher") -> torch.nn.Module:
         """Load the teacher frozen and place it (``placement``) beside the trainer's device. A 4-bit
         teacher from a config-only folder first gets seeded random weights under ``random_init_dir``
-        (relative to ``trainer.default_root_dir``): a 4-bit load reads weights from disk."""
+        (relative to ``trainer.default_root_dir``): a 4-bit load reads weights from disk. Under
+        packing (:meth:`check`'s ``packing``) its attention scores each packed sequence alone."""
         from lightning_mem.lora import saved_base
+        from lightning_mem.packed_attention import use_packed_sdpa
 
         if self.vocabulary is None:
             raise RuntimeError("OnPolicyDistillation.check must run before load")
         source = None
         if self.config.quantization is not None:
             source = saved_base(trainer, self.config.name_or_path, random_init_dir, seed=init_seed)
-        return self.teacher.load(student_device=trainer.strategy.root_device, compute_dtype=compute_dtype,
-                                 width=self.vocabulary.width, source=source, trust_remote_code=trust_remote_code,
-                                 attn_implementation=attn_implementation)
+        model = self.teacher.load(student_device=trainer.strategy.root_device, compute_dtype=compute_dtype,
+                                  width=self.vocabulary.width, source=source, trust_remote_code=trust_remote_code,
+                                  attn_implementation=attn_implementation)
+        if self.packing:
+            use_packed_sdpa(model)
+        return model
 
     @torch.no_grad()
     def score(self, exp: Any, micro_batches: Callable[[Sequence[int]], list[list[int]]], *, temperature: float,
@@ -167,6 +182,32 @@ class OnPolicyDistillation:
         exp.sample_stats["teacher_kl"] = log_ratio.to(torch.float64).sum()
         distilled = reverse_kl_advantages(exp.old_logprobs, exp.teacher_logprobs, mask, coef=float(self.config.coef))
         return reward_advantages + distilled.to(reward_advantages.dtype)
+
+
+def on_policy_distillation(teacher: TeacherConfig | dict | None) -> OnPolicyDistillation | None:
+    """The PPO recipe's ``model.teacher`` (a dict under the CLI's saved hyperparameters), built; None unset."""
+    if teacher is None:
+        return None
+    if isinstance(teacher, dict):
+        with settings_at("model.teacher"):
+            teacher = TeacherConfig(**teacher)
+    return OnPolicyDistillation(teacher)
+
+
+def check_signals(reward: Any, reward_model: Any, teacher: Any, advantage_estimator: str, *,
+                  filter_groups: bool) -> None:
+    """One of ``model.reward`` and ``model.reward_model``, or neither beside ``model.teacher`` with an
+    objective that learns from the teacher alone (:func:`check_reward_free_objective`).
+
+    Raises:
+        SettingError: naming ``model.reward``, ``model.advantage_estimator`` or ``model.ppo.filter_groups``.
+    """
+    if reward is not None and reward_model is not None or reward is None and reward_model is None and teacher is None:
+        raise SettingError("model.reward", "set one of `model.reward` (a rule's class_path) and `model.reward_model`"
+                           " (or neither beside `model.teacher`)")
+    if teacher is not None and reward is None and reward_model is None:
+        with settings_at("model"):
+            check_reward_free_objective(advantage_estimator, filter_groups=filter_groups)
 
 
 def check_reward_free_objective(advantage_estimator: str, *, filter_groups: bool) -> None:
