@@ -23,6 +23,7 @@ its log-probs exactly as the policy's are computed, same chunking, same batch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from contextlib import contextmanager
@@ -170,7 +171,7 @@ def build_reference(mode: str, *, pin_memory: bool | None = None) -> Reference:
 
 
 # ---------------------------------------------------------------------------------------------
-# precompute: one pass, each replica its share, the table of (chosen, rejected) sums per pair
+# precompute: one pass, each replica its share, a table of (chosen, rejected) sums per pair
 # ---------------------------------------------------------------------------------------------
 
 
@@ -193,9 +194,11 @@ def padded_share(batches: Iterable[dict[str, Tensor]], count: int,
 def reference_table(batches: Iterable[tuple[dict[str, Tensor], bool]], score: Callable[[dict[str, Tensor]], Tensor],
                     pairs: int, device: torch.device | str) -> Tensor:
     """``[pairs, 2]`` float32: the (chosen, rejected) log-prob sums ``score(batch)`` gives each kept
-    batch's pairs, at their ``pair_index`` rows; the rows of pairs no kept batch holds stay 0 (another
-    replica's share: the replicas' tables are summed)."""
-    table = torch.zeros(pairs, 2, dtype=torch.float32, device=device)
+    batch's pairs, at their ``pair_index`` rows. The rows of pairs no kept batch holds are ``-inf``:
+    another replica's share. The replicas' tables then combine by an element-wise max, which takes
+    each pair's value whoever scored it, and as it is when two replicas scored it (a sampler that
+    serves a batch twice to even out the ranks' step counts)."""
+    table = torch.full((pairs, 2), -math.inf, dtype=torch.float32, device=device)
     for batch, keep in batches:
         sums = score(batch).float()  # [2B]: the chosen sides first, then the rejected
         if keep:
@@ -213,6 +216,10 @@ def looked_up(table: Tensor, pair_index: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def check_table(table: Tensor, pairs: int, *, where: Any) -> None:
-    """A loaded table must have one row per kept pair (a cache key covers it; this says so plainly)."""
+    """A table must hold one finite row per kept pair: a wrong shape (a file of other data) or a
+    pair no replica scored (``-inf``) fails here, plainly, rather than as a strange loss later."""
     if table.dim() != 2 or table.shape != (pairs, 2):
         raise ValueError(f"{where}: reference log-probs of shape {tuple(table.shape)}, expected ({pairs}, 2) for {pairs} pairs")
+    missing = (~torch.isfinite(table)).any(dim=1).nonzero().flatten()
+    if missing.numel():
+        raise ValueError(f"{where}: {missing.numel()} of {pairs} pairs were not scored (pair {int(missing[0])} first)")

@@ -65,7 +65,7 @@ from lightning_mem.preference_reference import (
     reference_mode,
     reference_table,
 )
-from lightning_mem.ranks import check_model_splits, data_parallel, sum_over_replicas
+from lightning_mem.ranks import check_model_splits, data_parallel
 from lightning_mem.reference_cache import ReferenceLogpCache, cache_key, code_version, weights_identity
 from lightning_mem.rl.memory_plan import release_cached_memory
 from lightning_mem.rl.reference import disable_dropout
@@ -176,7 +176,7 @@ class DPOModule(SFTModule):
             from lightning_mem.lora import saved_base
 
             hp = self.hparams
-            self._policy_path = saved_base(self.trainer, hp.name_or_path, hp.random_init_dir, seed=hp.init_seed)
+            self._policy_path = saved_base(self._trainer, hp.name_or_path, hp.random_init_dir, seed=hp.init_seed)
         return self._policy_path
 
     def reference_source(self) -> str:
@@ -271,6 +271,10 @@ class DPOModule(SFTModule):
         """This rank's share of the pass over ``split``, as ``(batch, keep)``: the data module's
         in-order micro-batches, padded so every replica runs as many forwards."""
         datamodule = self.trainer.datamodule
+        if not hasattr(datamodule, "reference_loader"):
+            raise TypeError(f"`model.reference.mode: precompute` passes over the data before training through the data"
+                            f" module's reference_loader(), and {type(datamodule).__name__} has none"
+                            " (lightning_mem.data.PreferenceDataModule has)")
         replicas, replica = data_parallel(self.trainer)
         whole = datamodule.reference_loader(split)
         mine = datamodule.reference_loader(split, num_replicas=replicas, rank=replica) if replicas > 1 else whole
@@ -279,14 +283,15 @@ class DPOModule(SFTModule):
 
     def reference_pass(self, batches: Any, pairs: int) -> Tensor:
         """The reference's (chosen, rejected) sums of every pair of ``batches`` (``(batch, keep)``), a
-        ``[pairs, 2]`` table summed over the replicas: the loop the memory estimate can drive."""
+        ``[pairs, 2]`` table gathered from the replicas (an element-wise max: the rows another
+        replica scored are ``-inf`` here): the loop the memory estimate can drive."""
         if self.reference_mode == "precompute" and self._restored and self.reference_policy.mode == "starting_policy":
             self._load_late_copy()
         score = lambda batch: self.reference_policy.logprobs(  # noqa: E731
             self.model, lambda model: self.sequence_logps(model, move_data_to_device(batch, self.device)))
         with memory_phase(self.trainer, "precompute"), torch.no_grad(), self.trainer.precision_plugin.forward_context():
             table = reference_table(batches, score, pairs, self.device)
-        return sum_over_replicas(self.trainer, table)
+        return self.trainer.strategy.reduce(table, reduce_op="max")
 
     def _load_late_copy(self) -> None:
         # NOTE: a resumed full fine-tune whose cache is gone: the policy no longer holds its start,
@@ -335,7 +340,7 @@ class DPOModule(SFTModule):
             chosen, rejected = looked_up(self.reference_tables[split], batch["pair_index"])
             tokens, half = batch["sequence_tokens"], batch["pair_index"].numel()
             return SequenceLogps(chosen, tokens[:half]), SequenceLogps(rejected, tokens[half:])
-        with memory_phase(self.trainer, "reference"), torch.no_grad():
+        with memory_phase(self._trainer, "reference"), torch.no_grad():
             sums = self.reference_policy.logprobs(self.model, lambda model: self.sequence_logps(model, batch))
         return self.sides(sums, batch)
 
