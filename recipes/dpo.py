@@ -1,27 +1,17 @@
 """Direct preference optimization (DPO) and its family on preference pairs.
 
     python -m recipes.dpo fit --config configs/dpo/tiny_cpu.yaml
-    python -m recipes.dpo fit --config configs/dpo/tiny_cpu.yaml --ckpt_path last              # resume
     python -m recipes.dpo fit --config configs/dpo/tiny_cpu.yaml --model.reference.mode precompute
-    python -m recipes.dpo export --config configs/dpo/tiny_cpu.yaml \\
-        --ckpt_path runs/dpo/tiny_cpu/checkpoints/last.ckpt --out runs/dpo/tiny_cpu/export_last
-    python -m recipes.dpo merge --adapter runs/dpo/<run>/export --out runs/dpo/<run>/merged    # LoRA
 
-A step, for a micro-batch of ``B`` pairs (the data module stacks the ``B`` chosen sides, then the
-``B`` rejected ones, as ``2B`` sequences, :class:`~lightning_mem.data.PreferenceDataModule`):
-
-1. the reference's summed completion log-probs of every side, without gradients: looked up by
-   ``pair_index`` when precomputed, else one forward of the reference (where it lives is the
-   memory plan ``model.reference``, :mod:`lightning_mem.preference_reference`);
-2. the policy's, from one forward of chosen and rejected together: per-token log-probs through the
-   chunked logits path (no ``[tokens, vocab]`` tensor beyond one chunk), summed per sequence;
-3. the objective per pair (``model.dpo``, :mod:`lightning_mem.preference_losses`);
-4. a mean over the optimizer step's pairs (every micro-batch of the accumulation, every rank), and
-   an NLL term on chosen (``sft``, ORPO) as a token mean over the step's chosen tokens.
-
-The model plumbing (loading, LoRA, precision, checkpoints that hold what trains, the export) is the
-SFT recipe's, which this module subclasses. docs/dpo.md has the objectives, the memory plans and
-the tiny end to end.
+A step, for ``B`` pairs stacked as ``2B`` sequences (the ``B`` chosen sides, then the rejected ones:
+:class:`~lightning_mem.data.PreferenceDataModule`): 1. the reference's summed completion log-probs,
+without gradients: looked up by ``pair_index`` when precomputed, else one forward of the reference
+wherever the memory plan keeps it (``model.reference``, :mod:`lightning_mem.preference_reference`);
+2. the policy's, from one forward of chosen and rejected together through the chunked logits path,
+summed per sequence; 3. the objective per pair (``model.dpo``, :mod:`lightning_mem.preference_losses`);
+4. a mean over the optimizer step's pairs (every micro-batch, every rank), and an NLL term as a
+token mean over the step's chosen tokens. The model plumbing (loading, LoRA, precision, checkpoints
+of what trains, export, merge) is the SFT recipe's, which this module subclasses. docs/dpo.md.
 """
 
 from __future__ import annotations
@@ -302,8 +292,7 @@ class DPOModule(SFTModule):
         self.reference_policy.build(lambda: self._load_reference().to(self.device))
 
     def _pairs_of(self, split: str) -> int:
-        dataset = getattr(self.trainer.datamodule, f"{split}_set")
-        return len(dataset)
+        return len(getattr(self.trainer.datamodule, f"{split}_set"))
 
     def _free_reference(self) -> None:
         self.reference_policy = None
