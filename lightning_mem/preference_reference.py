@@ -32,7 +32,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from lightning_mem.offload import offload_module, reload_module
+from lightning_mem.offload import module_residency, offload_module, reload_module
 from lightning_mem.rl.reference import AdaptersOff, FrozenCopy
 from lightning_mem.settings import SettingError, check_fields
 
@@ -96,9 +96,13 @@ class HostParked(FrozenCopy):
     """A frozen copy that lives in host memory except during its own forward.
 
     :meth:`park` sends it to the host (after the strategy has put the module on the device); each
-    :meth:`logprobs` brings it to the device, runs the forward, and sends it back, so the policy's
+    :meth:`logprobs` brings it to the device, runs the forward, and parks it again, so the policy's
     training phase never holds it. The moves are :mod:`lightning_mem.offload`'s, whose ledger
     (``module_location``) says where it is (on a CPU-only machine, where both are one memory).
+
+    The copy never changes, so its host tensors (pinned on CUDA) are made once and kept: parking it
+    again only drops the device tensors, and each forward costs one host-to-device copy, not a
+    copy each way and a fresh pinned allocation (slow, at a model's size) per micro-batch.
     """
 
     mode = "host"
@@ -106,12 +110,25 @@ class HostParked(FrozenCopy):
     def __init__(self, pin_memory: bool | None = None) -> None:
         super().__init__()
         self.pin_memory = pin_memory
+        self._host: list[Tensor] | None = None
+
+    def _tensors(self) -> list[Tensor]:
+        return [*self.module.parameters(), *(b for b in self.module.buffers() if b is not None)]
 
     def park(self) -> None:
-        offload_module(self.module, pin_memory=self.pin_memory)
+        ledger = module_residency(self.module)
+        if ledger.location == "host":
+            return
+        if self._host is None:
+            offload_module(self.module, pin_memory=self.pin_memory)
+            self._host = [t.data for t in self._tensors()]
+            return
+        for tensor, host in zip(self._tensors(), self._host):
+            tensor.data = host  # the device copy is dropped; the host one is still exact
+        ledger.location = "host"
 
     def logprobs(self, actor: nn.Module, score: Callable[[nn.Module], Tensor]) -> Tensor:
-        reload_module(self.module)
+        reload_module(self.module)  # copies to where each tensor came from; the kept host tensors stay
         try:
             return score(self.module)
         finally:  # also on an exception: the plan's resting place is the host

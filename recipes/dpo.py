@@ -35,7 +35,7 @@ from lightning_mem.data import PreferenceDataModule
 from lightning_mem.data.packing import VARLEN_ATTENTION, flatten_rows
 from lightning_mem.dtypes import dtype_name, trainer_dtypes
 from lightning_mem.export import export_main
-from lightning_mem.logits import next_token_targets, score_tokens
+from lightning_mem.logits import ChunkSize, next_token_targets, score_tokens
 from lightning_mem.lora import LoraSettings, merge_main
 from lightning_mem.models import check_model_source, load_causal_lm
 from lightning_mem.preference_losses import (
@@ -95,7 +95,7 @@ class DPOModule(SFTModule):
         trust_remote_code: bool = False,
         optimizer: OptimizerCallable = _adamw,
         lr_scheduler: LRSchedulerCallable | None = None,
-        logits_chunk_size: int | None = 512,
+        logits_chunk_size: ChunkSize = 512,
         export_dir: str | None = "export",
         lora: LoraSettings | None = None,
         random_init_dir: str = "random_base",

@@ -99,6 +99,10 @@ def test_host_parked_copy_is_on_the_device_only_inside_its_forward():
     out = reference.logprobs(None, score)
     assert seen == ["device"] and module_location(module) == "host"
     torch.testing.assert_close(out, torch.full((3,), 2.0))
+    # The host copy is made once: a second forward parks the same host tensor again.
+    parked = module.weight.data.data_ptr()
+    reference.logprobs(None, score)
+    assert module.weight.data.data_ptr() == parked and seen == ["device", "device"]
 
 
 def test_host_parked_copy_goes_back_to_the_host_when_its_forward_fails():

@@ -269,7 +269,7 @@ def test_every_objective_option_runs_through_the_cli(tmp_path, pairs):
         tmp_path, pairs, "--model.dpo.loss_type=[sigmoid, sft, simpo, orpo, discopop]",
         "--model.dpo.loss_weights=[1.0, 0.5, 1.0, 1.0, 1.0]", "--model.dpo.beta=0.2", "--model.dpo.label_smoothing=0.1",
         "--model.dpo.gamma=0.3", "--model.dpo.orpo_lambda=0.2", "--model.dpo.discopop_tau=0.1",
-        "--model.disable_dropout=false", steps=2)
+        "--model.disable_dropout=false", "--model.logits_chunk_size=auto", steps=2)
     settings = cli.model.dpo
     assert (settings.loss_types, settings.beta, settings.gamma, settings.orpo_lambda) == (
         ("sigmoid", "sft", "simpo", "orpo", "discopop"), 0.2, 0.3, 0.2)
