@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default=str(RECORD))
     args = parser.parse_args(argv)
     record: dict = {"dpo_greedy_exact": {}, "gain_points": {}, "dpo_seconds": {}}
+    load_at_start = round(os.getloadavg()[1], 1)  # 5-minute average: what the wall times ran under
     with tempfile.TemporaryDirectory() as tmp:
         sft_export = Path(args.sft_export) if args.sft_export else None
         if sft_export is None:
@@ -89,8 +90,10 @@ def main(argv: list[str] | None = None) -> dict:
     record.update({
         "min_gain_points": min(record["gain_points"].values()), "max_dpo_seconds": max(record["dpo_seconds"].values()),
         "prompts": LIMIT, "inputs": fingerprint(), "date": datetime.date.today().isoformat(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the end",
-        "command": "python scripts/dpo_figure.py --seeds " + " ".join(map(str, args.seeds)),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "load_average_at_start": load_at_start, "load_average_at_end": round(os.getloadavg()[1], 1),
+        "command": "python scripts/dpo_figure.py --seeds " + " ".join(map(str, args.seeds))
+                   + (f" --sft-export {args.sft_export}" if args.sft_export else ""),
     })
     Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
     return record

@@ -55,7 +55,8 @@ RUNS: dict[str, tuple[str, list[str]]] = {
     "ppo_geo_mean": ("ppo", ["--config", "configs/ppo/tiny_cpu_geo_mean.yaml", "--trainer.max_steps=2",
                              f"--model.name_or_path={TINY_MODEL}", "--data.batch_size=2", *SHORT]),
     "dpo": ("dpo", ["--config", "configs/dpo/tiny_cpu.yaml", "--trainer.max_steps=2", f"--model.name_or_path={TINY_MODEL}",
-                    "--checkpoint.every_n_train_steps=2", "--data.max_tokens_per_batch=256", *SHORT]),
+                    "--checkpoint.every_n_train_steps=2", "--data.max_tokens_per_batch=256",
+                    "--model.lr_scheduler.init_args.warmup_steps=1", *SHORT]),
 }  # fmt: skip
 
 
