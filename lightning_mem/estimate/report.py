@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -256,3 +257,8 @@ def nothing_fits_lines(suggestions: list[dict[str, Any]], smaller: list[dict[str
     tried = "; ".join(f"{s['what']} at {s['device_peak_bytes'] / GiB:.2f} GiB" for s in ways)
     return [f"{head}; nor does any smaller way ({tried}){failed}; the lowest, {low['what']}, needs a device of"
             f" at least {device_needed(low['device_peak_bytes']):.1f} GiB:", f"  {low['command']}"]
+
+
+def command(recipe: str, config: str, overrides: list[str]) -> str:
+    """The ready-to-run line: ``python -m <recipe> fit --config <config> <overrides>``."""
+    return shlex.join(["python", "-m", recipe, "fit", "--config", str(config), *overrides])

@@ -105,10 +105,11 @@ def _rank_main(rank: int, world_size: int, port: int, target: Callable[..., list
         (Path(out) / f"rank{rank}.json").write_text(json.dumps([p.to_dict() for p in phases]))
     except BaseException as err:
         (Path(out) / f"rank{rank}.err").write_text(f"rank {rank}:\n{traceback.format_exc()}")
-        from lightning_mem.cli import USER_ERRORS
-        from lightning_mem.settings import user_error_in
+        # The recipes' user errors (lightning_mem.cli.USER_ERRORS), named here: the CLI imports the estimator.
+        from lightning_mem.data.rows import DataFormatError
+        from lightning_mem.settings import SettingError, user_error_in
 
-        user_error = user_error_in(err, USER_ERRORS) if isinstance(err, Exception) else None
+        user_error = user_error_in(err, (SettingError, DataFormatError)) if isinstance(err, Exception) else None
         if user_error is not None:  # it pickles (settings.SettingError.__reduce__): the parent raises it
             (Path(out) / f"rank{rank}.user_error").write_bytes(pickle.dumps(user_error))
         raise

@@ -110,7 +110,7 @@ def smaller_ways(
     """Down the ladder from the run (``config`` + ``overrides`` under ``recipe``, parsed as ``cfg``,
     on ``world_size`` ranks) until a step fits ``usable`` bytes: the steps tried, in order.
     ``estimate_config(config, overrides, recipe, world_size or None)`` estimates one step."""
-    from lightning_mem.estimate.suggest import command
+    from lightning_mem.estimate.report import command
 
     model = cfg.model
     here = level_of(recipe, model)

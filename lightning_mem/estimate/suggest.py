@@ -24,12 +24,11 @@ more per micro-batch (about a third more compute: a backward costs about two for
 from __future__ import annotations
 
 import re
-import shlex
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from lightning_mem.estimate.report import GiB, usable_bytes
+from lightning_mem.estimate.report import GiB, command, usable_bytes
 
 
 @dataclass
@@ -189,11 +188,6 @@ def cost_of(kinds: list[str], base: Any, after: Any, micro_batches: int) -> Cost
             cost.transfer_bytes_per_step += (2 * weights + gradients) * micro_batches
             cost.changes.append("the optimizer step runs on the CPU")
     return cost
-
-
-def command(recipe: str, config: str, overrides: list[str]) -> str:
-    """The ready-to-run line: ``python -m <recipe> fit --config <config> <overrides>``."""
-    return shlex.join(["python", "-m", recipe, "fit", "--config", str(config), *overrides])
 
 
 @dataclass
