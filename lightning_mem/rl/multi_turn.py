@@ -139,9 +139,9 @@ class MultiTurnRollout:
     def _turn(self, t: Trajectory, ids: list[int]) -> None:
         """Append one sampled turn, hand it to the environment, and append its answer (or end)."""
         room = self.config.max_total_tokens - t.length
-        cut = len(ids) > room
         ids = ids[:room]
         ended = bool(ids) and ids[-1] in self.end_ids
+        cut = len(ids) == room and not ended  # the budget, not the end token, stopped it
         t.add_sampled(ids)
         t.turns += 1
         content = self.renderer.tokenizer.decode([i for i in ids if i not in self.end_ids], skip_special_tokens=True)
