@@ -235,10 +235,10 @@ def check_multi_turn(environment: Any, config: MultiTurnConfig, *, scored_otherw
         raise SettingNotSupported("rollout_engine", f" `name: {engine.name}`, `placement: {engine.placement}`: multi-turn"
                                   " rollouts run on the hf engine, colocated, so far")
     if generation.kv_cache == "static" and config.cache_across_turns:
-        raise SettingError("multi_turn.cache_across_turns", ": the static decode loop (`generation.kv_cache: static`) lays"
-                           " out its cache per call and cannot continue it: set `multi_turn.cache_across_turns: false`"
-                           " (each turn prefills its conversation) or `generation.kv_cache: dynamic`",
-                           siblings=("generation.kv_cache",))
+        raise SettingError("multi_turn.cache_across_turns", "`multi_turn.cache_across_turns: true` continues Hugging Face"
+                           " generate's cache, but the static decode loop (`generation.kv_cache: static`) lays out its"
+                           " cache per call: set it to false (each turn prefills its conversation again), or"
+                           " `generation.kv_cache: dynamic`", siblings=("generation.kv_cache",))
     if config.chat_template is not None and not Path(config.chat_template).is_file():
         raise SettingPathError("multi_turn.chat_template", f": no file {config.chat_template!r}")
 
