@@ -46,11 +46,16 @@ def until_end(ids: list[int], end_ids: set[int]) -> list[int]:
 
 
 class CachedTurns:
-    """The ``hf`` engine across turns, continuing its KV cache (module docstring)."""
+    """The ``hf`` engine across turns, continuing its KV cache (module docstring).
 
-    def __init__(self, generation: Any, *, eos_token_ids: list[int], pad_token_id: int) -> None:
+    ``shrink=False`` keeps the rows whose episode ended in the batch as padding (each turn gives
+    them no new ids, and what they sample is dropped): what ``benchmarks/multi_turn_rollout.py``
+    measures the shrinking batch against.
+    """
+
+    def __init__(self, generation: Any, *, eos_token_ids: list[int], pad_token_id: int, shrink: bool = True) -> None:
         self.generation, self.eos_token_ids, self.pad_token_id = generation, list(eos_token_ids), pad_token_id
-        self.end_ids = set(eos_token_ids)
+        self.end_ids, self.shrink = set(eos_token_ids), shrink
         self._reset()
 
     def _reset(self) -> None:
@@ -79,9 +84,8 @@ class CachedTurns:
     def _settings(self, max_new_tokens: int) -> Any:
         from lightning_mem.rl.sampling import hf_generation_config
 
-        settings = hf_generation_config(replace(self.generation, max_new_tokens=max_new_tokens),
-                                        eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id)
-        return settings
+        return hf_generation_config(replace(self.generation, max_new_tokens=max_new_tokens),
+                                    eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id)
 
     def _layout(self, rows: list[int], new_ids: list[list[int]], device: torch.device) -> None:
         """The batch for this turn: the first turn's prompts left-padded (as a single-turn rollout
@@ -90,15 +94,19 @@ class CachedTurns:
             from transformers import DynamicCache
 
             self.ids, self.mask = pad_sequences(new_ids, self.pad_token_id, side="left", device=device)
-            self.cache = DynamicCache()
-        else:
+            self.cache, self.rows = DynamicCache(), list(rows)
+            return
+        new = dict(zip(rows, new_ids))
+        if self.shrink and len(rows) < len(self.rows):
             keep = torch.tensor([self.rows.index(r) for r in rows], dtype=torch.long, device=self.ids.device)
-            if len(rows) < len(self.rows):
-                self.ids, self.mask = self.ids[keep], self.mask[keep]
-                self.cache.batch_select_indices(keep)
-            chunk, chunk_mask = pad_sequences(new_ids, self.pad_token_id, side="left", device=self.ids.device)
-            self.ids, self.mask = torch.cat([self.ids, chunk], 1), torch.cat([self.mask, chunk_mask], 1)
-        self.rows = list(rows)
+            self.ids, self.mask = self.ids[keep], self.mask[keep]
+            self.cache.batch_select_indices(keep)
+            self.rows = list(rows)
+        # A row that ended rides along on one pad token of its own (a row of masked tokens only would
+        # give its attention nothing to attend to); what it samples is dropped.
+        chunk, chunk_mask = pad_sequences([new.get(r, [self.pad_token_id]) for r in self.rows], self.pad_token_id,
+                                          side="left", device=self.ids.device)
+        self.ids, self.mask = torch.cat([self.ids, chunk], 1), torch.cat([self.mask, chunk_mask], 1)
 
     @torch.no_grad()
     def sample(self, model: torch.nn.Module, rows: list[int], new_ids: list[list[int]], max_new_tokens: int, *,
@@ -115,14 +123,16 @@ class CachedTurns:
         sequences = model.generate(input_ids=self.ids, attention_mask=self.mask, synced_gpus=synced,
                                    generation_config=self._settings(max_new_tokens),
                                    **{_cache_keyword(model): self.cache})
-        generated = sequences[:, width:].tolist()
-        sampled = [until_end(ids, self.end_ids) for ids in generated]
+        running = set(rows)
+        sampled = [until_end(ids, self.end_ids) if r in running else [] for r, ids in
+                   zip(self.rows, sequences[:, width:].tolist())]
         # What follows a row's end token is filler generate wrote while other rows went on: masked out.
         keep = torch.zeros(sequences.shape[0], sequences.shape[1] - width, dtype=self.mask.dtype, device=self.mask.device)
         for i, ids in enumerate(sampled):
             keep[i, : len(ids)] = 1
         self.ids, self.mask = sequences, torch.cat([self.mask, keep], 1)
-        return sampled
+        by_row = dict(zip(self.rows, sampled))
+        return [by_row[r] for r in rows]
 
 
 class PrefillTurns:

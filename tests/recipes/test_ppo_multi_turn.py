@@ -5,6 +5,8 @@ and (slow) the multi-turn demo raises its reward."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -15,6 +17,7 @@ from lightning_mem.rl.multi_turn import FAULTS
 from recipes.rewards import ArithmeticReward
 from tests.helpers import REPO, TINY_MODEL, csv_logger_args, read_metric, run_recipe
 from tests.recipes.test_ppo import fit, no_model_load  # noqa: F401  (a fixture)
+from tests.recipes.test_tiny_configs import ALLOWED, _warning_lines
 
 CONFIG = str(REPO / "configs" / "ppo" / "tiny_cpu_multi_turn.yaml")
 COMPARED = ("policy_loss", "value_loss", "kl", "entropy", "approx_kl", "clipfrac", "reward_mean", "response_length")
@@ -51,6 +54,9 @@ def _run(root, *extra, config=CONFIG):
                      f"--model.name_or_path={TINY_MODEL}", "--trainer.enable_progress_bar=false", *csv_logger_args(root),
                      *extra)
     assert run.returncode == 0, run.stderr[-3000:]
+    # No warning a user cannot act on (the tiny configs' rule, tests/recipes/test_tiny_configs.py).
+    unexpected = [line for line in _warning_lines(run.stdout + run.stderr) if not any(re.search(a, line) for a in ALLOWED)]
+    assert unexpected == [], "\n".join(unexpected)
     return root
 
 

@@ -240,6 +240,9 @@ def test_continuing_the_cache_samples_what_prefilling_every_turn_samples(tokeniz
         expected_cached.append((len(running), max(new_ids)))
         expected_prefill.append((len(running), max(prompts[i] + spans[i][k][0] for i in running)))
     assert [rows for rows, _ in expected_cached] == [4, 3, 2]  # the batch sheds the rows that ended
+    padded = _rollouts(tokenizer, generation)[True]
+    padded.sampler.shrink = False  # the rows that ended ride along instead: same trajectories, more work
+    assert torch.equal(padded.rollout(model, ROWS).input_ids, exp.input_ids)
     assert prefills[True] == expected_cached and prefills[False] == expected_prefill
     assert sum(r * w for r, w in prefills[True]) < sum(r * w for r, w in prefills[False]) * 0.7
 
