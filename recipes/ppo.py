@@ -5,7 +5,8 @@
 One training step is one PPO iteration on a batch of prompts:
 
 1. rollout:    the actor samples responses (KV cache on); under ReMax also one greedy answer per prompt;
-2. score:      a reward rule or reward model judges each response;
+               with an environment, multi-turn trajectories (:mod:`lightning_mem.rl.multi_turn`);
+2. score:      a reward rule or reward model judges each response (an environment scored its own);
 3.             old logprobs (actor), reference logprobs, values (critic), all without gradients;
 4. advantages: per-token rewards with a KL penalty and GAE, whitened; or a critic-free estimator
                (GRPO's group-relative scores as they are, RLOO, REINFORCE++, ReMax, OPO, pass@k);
