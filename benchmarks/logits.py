@@ -2,6 +2,7 @@
 
     python benchmarks/logits.py                 # both tables, CPU (about a minute)
     python benchmarks/logits.py --skip-speed    # bytes only
+    python benchmarks/logits.py --skip-speed --chunk-size auto   # the library's automatic size
     python benchmarks/logits.py --step --tokens 128 --chunks 0,32,16 --rounds 3   # step time, ~10 min on CPU
 
 Step time (``--step``): forward + backward of the Qwen2.5-0.5B architecture (the config in
@@ -61,7 +62,7 @@ def _inputs(rows: int, width: int, unscored: int) -> list[torch.Tensor]:
     return [ids, torch.ones_like(ids), positions, targets]
 
 
-def peak_multiple(kind: str, chunk_size: int | None) -> float:
+def peak_multiple(kind: str, chunk_size: int | str | None) -> float:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -89,7 +90,7 @@ def peak_multiple(kind: str, chunk_size: int | None) -> float:
     return (peak["Total"] - weights) / (SCORED * VOCAB * 2)
 
 
-def sft_tokens_per_second(chunk_size: int | None, steps: int, device: str) -> float:
+def sft_tokens_per_second(chunk_size: int | str | None, steps: int, device: str) -> float:
     from lightning_mem.data import SFTDataModule
     from lightning_mem.models import load_causal_lm
 
@@ -173,7 +174,8 @@ def step_times(tokens: int, chunks: list[int], rounds: int, steps: int, layers: 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--chunk-size", type=int, default=512)
+    parser.add_argument("--chunk-size", type=lambda v: v if v == "auto" else int(v), default=512,
+                        help="rows per chunk, or auto (lightning_mem.logits.rows_per_chunk)")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--rounds", type=int, default=3, help="speed rounds, alternating; the median is reported")
     parser.add_argument("--skip-speed", action="store_true")

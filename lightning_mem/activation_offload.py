@@ -45,6 +45,8 @@ from lightning.pytorch.utilities.rank_zero import WarningCache
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from lightning_mem.settings import SettingError
+
 _warning_cache = WarningCache()  # once per process
 
 # Above this many remembered storages, forget the ones whose stash died with its graph.
@@ -161,11 +163,9 @@ class ActivationOffloader:
         prefetch: int = 2,
         exclude_modules: Iterable[str] = (),
     ) -> None:
-        if min_bytes < 0 or max_inflight < 1 or prefetch < 0:
-            raise ValueError(
-                f"ActivationOffloader needs min_bytes >= 0, max_inflight >= 1, prefetch >= 0; "
-                f"got {min_bytes}, {max_inflight}, {prefetch}"
-            )
+        for name, value, least in (("min_bytes", min_bytes, 0), ("max_inflight", max_inflight, 1), ("prefetch", prefetch, 0)):
+            if value < least:
+                raise SettingError(name, f" must be >= {least}, got {value}")
         self.exclude_modules = tuple(exclude_modules)
         if self.exclude_modules and module is None:
             raise ValueError("ActivationOffloader: `exclude_modules` needs the `module` to look the names up in")
@@ -405,9 +405,7 @@ class ActivationOffloader:
             return
         matched = [m for name, m in self.module.named_modules() if name and self._excluded(name)]
         if not matched:
-            raise ValueError(
-                f"ActivationOffloader: no module matches exclude_modules={list(self.exclude_modules)}"
-            )
+            raise SettingError("exclude_modules", f": no module of the model matches {list(self.exclude_modules)}")
         for module in matched:
             self._module_hooks.append(module.register_forward_pre_hook(self._enter_excluded))
             self._module_hooks.append(module.register_forward_hook(self._exit_excluded, always_call=True))

@@ -56,14 +56,12 @@ def split_command_line(args: list[str]) -> tuple[str, list[str]]:
 def device_budget(device_memory: str | None) -> tuple[int, str]:
     """The bytes to fit into, and where they come from: ``device_memory`` (``24GiB``, ``80GB``,
     bytes) if set, else this process's CUDA device."""
-    from lightning_mem.estimate.report import parse_size
+    from lightning_mem.estimate.report import check_device_size, parse_size
 
     if device_memory is not None:
-        try:
-            return parse_size(device_memory), f"device_memory={device_memory}"
-        except ValueError:
-            raise SettingError("device_memory", f": cannot read {device_memory!r} as a size; write e.g. 24GiB,"
-                                                " 80GB or a byte count") from None
+        device_bytes = parse_size(device_memory, key="device_memory")
+        check_device_size(device_bytes, key="device_memory", text=device_memory)
+        return device_bytes, f"device_memory={device_memory}"
     import torch
 
     if not torch.cuda.is_available():
@@ -74,6 +72,7 @@ def device_budget(device_memory: str | None) -> tuple[int, str]:
         )
     index = int(os.environ.get("LOCAL_RANK", 0))
     props = torch.cuda.get_device_properties(index)
+    check_device_size(props.total_memory, key="device_memory", text=f"{props.name}'s {props.total_memory / GiB:.2f} GiB")
     return props.total_memory, f"{props.name} (cuda:{index})"
 
 
@@ -92,7 +91,8 @@ def estimate_with_suggestions(config: str, overrides: list[str], device_bytes: i
 
 def choose(result: dict[str, Any]) -> dict[str, Any] | None:
     """The suggestion to apply: None when the run fits as it is, else the first (cheapest) that
-    fits. No suggestion fitting is an error: the run would run out of memory."""
+    fits. No suggestion fitting is an error: the run would run out of memory; it names the
+    smallest way that fits (LoRA, QLoRA), if the estimate found one."""
     if result["fits"]:
         return None
     fitting = [s for s in result.get("suggestions") or [] if s.get("fits")]
@@ -101,11 +101,16 @@ def choose(result: dict[str, Any]) -> dict[str, Any] | None:
     usable = result["usable_device_bytes"] / GiB
     tried = "; ".join(f"{s['what']}: {s['device_peak_bytes'] / GiB:.2f} GiB" if "device_peak_bytes" in s
                       else f"{s['what']}: {s.get('error')}" for s in result.get("suggestions") or [])
+    # Adapters change what trains: named, never applied.
+    way = next((s for s in result.get("smaller") or [] if s.get("fits")), None)
+    smaller = (f"; the smallest way that does: {way['what']}, estimated at {way['device_peak_bytes'] / GiB:.2f} GiB:"
+               f" {way['command']}" if way else "")
     raise SettingError(
         "auto_fit",
         f"`auto_fit: true`: the run's estimated peak {result['device_peak_bytes'] / GiB:.2f} GiB exceeds the"
-        f" {usable:.2f} GiB usable, and no suggestion fits ({tried or 'none applies'}); see"
-        " `python -m lightning_mem.estimate --config ... --suggest`",
+        f" {usable:.2f} GiB usable of {result['device_memory_bytes'] / GiB:.2f} GiB (the rest is the estimate's"
+        f" reserve: {result['margin']['what']}), and no suggestion fits ({tried or 'none lowers the peak'}){smaller};"
+        " see `python -m lightning_mem.estimate --config ... --suggest`",
     )
 
 

@@ -190,9 +190,12 @@ def _pad_plan_to_multiple(plan: BatchPlan, multiple: int, lengths: np.ndarray) -
 class MicroBatch(list):
     """One micro-batch's sample indices, with the summed ``weights`` (e.g. label tokens) of every
     micro-batch of the same optimizer step on *all* ranks: the denominator of a token-mean loss
-    over the whole step, known before the first of its backward passes."""
+    over the whole step, known before the first of its backward passes.
 
-    step_weight: float | None = None
+    With one weight per sample ``step_weight`` is a float; with several (``weights`` of shape
+    ``[samples, k]``: a preference pair's count and its chosen side's tokens) a tuple of k floats."""
+
+    step_weight: float | tuple[float, ...] | None = None
 
 
 class TokenBudgetSampler(DistributedSampler):
@@ -212,10 +215,11 @@ class TokenBudgetSampler(DistributedSampler):
     That is what makes a resumed run see exactly the batches an uninterrupted one would, from a
     checkpoint taken mid-epoch or at an epoch's end, whatever epoch number the trainer resumes with.
 
-    ``weights`` (one number per sample, e.g. its label tokens) and ``accumulate_grad_batches`` make
-    every yielded batch a :class:`MicroBatch` carrying its optimizer step's total weight over all
-    ranks. Steps are grouped as Lightning groups them: ``accumulate_grad_batches`` consecutive
-    batches from the start of each epoch, the last group possibly shorter. Every rank computes the
+    ``weights`` (one number per sample, e.g. its label tokens, or a row of k numbers per sample) and
+    ``accumulate_grad_batches`` make every yielded batch a :class:`MicroBatch` carrying its
+    optimizer step's total weight (or k totals) over all ranks. Steps are grouped as Lightning
+    groups them: ``accumulate_grad_batches`` consecutive batches from the start of each epoch, the
+    last group possibly shorter. Every rank computes the
     same total without a collective, since every rank knows the whole (seeded) plan.
 
     It subclasses ``DistributedSampler`` so that Lightning uses it as is instead of injecting its own.
@@ -262,7 +266,8 @@ class TokenBudgetSampler(DistributedSampler):
         self.accumulate_grad_batches = accumulate_grad_batches
         self.position_fn: Callable[[], int] | None = None
         self.batches = self._plan()
-        # Each batch's summed weight (8 bytes a batch), for the steps' totals; nothing per row is kept.
+        # Each batch's summed weight (8 bytes a batch and weight), for the steps' totals; nothing per
+        # row is kept.
         self.batch_weights = (None if weights is None
                               else self.batches.reduce(np.add, np.asarray(weights, dtype=np.float64)))
 
@@ -320,7 +325,11 @@ class TokenBudgetSampler(DistributedSampler):
         per_rank, world, accumulate = len(self), self.num_replicas, self.accumulate_grad_batches
         # Batch j of the epoch's order is local position j // world of rank j % world.
         step_of = np.arange(per_rank * world) // world // accumulate
-        totals = np.bincount(step_of, weights=self.batch_weights[ordered[: per_rank * world]])
+        weights = self.batch_weights[ordered[: per_rank * world]]
+        if weights.ndim == 1:
+            totals = np.bincount(step_of, weights=weights)
+        else:  # several weights a sample: each column summed alike
+            totals = np.stack([np.bincount(step_of, weights=w) for w in weights.T], axis=1)
         return totals[np.arange(per_rank) // accumulate]
 
     def __iter__(self) -> Iterator[list[int]]:  # type: ignore[override]
@@ -332,7 +341,8 @@ class TokenBudgetSampler(DistributedSampler):
         if self.batch_weights is None:
             return (self.batches[int(b)] for b in mine[skip:])
         step_weights = self._step_weights(ordered)
-        return (_with_weight(self.batches[int(mine[i])], float(step_weights[i])) for i in range(skip, len(mine)))
+        as_weight = float if step_weights.ndim == 1 else lambda row: tuple(float(w) for w in row)
+        return (_with_weight(self.batches[int(mine[i])], as_weight(step_weights[i])) for i in range(skip, len(mine)))
 
     def batch_at(self, n: int) -> list[int]:
         """This rank's ``n``-th batch of the run (epochs counted on): what :meth:`__iter__` yields
@@ -366,7 +376,7 @@ def _budget_starts(lengths: np.ndarray, max_tokens: int, window: int) -> np.ndar
     return np.asarray(starts, dtype=np.int64)
 
 
-def _with_weight(indices: list[int], step_weight: float) -> MicroBatch:
+def _with_weight(indices: list[int], step_weight: float | tuple[float, ...]) -> MicroBatch:
     batch = MicroBatch(indices)
     batch.step_weight = step_weight
     return batch

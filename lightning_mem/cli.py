@@ -51,7 +51,7 @@ from lightning_mem.checkpointing import AtomicCheckpointIO, ResumeCheck, find_la
 from lightning_mem.data.rows import DataFormatError
 from lightning_mem.quiet import silence_unactionable_warnings
 from lightning_mem.run_dir import run_dir
-from lightning_mem.settings import SettingError, SettingPathError, settings_at
+from lightning_mem.settings import SettingError, SettingPathError, settings_at, user_error_in
 
 # Before a recipe imports bitsandbytes (it logs at import): recipes import this module first.
 silence_unactionable_warnings()
@@ -272,9 +272,31 @@ class RecipeCLI(LightningCLI):
                 self.datamodule_class(**config.data.as_dict())
 
     def instantiate_classes(self) -> None:
-        super().instantiate_classes()
+        # jsonargparse re-raises a constructor's error (a callback's, a strategy's, a reward's) inside
+        # its own "Does not validate against any of the Union subtypes", which lists every subtype's
+        # message but is raised from the first subtype's error only (a strategy's first is `str`).
+        # Every class but the module and datamodule (Lightning's own instantiators, registered
+        # first) is built through _build, which remembers a user error on its way out; one whose
+        # message the final error reports is raised as it is, to print as one line.
+        self._constructor_errors: list[BaseException] = []
+        self.parser.add_instantiator(self._build, object, subclasses=True)
+        try:
+            super().instantiate_classes()
+        except Exception as err:
+            user_error = user_error_in(err, USER_ERRORS) or next(
+                (e for e in reversed(self._constructor_errors) if str(e) in str(err)), None)
+            if user_error is None:
+                raise
+            raise user_error from None
         if self.datamodule is not None and hasattr(self.datamodule, "config_key"):
             self.datamodule.config_key = "data"  # errors while reading the data name data.<argument>
+
+    def _build(self, class_type: type, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return class_type(*args, **kwargs)
+        except USER_ERRORS as err:
+            self._constructor_errors.append(err)
+            raise
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         self._args = args  # auto_fit estimates the run from its own command line
@@ -323,10 +345,7 @@ class RecipeCLI(LightningCLI):
             from lightning_mem.estimate import estimate
             from lightning_mem.estimate.report import parse_size
 
-            try:
-                budget_bytes = parse_size(str(budget))
-            except ValueError as err:
-                raise SettingError(key, f": {err}") from None
+            budget_bytes = parse_size(str(budget), key=key)
             args = sys.argv[1:] if self._args is None else self._args
             config_file, overrides = auto_fit.split_command_line(list(args))
 
@@ -560,15 +579,19 @@ DEBUG_ENV = "LIGHTNING_MEM_DEBUG"
 def run_command(main: Callable[[], Any]) -> Any:
     """Run a recipe's ``main()`` as the command line does (``python -m recipes.sft ...``).
 
-    A user error (:data:`USER_ERRORS`) prints ``error: <message>`` on stderr and exits with status
-    2, like the parser's own errors (a misspelled key, a value of the wrong type); with
+    A user error (:data:`USER_ERRORS`, also one another error was raised from, as jsonargparse
+    wraps a constructor's) prints ``error: <message>`` on stderr and exits with status 2, like the
+    parser's own errors (a misspelled key, a value of the wrong type); with
     ``LIGHTNING_MEM_DEBUG=1`` it raises as it is. Called from Python, ``main()`` itself raises:
     only the command line turns errors into an exit status.
     """
     try:
         return main()
-    except USER_ERRORS as err:
-        if os.environ.get(DEBUG_ENV, "").strip() not in ("", "0"):
+    except Exception as err:
+        # A constructor's error reaches here wrapped by jsonargparse (a callback's, a strategy's):
+        # the user error it was raised from is the report.
+        user_error = user_error_in(err, USER_ERRORS)
+        if user_error is None or os.environ.get(DEBUG_ENV, "").strip() not in ("", "0"):
             raise
-        print(f"error: {err}", file=sys.stderr, flush=True)
+        print(f"error: {user_error}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None

@@ -46,16 +46,42 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any, Literal, Union
 
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_mem.context_parallel import gather_scattered, layout_of, shard_sequences
+from lightning_mem.settings import SettingError
 
 #: Config attributes of model families whose forward transforms the logits after the output
 #: layer (soft-capping, scaling): the chunked path would apply that transform to its results.
 _LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+#: A chunk-size setting, as a recipe's constructor annotates it (the CLI parses ``auto``, a count
+#: and ``null``): ``"auto"``, rows per chunk, or 0/None for one chunk. :func:`check_chunk_size` says
+#: what else is refused (a negative count).
+ChunkSize = Union[int, Literal["auto"], None]
+
+
+def check_chunk_size(value: Any, *, key: str = "chunk_size") -> int | str | None:
+    """``value`` as the logits path takes it: ``"auto"`` (:func:`rows_per_chunk` picks the rows),
+    a positive int (rows per chunk), or None for 0 and None (one chunk: the unchunked path).
+
+    One rule for every caller: the recipes call it on ``model.logits_chunk_size`` (``key``) before
+    any model loads.
+
+    Raises:
+        SettingError: naming ``key``, for anything else (a negative count, another string, a bool).
+    """
+    if value is None or value == "auto":
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise SettingError(key, f" must be 'auto', a positive int (rows per chunk), or 0 or null (one chunk),"
+                                f" got {value!r}")
+    return int(value) or None
 
 
 @dataclass
@@ -188,11 +214,10 @@ def rows_per_chunk(chunk_size: int | str | None, rows: int, vocab: int) -> int:
     chunks as keep each chunk's logits within :data:`AUTO_CHUNK_ELEMENTS`, evened out over the
     rows, so a problem that fits that budget is one chunk.
     """
+    chunk_size = check_chunk_size(chunk_size)
     if chunk_size == "auto":
         chunks = max(1, -(-rows * vocab // AUTO_CHUNK_ELEMENTS))
         return max(1, -(-rows // chunks))
-    if isinstance(chunk_size, str):
-        raise ValueError(f"chunk_size must be a positive number, 0, None or 'auto', got {chunk_size!r}")
     return max(1, rows if not chunk_size else int(chunk_size))
 
 

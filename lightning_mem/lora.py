@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import sys
 from dataclasses import asdict, dataclass
 from collections.abc import Iterator
 from pathlib import Path
@@ -412,6 +413,10 @@ def _mergeable_lora_layers(model: nn.Module) -> list[nn.Module]:
     """The LoRA layers whose active adapters can be merged into a plain floating base weight: not
     a 4-bit base, not a DTensor shard, plain LoRA (no DoRA-style variant), no adapter bias, adapters
     enabled and not merged already. The others keep computing their adapters beside the base."""
+    if "peft.tuners.lora" not in sys.modules:
+        # No LoRA layer exists before peft's LoRA module is imported; importing it here would
+        # import bitsandbytes too (peft does), and its import-time log lines, for a plain model.
+        return []
     try:
         from peft.tuners.lora import LoraLayer
     except ImportError:  # peft is a dependency; a model without it has no adapters to merge

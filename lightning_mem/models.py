@@ -138,8 +138,8 @@ def load_pretrained(
         from_config = source == "local" and not has_weights(name_or_path)
     if from_config:
         if from_pretrained_kwargs:
-            raise ValueError(
-                f"`{key}`: {name_or_path!r} has no weights to load, so {sorted(from_pretrained_kwargs)} cannot apply"
+            raise SettingError(
+                key, f": {name_or_path!r} has no weights to load, so {sorted(from_pretrained_kwargs)} cannot apply"
             )
         config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, **(config_kwargs or {}))
         if torch_dtype is not None:

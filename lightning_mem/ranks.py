@@ -14,6 +14,8 @@ from typing import Any
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_mem.settings import SettingNotSupported
+
 
 def data_parallel(trainer: Any) -> tuple[int, int]:
     """``(replicas, this rank's replica)``: from the strategy's ``distributed_sampler_kwargs``
@@ -64,8 +66,8 @@ def check_packing_splits(trainer: Any, *, packing_key: str) -> None:
     ) if size > 1}
     if splits:
         named = " and ".join(f"`trainer.strategy.init_args.{key}: {size}`" for key, size in splits.items())
-        raise ValueError(f"`{packing_key}: true` with {named}: packed rows are not split by tensor or"
-                         " context parallelism yet; turn packing off, or the split")
+        raise SettingNotSupported(packing_key, f"`{packing_key}: true` with {named}: packed rows are not split by"
+                                  " tensor or context parallelism yet; turn packing off, or the split")
 
 
 def sum_over_replicas(trainer: Any, value: Tensor) -> Tensor:

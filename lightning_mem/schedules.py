@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_mem.settings import SettingError
+
 
 class WarmupCosineLR(torch.optim.lr_scheduler.LambdaLR):
     """Linear warmup over ``warmup_steps``, then cosine decay to ``min_lr_ratio`` x the peak at ``total_steps``.
@@ -76,7 +78,8 @@ def scheduler_horizon(trainer: Any, *, steps_per_batch: int = 1, optimizers: int
         return max(1, math.ceil(trainer.max_steps / optimizers))
     batches = trainer.estimated_stepping_batches
     if not math.isfinite(batches):
-        raise ValueError(
+        raise SettingError(
+            "trainer.max_steps",
             "`trainer.max_steps` and `trainer.max_epochs` are both unlimited, so the learning-rate schedule has no"
             " horizon: set one of them, or the scheduler's `total_steps`"
         )

@@ -86,6 +86,46 @@ def join_key(*parts: str) -> str:
     return ".".join(part for part in parts if part)
 
 
+#: Where a Lightning strategy's arguments sit: the Trainer's ``strategy``, built from its
+#: ``class_path`` and ``init_args`` (LightningCLI's layout, and ``Trainer(strategy=...)`` in Python).
+STRATEGY_ARGS = "trainer.strategy.init_args"
+
+
+def callback_key(callback: Any) -> str:
+    """``trainer.callbacks[MemoryMonitor]``: a Lightning callback (an instance or a class), named by
+    its class as a config lists it (its ``class_path``) among the Trainer's ``callbacks``.
+
+    A callback is a Trainer argument wherever it is used (a YAML, ``Trainer(callbacks=[...])``), so
+    its errors name it there: a problem with the callback as a whole names this key, one of its
+    arguments ``<key>.init_args.<argument>`` (:func:`callback_args`)."""
+    cls = callback if isinstance(callback, type) else type(callback)
+    return f"trainer.callbacks[{cls.__name__}]"
+
+
+def callback_args(callback: Any) -> str:
+    """``trainer.callbacks[MemoryMonitor].init_args``: the prefix of a callback's arguments, for
+    :func:`settings_at` around the checks that name them (``every_n_steps``)."""
+    return f"{callback_key(callback)}.init_args"
+
+
+def user_error_in(err: BaseException, kinds: tuple[type[BaseException], ...]) -> BaseException | None:
+    """The first exception of ``kinds`` in ``err`` and the exceptions it was raised from
+    (``raise ... from``, its ``__cause__`` chain), or None.
+
+    A library that calls a constructor or a hook may wrap what it raised: jsonargparse re-raises a
+    callback's or a strategy's constructor error as "Does not validate against any of the Union
+    subtypes", raised from the original. Only explicit causes are followed: an exception merely
+    raised while another was being handled (``__context__``) is a new problem, not a wrapping."""
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        if isinstance(current, kinds):
+            return current
+        seen.add(id(current))
+        current = current.__cause__
+    return None
+
+
 @contextmanager
 def settings_at(prefix: str) -> Iterator[None]:
     """Re-raise a :class:`SettingError` from the block with its key under ``prefix``: how a recipe

@@ -50,7 +50,7 @@ from lightning_mem.clipping import clip_module_gradients
 from lightning_mem.data import PromptDataModule, row_to_prompt_messages
 from lightning_mem.data.packing import check_packing_attention
 from lightning_mem.export import export_hf, export_main
-from lightning_mem.logits import check_supported
+from lightning_mem.logits import ChunkSize, check_chunk_size, check_supported
 from lightning_mem.lora import LoraSettings, apply_lora, check_lora_targets, meta_model
 from lightning_mem.models import check_model_source, load_causal_lm, load_tokenizer
 from lightning_mem.dtypes import cast_trainable, resolve_dtype, trainer_dtypes
@@ -58,7 +58,7 @@ from lightning_mem.optim import param_groups, page_where_supported
 from lightning_mem.packed_attention import use_packed_sdpa
 from lightning_mem.ranks import check_model_splits, check_packing_splits, data_parallel, per_rank_budget, sum_over_replicas
 from lightning_mem.schedules import build_lr_scheduler, check_schedule
-from lightning_mem.settings import settings_at
+from lightning_mem.settings import SettingError, settings_at
 from lightning_mem.step_io import step_io
 from lightning_mem.rl.algorithms import (
     AdaptiveKLController,
@@ -159,8 +159,9 @@ class PPOModule(LightningModule):
         memory_plan: where things live per phase (:class:`~lightning_mem.rl.memory_plan.PhaseMemoryPlan`).
         logits_chunk_size: response tokens per chunk through the output layer in the score and
             update passes (:mod:`lightning_mem.logits`): at most one chunk's ``[tokens, vocab]``
-            logits are alive, and backward recomputes them. None or 0: all of a micro-batch's
-            response tokens at once (the unchunked path).
+            logits are alive, and backward recomputes them. ``auto``: as few chunks as keep each
+            within 2**26 logits. None or 0: all of a micro-batch's response tokens at once (the
+            unchunked path).
         export_dir: where the trained actor and tokenizer are written (HF format) at the end of
             fit, relative to ``trainer.default_root_dir``; None skips it.
     """
@@ -188,7 +189,7 @@ class PPOModule(LightningModule):
         grpo: GRPOConfig = GRPOConfig(),
         critic: CriticConfig = CriticConfig(),
         memory_plan: PhaseMemoryPlan = PhaseMemoryPlan(),
-        logits_chunk_size: int | None = 512,
+        logits_chunk_size: ChunkSize = 512,
         rollout_engine: RolloutEngineConfig = RolloutEngineConfig(),
         async_rollout: AsyncRolloutConfig = AsyncRolloutConfig(),
         environment: EnvironmentFactory | None = None,
@@ -219,7 +220,7 @@ class PPOModule(LightningModule):
         self.critic_config, self.memory_plan = critic, memory_plan
         # Kept as given: under the CLI, hparams hold the parsed config's plain dicts, not this dataclass.
         self.reward_model_config = reward_model
-        self.logits_chunk_size = logits_chunk_size or None
+        self.logits_chunk_size = check_chunk_size(logits_chunk_size, key="model.logits_chunk_size")
         self.advantage_estimator = advantage_estimator
         self.use_critic = advantage_estimator in WITH_CRITIC
         self.eos_token_ids: list[int] = []
@@ -251,7 +252,8 @@ class PPOModule(LightningModule):
                 " `model.async_rollout.rollout_correction: false` leaves it off"
             )
         if ppo.rollout_correction.enabled and rollout_engine.name == "hf" and not separate:
-            raise ValueError(
+            raise SettingError(
+                "model.ppo.rollout_correction.mode",
                 f"`model.ppo.rollout_correction.mode: {ppo.rollout_correction.mode}` weighs samples by the rollout"
                 " engine's own log-probs, and `model.rollout_engine.name: hf` samples with the actor itself (there is"
                 " no drift to correct): use `model.rollout_engine.name: vllm`, or `mode: none`"
@@ -309,7 +311,7 @@ class PPOModule(LightningModule):
             check_packing_attention(attn_implementation, key="model.attn_implementation", packing_key="model.ppo.packing")
         resolve_dtype(dtype, key="model.dtype")
         if advantage_estimator not in ADVANTAGE_ESTIMATORS:
-            raise ValueError(f"`model.advantage_estimator` must be one of {ADVANTAGE_ESTIMATORS}, got {advantage_estimator!r}")
+            raise SettingError("model.advantage_estimator", f" must be one of {ADVANTAGE_ESTIMATORS}, got {advantage_estimator!r}")
         with settings_at("model"):  # what an environment cannot work with (lightning_mem.rl.multi_turn)
             check_multi_turn(environment, multi_turn, scored_otherwise=reward is not None or reward_model is not None,
                              advantage_estimator=advantage_estimator, engine=rollout_engine, generation=generation)
@@ -329,8 +331,7 @@ class PPOModule(LightningModule):
         if advantage_estimator in WITH_CRITIC and critic.name_or_path is not None:
             check_model_source(critic.name_or_path, key="model.critic.name_or_path")
         resolve_dtype(critic.dtype, key="model.critic.dtype")
-        if logits_chunk_size is not None and logits_chunk_size < 0:
-            raise ValueError(f"`model.logits_chunk_size` must be positive, 0 or null, got {logits_chunk_size}")
+        check_chunk_size(logits_chunk_size, key="model.logits_chunk_size")
         # The settings groups checked their own fields when built (the parser checks the ranges,
         # naming the key); the plan's rule relates its phases.
         with settings_at("model.memory_plan"):
@@ -343,31 +344,37 @@ class PPOModule(LightningModule):
         estimator = f"`model.advantage_estimator: {advantage_estimator}`"
         if advantage_estimator not in WITH_CRITIC:
             if critic.name_or_path is not None:
-                raise ValueError(f"`model.critic.name_or_path` is set, but {estimator} learns no value function (only `gae` does)")
+                raise SettingError("model.critic.name_or_path",
+                                   f" is set, but {estimator} learns no value function (only `gae` does)")
             if ppo.whiten_advantages:
-                raise ValueError(
+                raise SettingError(
+                    "model.ppo.whiten_advantages",
                     f"`model.ppo.whiten_advantages: true` with {estimator}: whitening is a GAE option; the critic-free"
                     " estimators define their own normalisation (GRPO's group std, `model.grpo.scale_rewards`; REINFORCE++'s"
                     " batch whitening)"
                 )
         if advantage_estimator in GROUPED and not generation.do_sample:
-            raise ValueError(f"`model.generation.do_sample: false` with {estimator}: a group of greedy answers is all alike")
+            raise SettingError("model.generation.do_sample",
+                               f"`model.generation.do_sample: false` with {estimator}: a group of greedy answers is all alike")
         if advantage_estimator in GREEDY_BASELINE and not generation.do_sample:
-            raise ValueError(f"`model.generation.do_sample: false` with {estimator}: the sampled answer would be the"
-                             " greedy baseline itself, and every advantage 0")
+            raise SettingError("model.generation.do_sample", f"`model.generation.do_sample: false` with {estimator}: the"
+                               " sampled answer would be the greedy baseline itself, and every advantage 0")
         if ppo.filter_groups and advantage_estimator not in GROUPED:
-            raise ValueError(
+            raise SettingError(
+                "model.ppo.filter_groups",
                 f"`model.ppo.filter_groups: true` with {estimator}: it drops groups of answers to one prompt that all"
                 f" scored alike, and only {GROUPED} sample groups"
             )
         if ppo.policy_loss in SEQUENCE_LOSSES and advantage_estimator in WITH_CRITIC:
-            raise ValueError(
+            raise SettingError(
+                "model.ppo.policy_loss",
                 f"`model.ppo.policy_loss: {ppo.policy_loss}` with {estimator}: it weighs a whole response by one ratio"
                 " and needs one advantage per response; GAE's differ token by token (use a critic-free estimator, or"
                 " `vanilla`)"
             )
         if ppo.overlong.buffer is not None and ppo.overlong.buffer > generation.max_new_tokens:
-            raise ValueError(
+            raise SettingError(
+                "model.ppo.overlong.buffer",
                 f"`model.ppo.overlong.buffer` ({ppo.overlong.buffer}) is longer than"
                 f" `model.generation.max_new_tokens` ({generation.max_new_tokens}): the penalty ramps up to that length"
             )
@@ -381,14 +388,16 @@ class PPOModule(LightningModule):
         if self.separate:
             self._check_separate_placement()
         if self.rollout_engine_config.name == "vllm" and not self.separate and self.trainer.world_size > 1:
-            raise ValueError(
+            raise SettingError(
+                "model.rollout_engine.name",
                 "`model.rollout_engine.name: vllm` runs one engine in the training process: use `trainer.devices: 1`"
                 f" (this run has {self.trainer.world_size} processes), or the `hf` engine"
             )
         self._check_packing_splits()
         offloaded = self.memory_plan.offloads_modules()
         if offloaded and isinstance(self.trainer.strategy, ModelParallelStrategy):
-            raise ValueError(
+            raise SettingError(
+                "model.memory_plan",
                 f"`model.memory_plan`: {offloaded} put a model on the host, but {type(self.trainer.strategy).__name__}"
                 " shards every model and owns where its shards live. Keep them 'device' in the plan and use the"
                 " strategy's `cpu_offload` instead."
@@ -428,7 +437,8 @@ class PPOModule(LightningModule):
 
         strategy = self.trainer.strategy
         if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy, ModelParallelStrategy)):
-            raise ValueError(
+            raise SettingError(
+                "model.rollout_engine.placement",
                 "`model.rollout_engine.placement: separate` runs with one device, DDP or FSDP2;"
                 f" {type(strategy).__name__} is not built for it yet"
             )
@@ -436,7 +446,8 @@ class PPOModule(LightningModule):
         split = {key: degree for key, degree in degrees.items() if degree > 1}
         if split:
             key, degree = next(iter(split.items()))
-            raise ValueError(
+            raise SettingError(
+                "model.rollout_engine.placement",
                 f"`model.rollout_engine.placement: separate` with `trainer.strategy.init_args.{key}: {degree}`: the"
                 " ranks of a tensor or context group share their prompts, and each would ask a generator for its own"
                 " samples of them; use a data-parallel FSDP2 (both sizes 1) or `placement: colocated`"
@@ -1094,7 +1105,7 @@ def _eos_ids(model: nn.Module, tokenizer: Any) -> list[int]:
     elif config_eos:
         ids.update(config_eos)
     if not ids:
-        raise ValueError("`model.name_or_path`: neither the tokenizer nor the generation config names an eos token")
+        raise SettingError("model.name_or_path", ": neither the tokenizer nor the generation config names an eos token")
     return sorted(ids)
 
 

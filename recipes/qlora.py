@@ -37,7 +37,7 @@ from lightning_mem.cli import RecipeCLI, run_command
 from lightning_mem.dtypes import cast_trainable, dtype_name, trainer_dtypes
 from lightning_mem.data import SFTDataModule
 from lightning_mem.export import export_main
-from lightning_mem.logits import check_supported
+from lightning_mem.logits import ChunkSize, check_supported
 from lightning_mem.lora import LoraSettings, apply_lora, base_record, merge_main, saved_base
 from lightning_mem.models import count_parameters
 from lightning_mem.strategies.device_map import DeviceMapStrategy
@@ -48,7 +48,7 @@ from lightning_mem.quantization import (
     load_quantized_causal_lm,
     quantized_weight_bytes,
 )
-from lightning_mem.settings import SettingNotSupported, settings_at
+from lightning_mem.settings import SettingError, SettingNotSupported, settings_at
 from recipes.sft import SFTModule
 
 
@@ -101,7 +101,7 @@ class QLoRAModule(SFTModule):
         trust_remote_code: bool = False,
         optimizer: OptimizerCallable = _paged_adamw8bit,
         lr_scheduler: LRSchedulerCallable | None = None,
-        logits_chunk_size: int | None = 512,
+        logits_chunk_size: ChunkSize = 512,
         export_dir: str | None = "export",
     ) -> None:
         super().__init__(
@@ -142,7 +142,8 @@ class QLoRAModule(SFTModule):
         # Before the base is loaded: a device_map spreads it over devices (and host, and disk),
         # which Lightning's usual strategies would undo by moving the whole module to one device.
         if self.hparams.device_map is not None and not isinstance(self.trainer.strategy, DeviceMapStrategy):
-            raise ValueError(
+            raise SettingError(
+                "model.device_map",
                 "`model.device_map` is set, so the base must stay where from_pretrained places it: set "
                 "`trainer.strategy` to `lightning_mem.strategies.DeviceMapStrategy` "
                 f"(it is {type(self.trainer.strategy).__name__})"

@@ -10,7 +10,9 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from lightning_mem.data.rows import DataFormatError
 from lightning_mem.rl.reward import RewardFunction
+from lightning_mem.settings import SettingError, settings_at
 
 _INTEGER = re.compile(r"^\s*(-?\d+)\s*$")
 _ANY_INTEGER = re.compile(r"-?\d+")
@@ -27,7 +29,7 @@ class ExactAnswerReward(RewardFunction):
 
     def _answer(self, row: dict[str, Any]) -> str:
         if self.answer_key not in row:
-            raise KeyError(f"{row.get('_where', 'a prompt row')}: no `{self.answer_key}` for the reward to check against")
+            raise DataFormatError(f"{row.get('_where', 'a prompt row')}: no `{self.answer_key}` for the reward to check against")
         return str(row[self.answer_key]).strip()
 
     def score(self, prompts: list[str], responses: list[str], rows: list[dict[str, Any]]) -> Sequence[float]:
@@ -56,13 +58,14 @@ class ArithmeticReward(ExactAnswerReward):
         self, answer_key: str = "answer", partial: float = 0.5, tolerance: float = 10.0, extract: str = "whole"
     ) -> None:
         super().__init__(answer_key)
-        if extract not in ("whole", "last_integer"):
-            raise ValueError(f"`model.reward.init_args.extract` must be 'whole' or 'last_integer', got {extract!r}")
+        with settings_at("model.reward.init_args"):
+            if extract not in ("whole", "last_integer"):
+                raise SettingError("extract", f" must be 'whole' or 'last_integer', got {extract!r}")
+            if not 0 <= partial < 1:
+                raise SettingError("partial", f" must be in [0, 1), got {partial}")
+            if tolerance <= 0:
+                raise SettingError("tolerance", f" must be positive, got {tolerance}")
         self.extract = extract
-        if not 0 <= partial < 1:
-            raise ValueError(f"`model.reward.init_args.partial` must be in [0, 1), got {partial}")
-        if tolerance <= 0:
-            raise ValueError(f"`model.reward.init_args.tolerance` must be positive, got {tolerance}")
         self.partial, self.tolerance = partial, tolerance
 
     def _guess(self, response: str) -> str | None:

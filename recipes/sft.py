@@ -34,7 +34,7 @@ from lightning_mem.data.packing import VARLEN_ATTENTION, check_packing_attention
 from lightning_mem.export import export_hf, export_main
 from lightning_mem.clipping import ClipsGradients
 from lightning_mem.gradients import FreesGradientsAfterStep
-from lightning_mem.logits import check_supported, next_token_targets, score_tokens
+from lightning_mem.logits import ChunkSize, check_chunk_size, check_supported, next_token_targets, score_tokens
 from lightning_mem.lora import (
     LoraSettings,
     apply_lora,
@@ -88,8 +88,9 @@ class SFTModule(FreesGradientsAfterStep, ClipsGradients, LightningModule):
             (``trainer.max_steps``, or the optimizer steps of ``max_epochs``).
         logits_chunk_size: label tokens per chunk through the output layer
             (:mod:`lightning_mem.logits`): at most one chunk's ``[tokens, vocab]`` logits are
-            alive in forward or backward, and only label positions are projected. None or 0:
-            all of a micro-batch's label tokens at once (the unchunked path).
+            alive in forward or backward, and only label positions are projected. ``auto``: as
+            few chunks as keep each within 2**26 logits (:func:`lightning_mem.logits.rows_per_chunk`).
+            None or 0: all of a micro-batch's label tokens at once (the unchunked path).
         export_dir: where the trained model and tokenizer are written in Hugging Face format at
             the end of fit, relative to ``trainer.default_root_dir``; None skips the export. With
             ``lora``, the peft adapter and tokenizer are written there instead.
@@ -110,7 +111,7 @@ class SFTModule(FreesGradientsAfterStep, ClipsGradients, LightningModule):
         trust_remote_code: bool = False,
         optimizer: OptimizerCallable = _adamw,
         lr_scheduler: LRSchedulerCallable | None = None,
-        logits_chunk_size: int | None = 512,
+        logits_chunk_size: ChunkSize = 512,
         export_dir: str | None = "export",
         lora: LoraSettings | None = None,
         random_init_dir: str = "random_base",
@@ -119,9 +120,7 @@ class SFTModule(FreesGradientsAfterStep, ClipsGradients, LightningModule):
         super().__init__()
         check_model_source(name_or_path, key="model.name_or_path")  # fail before anything is loaded
         resolve_dtype(dtype, key="model.dtype")
-        if logits_chunk_size is not None and logits_chunk_size < 0:
-            raise ValueError(f"`model.logits_chunk_size` must be positive, 0 or null, got {logits_chunk_size}")
-        self.logits_chunk_size = logits_chunk_size or None
+        self.logits_chunk_size = check_chunk_size(logits_chunk_size, key="model.logits_chunk_size")
         if isinstance(lora, dict):  # load_from_checkpoint passes the saved hyperparameters back as dicts
             lora = LoraSettings(**lora)
         if lora is not None:

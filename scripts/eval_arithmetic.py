@@ -26,6 +26,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, no install needed
 
+from lightning_mem.quiet import silence_unactionable_warnings  # noqa: E402
+
+silence_unactionable_warnings()  # as the recipes do: library lines a user cannot act on stay out
+
 from lightning_mem.data import collate_left_padded, encode_prompt, read_rows, row_to_prompt_messages  # noqa: E402
 from lightning_mem.padding import pad_sequences  # noqa: E402
 from lightning_mem.models import load_causal_lm, load_tokenizer  # noqa: E402

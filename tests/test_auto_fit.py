@@ -35,9 +35,15 @@ def test_the_estimate_gets_the_runs_command_line_without_the_auto_fit_keys():
 
 def test_the_budget_is_device_memory_or_the_cuda_device():
     assert auto_fit.device_budget("24GiB") == (24 * GiB, "device_memory=24GiB")
-    assert auto_fit.device_budget("1000000") == (1_000_000, "device_memory=1000000")
+    assert auto_fit.device_budget("2000000000") == (2_000_000_000, "device_memory=2000000000")
     with pytest.raises(SettingError, match=r"^`device_memory`: cannot read 'lots' as a size"):
         auto_fit.device_budget("lots")
+    # A device the estimate's reserve alone fills: nothing is left for the run, said as such.
+    with pytest.raises(SettingError, match=r"^`device_memory`: 1GiB leaves nothing for the run: the estimate reserves"
+                                           r" 1.10 GiB of a device that size \(10% of the device .* \+ 1 GiB for the CUDA"
+                                           r" context\); give at least 1.12 GiB$"):
+        auto_fit.device_budget("1GiB")
+    assert auto_fit.device_budget("1.12GiB")[0] == int(1.12 * GiB)
     if not torch.cuda.is_available():
         with pytest.raises(SettingError, match=r"there is no CUDA device here: give the budget with `device_memory`"):
             auto_fit.device_budget(None)
@@ -48,7 +54,8 @@ def test_the_cheapest_fitting_suggestion_is_chosen_and_none_fitting_is_an_error(
     assert auto_fit.choose(fits) is None
     assert auto_fit.describe(fits, None, "device_memory=4GiB") == \
         "fits as configured: estimated peak 1.00 GiB of 2.00 GiB usable on device_memory=4GiB"
-    tight = {"fits": False, "device_peak_bytes": 3 * GiB, "usable_device_bytes": 2 * GiB, "suggestions": [
+    tight = {"fits": False, "device_peak_bytes": 3 * GiB, "usable_device_bytes": 2 * GiB,
+             "device_memory_bytes": 3.5 * GiB, "margin": {"what": "the margin"}, "suggestions": [
         {"what": "a", "overrides": ["--a=1"], "device_peak_bytes": 2.5 * GiB, "fits": False},
         {"what": "b", "overrides": ["--b=1"], "device_peak_bytes": GiB, "fits": True, "cost": {"text": "+1 forward"}},
         {"what": "c", "overrides": ["--c=1"], "device_peak_bytes": GiB // 2, "fits": True}]}
@@ -57,7 +64,9 @@ def test_the_cheapest_fitting_suggestion_is_chosen_and_none_fitting_is_an_error(
     assert auto_fit.describe(tight, chosen, "H100 (cuda:0)") == (
         "applied 'b' (--b=1): estimated peak 3.00 -> 1.00 GiB of 2.00 GiB usable on H100 (cuda:0); cost: +1 forward")
     hopeless = {**tight, "suggestions": [tight["suggestions"][0], {"what": "d", "overrides": [], "error": "no"}]}
-    with pytest.raises(SettingError, match=r"^`auto_fit: true`: the run's estimated peak 3.00 GiB exceeds .*a: 2.50 GiB; d: no"):
+    with pytest.raises(SettingError, match=r"^`auto_fit: true`: the run's estimated peak 3.00 GiB exceeds the 2.00 GiB"
+                                           r" usable of 3.50 GiB \(the rest is the estimate's reserve: the margin\),"
+                                           r" and no suggestion fits \(a: 2.50 GiB; d: no\)"):
         auto_fit.choose(hopeless)
 
 

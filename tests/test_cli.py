@@ -283,6 +283,117 @@ def test_a_negative_max_steps_is_one_line_at_the_command_line(tmp_path):
     assert errors == ["error: `trainer.max_steps` must be an int >= -1 (-1: no limit), got -5"]
 
 
+# -- a callback's, a strategy's, a recipe's check: one line naming the key, also from inside Lightning --
+
+FSDP2 = str(REPO / "configs" / "sft" / "tiny_cpu_fsdp2.yaml")
+OIB = "lightning_mem.callbacks.OptimizerInBackward"
+CALLBACK_AC = "lightning_mem.callbacks.ActivationCheckpointing"
+
+
+def _one_error_line(result) -> str:
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, result.stderr[-3000:]
+    return errors[0]
+
+
+@pytest.mark.parametrize(("recipe", "args", "line"), [
+    # A callback's check in its `setup` hook, raised inside Lightning's fit (the issue's command).
+    ("sft", ["--config", CONFIG, f"--trainer.callbacks+={OIB}", "--model.optimizer=bitsandbytes.optim.PagedAdamW8bit"],
+     "error: `trainer.callbacks[OptimizerInBackward]` cannot run with `trainer.gradient_clip_val: 1.0`: gradients are"
+     " freed one by one"),
+    # A strategy's constructor, which jsonargparse wraps in its own "Does not validate" error.
+    ("sft", ["--config", FSDP2, "--trainer.strategy.init_args.tensor_parallel_size=2"],
+     "error: `trainer.strategy.init_args.cpu_offload: true` cannot be combined with"
+     " `trainer.strategy.init_args.tensor_parallel_size: 2`"),
+    # A class the model's constructor takes (the reward), wrapped the same way.
+    ("ppo", ["--config", PPO, f"--model.name_or_path={TINY_MODEL}", "--model.reward=recipes.rewards.ArithmeticReward",
+             "--model.reward.init_args.partial=1.0"],
+     "error: `model.reward.init_args.partial` must be in [0, 1), got 1.0"),
+], ids=["callback-hook", "strategy-constructor", "ppo-reward"])
+def test_a_check_inside_lightning_or_a_constructor_is_one_line_at_the_command_line(tmp_path, recipe, args, line):
+    result = run_recipe(recipe, "fit", *args, f"--trainer.default_root_dir={tmp_path}")
+    assert _one_error_line(result).startswith(line)
+
+
+def _command_line(main, args, capsys) -> str:
+    """``main(args)`` as the command line runs it: the one ``error:`` line it prints, status 2."""
+    with pytest.raises(SystemExit) as exit_info:
+        run_command(lambda: main(args))
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err.splitlines()[-1]
+
+
+@pytest.mark.parametrize(("recipe", "config", "overrides", "line"), [
+    ("sft", CONFIG, [f"--trainer.callbacks+={CALLBACK_AC}", "--trainer.callbacks.every=0"],
+     "error: `trainer.callbacks[ActivationCheckpointing].init_args.every` must be >= 1, got 0"),
+    ("sft", CONFIG, ["--trainer.strategy=lightning_mem.strategies.ZeroStrategy",
+                     "--trainer.strategy.init_args.preset=zero9"],
+     "error: `trainer.strategy.init_args.preset` 'zero9' is not a ZeRO preset"),
+    # FSDP2's own check in setup_environment, inside fit: a shard group larger than the ranks.
+    ("sft", FSDP2, ["--trainer.devices=1", "--trainer.strategy.init_args.reshard_after_forward=2"],
+     "error: `trainer.strategy.init_args.reshard_after_forward: 2` must divide the data-parallel size (1)"),
+    ("sft", CONFIG, ["--model.logits_chunk_size=-1"],
+     "error: `model.logits_chunk_size` must be 'auto', a positive int (rows per chunk), or 0 or null (one chunk),"
+     " got -1"),
+    ("qlora", QLORA, ["--model.logits_chunk_size=-1"], "error: `model.logits_chunk_size` must be 'auto'"),
+    ("ppo", PPO, [f"--model.name_or_path={TINY_MODEL}", "--model.logits_chunk_size=-1"],
+     "error: `model.logits_chunk_size` must be 'auto'"),
+    ("ppo", PPO, [f"--model.name_or_path={TINY_MODEL}", "--model.advantage_estimator=grpo",
+                  "--model.generation.do_sample=false"],
+     "error: `model.generation.do_sample: false` with `model.advantage_estimator: grpo`: a group of greedy answers"),
+    ("qlora", QLORA, ["--model.device_map=auto"], "error: `model.device_map` is set, so the base must stay where"),
+    ("sft", CONFIG, ["--auto_fit=true", "--device_memory=1GiB"],
+     "error: `device_memory`: 1GiB leaves nothing for the run: the estimate reserves 1.10 GiB"),
+], ids=["callback-constructor", "zero-constructor", "fsdp2-setup-environment", "sft-chunk", "qlora-chunk", "ppo-chunk",
+        "ppo-objective", "qlora-device-map", "auto-fit-reserve"])
+def test_a_refused_setting_prints_one_line_naming_its_key(recipe, config, overrides, line, tmp_path, capsys,
+                                                           monkeypatch):
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    for module in (sft, qlora, ppo):
+        for name in ("load_causal_lm", "load_quantized_causal_lm"):
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, _refuse)
+    main = {"sft": sft.main, "qlora": qlora.main, "ppo": ppo.main}[recipe]
+    args = ["fit", f"--config={config}", f"--trainer.default_root_dir={tmp_path}", *overrides]
+    assert _command_line(main, args, capsys).startswith(line)
+
+
+@pytest.mark.parametrize("recipe", ["qlora", "ppo"])
+def test_logits_chunk_size_auto_is_accepted_by_every_recipe(recipe, capsys):
+    main, config = {"qlora": (qlora.main, QLORA), "ppo": (ppo.main, PPO)}[recipe]
+    with pytest.raises(SystemExit) as exit_info:  # parsed and validated; nothing past the parser runs
+        main(["fit", "--config", config, "--model.logits_chunk_size=auto", "--print_config"])
+    assert exit_info.value.code == 0
+    assert "  logits_chunk_size: auto" in capsys.readouterr().out.splitlines()
+
+
+def test_logits_chunk_size_auto_trains_as_explicit_chunks(tmp_path):
+    # `auto` at the tiny vocabulary is one chunk per micro-batch; 7 rows are many: the same update.
+    from lightning_mem.models import load_causal_lm, load_tokenizer
+
+    start = tmp_path / "start"  # one set of random weights that both runs load
+    load_causal_lm(str(TINY_MODEL)).save_pretrained(start)
+    load_tokenizer(str(TINY_MODEL)).save_pretrained(start)
+    initial = {n: p.detach().clone() for n, p in load_causal_lm(str(start)).named_parameters()}
+    sgd = [f"--model.name_or_path={start}", "--model.optimizer=torch.optim.SGD", "--model.optimizer.init_args.lr=1.0",
+           "--model.lr_scheduler=null", "--trainer.gradient_clip_val=null", "--trainer.max_steps=1"]
+    auto = _sft(tmp_path / "auto", *sgd, "--model.logits_chunk_size=auto").model
+    chunked = _sft(tmp_path / "chunked", *sgd, "--model.logits_chunk_size=7").model
+    assert auto.logits_chunk_size == "auto" and chunked.logits_chunk_size == 7
+    after = dict(chunked.model.named_parameters())
+    moved = 0
+    for name, param in auto.model.named_parameters():
+        update = after[name].detach() - initial[name]
+        if update.norm() == 0:
+            continue
+        moved += 1
+        # Relative to the update (SGD at lr 1); fp32 sums in another order: test_sft's bound.
+        error = float((param.detach() - after[name].detach()).norm() / update.norm())
+        assert error <= 2e-5, (name, error)
+    assert moved > len(initial) // 2
+
+
 def test_unactionable_library_lines_are_dropped_and_others_kept(caplog):
     from lightning.pytorch.utilities.rank_zero import rank_zero_info
 

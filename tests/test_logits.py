@@ -10,6 +10,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lightning_mem.logits import check_supported, next_token_targets, response_targets, score_tokens
+from lightning_mem.settings import SettingError
 
 VOCAB = 509  # not a multiple of anything a chunk size here is
 
@@ -457,8 +458,18 @@ def test_the_automatic_chunk_size_is_one_chunk_until_the_logits_budget():
     assert rows_per_chunk("auto", 8192, 32_000) == 2048  # a small vocabulary: fewer chunks
     assert rows_per_chunk(None, 8192, 151_936) == rows_per_chunk(0, 8192, 151_936) == 8192
     assert rows_per_chunk(512, 8192, 151_936) == 512  # a number is the override
-    with pytest.raises(ValueError, match="chunk_size"):
+    with pytest.raises(SettingError, match=r"^`chunk_size` must be 'auto', a positive int"):
         rows_per_chunk("big", 10, 10)
+
+
+def test_one_rule_for_a_chunk_size_setting_naming_the_callers_key():
+    from lightning_mem.logits import check_chunk_size
+
+    assert check_chunk_size("auto") == "auto" and check_chunk_size(512) == 512
+    assert check_chunk_size(0) is None and check_chunk_size(None) is None  # one chunk: the unchunked path
+    for bad in (-1, "big", True, 2.5):
+        with pytest.raises(SettingError, match=rf"^`model.logits_chunk_size` must be 'auto', .*, got {bad!r}$"):
+            check_chunk_size(bad, key="model.logits_chunk_size")
 
 
 # -- the head at the step's peak (issue #37 item 6) ----------------------------------------------------

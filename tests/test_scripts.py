@@ -5,13 +5,16 @@ names a missing column."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from lightning_mem.models import load_causal_lm, load_tokenizer
 from scripts.eval_arithmetic import evaluate
-from tests.helpers import TINY_MODEL
+from tests.helpers import HANG_GUARD_S, REPO, TINY_MODEL
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +54,22 @@ def test_rows_without_an_answer_are_refused(tiny_saved, tmp_path):
     prompts.write_text(json.dumps({"prompt": "What is 1 + 1?", "answer": "2"}) + "\n" + json.dumps({"prompt": "x"}) + "\n")
     with pytest.raises(KeyError, match=r"p.jsonl: rows without an `answer` key \(line 2 is the first\)"):
         evaluate(str(tiny_saved), prompts)
+
+
+def test_the_eval_of_a_plain_model_prints_no_bitsandbytes_line_and_imports_no_bitsandbytes(tiny_saved):
+    # bitsandbytes logs "Failed to load CPU gemm_4bit_forward from kernels-community ..." when
+    # imported without the optional `kernels` package: a line a user cannot act on. Sampling used
+    # to import peft (and so bitsandbytes) to look for LoRA layers in any model.
+    code = ("import runpy, sys\n"
+            f"sys.argv = ['eval_arithmetic.py', {str(tiny_saved)!r}, '--limit', '2']\n"
+            "runpy.run_path('scripts/eval_arithmetic.py', run_name='__main__')\n"
+            "print('imported bitsandbytes:', 'bitsandbytes' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                          timeout=HANG_GUARD_S, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines()[-1] == "imported bitsandbytes: False"
+    assert json.loads(done.stdout.splitlines()[-2])["prompts"] == 2
+    assert "gemm_4bit" not in done.stderr and "kernels-community" not in done.stderr, done.stderr
 
 
 def test_plot_metrics_draws_each_column_and_names_a_missing_one(tmp_path):

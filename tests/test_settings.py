@@ -129,11 +129,11 @@ def test_the_library_names_its_own_fields_never_a_recipes_yaml_path(build, messa
 
 
 def test_zero_tier_names_its_keyword_arguments():
-    with pytest.raises(ValueError, match=r"^reduce_bucket_size=0 must be positive$"):
+    with pytest.raises(SettingError, match=r"^`reduce_bucket_size` must be positive, got 0$"):
         ZeroTier(reduce_bucket_size=0)
-    with pytest.raises(ValueError, match=r"^stage=1 must be 2 or 3$"):
+    with pytest.raises(SettingError, match=r"^`stage` must be 2 or 3, got 1$"):
         ZeroTier(stage=1)
-    with pytest.raises(ValueError, match=r"^sub_group_size=1000.0 must be an int, positive$"):
+    with pytest.raises(SettingError, match=r"^`sub_group_size` must be an int, positive, got 1000.0$"):
         ZeroTier(sub_group_size=1e3)
 
 

@@ -17,6 +17,7 @@ from typing_extensions import override
 
 from lightning_mem.activation_checkpointing import POLICIES, Policy, checkpoint_blocks
 from lightning_mem.module_tree import find_hf_models
+from lightning_mem.settings import STRATEGY_ARGS, SettingError, callback_args, callback_key, settings_at
 
 
 class ActivationCheckpointing(Callback):
@@ -46,12 +47,13 @@ class ActivationCheckpointing(Callback):
         blocks: Optional[int] = None,
         budget: Optional[str] = None,
     ) -> None:
-        if every < 1:
-            raise ValueError(f"ActivationCheckpointing: `every` must be >= 1, got {every}")
-        if policy not in POLICIES:
-            raise ValueError(f"ActivationCheckpointing: `policy` must be one of {POLICIES}, got {policy!r}")
-        if blocks is not None and blocks < 0:
-            raise ValueError(f"ActivationCheckpointing: `blocks` must be >= 0, got {blocks}")
+        with settings_at(callback_args(self)):
+            if every < 1:
+                raise SettingError("every", f" must be >= 1, got {every}")
+            if policy not in POLICIES:
+                raise SettingError("policy", f" must be one of {POLICIES}, got {policy!r}")
+            if blocks is not None and blocks < 0:
+                raise SettingError("blocks", f" must be >= 0, got {blocks}")
         self.every = every
         self.block_classes = block_classes
         self.frozen_models = frozen_models
@@ -67,26 +69,24 @@ class ActivationCheckpointing(Callback):
 
         if isinstance(trainer.strategy, FSDP2Strategy):
             # Under FSDP2 the checkpoint must wrap blocks before they are sharded, in the strategy.
-            raise ValueError(
-                "ActivationCheckpointing: under FSDP2Strategy set"
-                " `trainer.strategy.init_args.activation_checkpointing` instead of this callback"
-            )
+            raise SettingError(callback_key(self), " under FSDP2Strategy: set"
+                               f" `{STRATEGY_ARGS}.activation_checkpointing` instead of this callback")
         if self.budget is not None and self.blocks is None:
-            raise ValueError(
-                "ActivationCheckpointing: `budget` is turned into `blocks` by the recipe command line before the"
-                " run (it estimates the run); built in code, give `blocks` (or `every`) instead"
-            )
+            raise SettingError(
+                "budget", " is turned into `blocks` by the recipe command line before the run (it estimates the"
+                " run); built in code, give `blocks` (or `every`) instead", siblings=("blocks", "every"),
+                prefix=f"{callback_args(self)}.")
         models = find_hf_models(pl_module)
         if not models:
-            raise ValueError("ActivationCheckpointing: the LightningModule holds no Hugging Face model")
+            raise SettingError(callback_key(self), ": the LightningModule holds no Hugging Face model to checkpoint")
         for name, model in models:
             if not self.frozen_models and not any(p.requires_grad for p in model.parameters()):
                 continue
             try:
                 chosen, blocks = checkpoint_blocks(model, self.every, self.block_classes, count=self.blocks,
                                                    policy=self.policy, offload_inputs=self.offload_inputs)
-            except ValueError as err:
-                raise ValueError(f"ActivationCheckpointing: `{name}`: {err}") from None
+            except ValueError as err:  # no block of the classes: name them where they are set
+                raise SettingError("block_classes", f": `{name}`: {err}", prefix=f"{callback_args(self)}.") from None
             self.checkpointed[name] = chosen
             rank_zero_info(f"ActivationCheckpointing: {chosen} of {blocks} blocks of `{name}` checkpointed"
                            f" ({self.policy}{', inputs on the host' if self.offload_inputs else ''})")

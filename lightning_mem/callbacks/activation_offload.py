@@ -18,6 +18,7 @@ from lightning.pytorch.utilities.rank_zero import WarningCache
 from typing_extensions import override
 
 from lightning_mem.activation_offload import ActivationOffloader, ActivationOffloadStats
+from lightning_mem.settings import callback_args, settings_at
 
 _warning_cache = WarningCache()
 
@@ -74,14 +75,16 @@ class ActivationOffload(Callback):
                 "ActivationOffload on CPU: host and device memory are the same, so it saves no memory "
                 "here; activations are still copied out and back, so results do not change."
             )
-        self.offloader = ActivationOffloader(pl_module, device=device, **self._kwargs)
+        with settings_at(callback_args(self)):
+            self.offloader = ActivationOffloader(pl_module, device=device, **self._kwargs)
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         offloader = self._require_offloader()
         offloader.reset_stats()
         if not offloader.active:
-            offloader.__enter__()
+            with settings_at(callback_args(self)):  # `exclude_modules` are looked up in the model here
+                offloader.__enter__()
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:

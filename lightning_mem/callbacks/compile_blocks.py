@@ -25,7 +25,7 @@ from typing_extensions import override
 
 from lightning_mem.compile import check_compile_settings, compile_blocks
 from lightning_mem.module_tree import find_hf_models
-from lightning_mem.settings import SettingError
+from lightning_mem.settings import SettingError, callback_args, callback_key, settings_at
 
 
 class CompileBlocks(Callback):
@@ -60,10 +60,8 @@ class CompileBlocks(Callback):
         block_classes: Optional[list[str]] = None,
         frozen_models: bool = False,
     ) -> None:
-        try:
+        with settings_at(callback_args(self)):
             check_compile_settings(backend, mode, device_type="cuda")  # the C++ compiler is checked in setup
-        except SettingError as err:
-            raise ValueError(f"CompileBlocks: {err}") from None
         self.settings: dict[str, Any] = dict(backend=backend, mode=mode, fullgraph=fullgraph, dynamic=dynamic)
         self.block_classes = block_classes
         self.frozen_models = frozen_models
@@ -75,24 +73,22 @@ class CompileBlocks(Callback):
         # memory estimate's CPU fit (under its dispatch mode) compiles nothing, so needs no compiler.
         if torch.utils._python_dispatch._get_current_dispatch_mode() is not None:
             return
-        try:
+        with settings_at(callback_args(self)):
             check_compile_settings(self.settings["backend"], self.settings["mode"],
                                    device_type=trainer.strategy.root_device.type)
-        except SettingError as err:
-            raise ValueError(f"CompileBlocks: {err}") from None
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         models = find_hf_models(pl_module)
         if not models:
-            raise ValueError("CompileBlocks: the LightningModule holds no Hugging Face model")
+            raise SettingError(callback_key(self), ": the LightningModule holds no Hugging Face model to compile")
         for name, model in models:
             if not self.frozen_models and not any(p.requires_grad for p in model.parameters()):
                 continue
             try:
                 compiled, blocks = compile_blocks(model, self.block_classes, **self.settings)
-            except ValueError as err:
-                raise ValueError(f"CompileBlocks: `{name}`: {err}") from None
+            except ValueError as err:  # no block of the classes: name them where they are set
+                raise SettingError("block_classes", f": `{name}`: {err}", prefix=f"{callback_args(self)}.") from None
             self.compiled[name] = compiled
             rank_zero_info(f"CompileBlocks: {blocks} blocks of `{name}` compiled ({self.settings['backend']});"
                            " the first step compiles them")

@@ -19,6 +19,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_mem.settings import SettingError, callback_args
+
 
 def config_from_argv(argv: list[str]) -> tuple[Optional[str], list[str]]:
     """The ``--config`` of a recipe command line and its other overrides (after the subcommand)."""
@@ -65,7 +67,8 @@ class FitCheck(Callback):
         config, rest = config_from_argv(sys.argv[1:])
         config = self.config or config
         if config is None:
-            raise ValueError("FitCheck: no `config` given and no --config on the command line")
+            raise SettingError("config", ": none given, and no --config on the command line: the estimate runs a config",
+                               prefix=f"{callback_args(self)}.")
         overrides = self.overrides if self.overrides is not None else rest
         cmd = [sys.executable, "-m", "lightning_mem.estimate", "--config", config, *overrides,
                "--device-memory", str(device_bytes), "--world-size", str(world_size), "--json"]
@@ -100,7 +103,14 @@ class FitCheck(Callback):
         for s in result.get("suggestions") or []:
             if s.get("fits"):
                 lines.append(f"  fits ({s['device_peak_bytes'] / gib:.1f} GiB): {s['what']}: {' '.join(s['overrides'])}")
-        message = "\n".join(lines)
+        for s in result.get("smaller") or []:  # only when no suggestion fits: a way with adapters
+            if s.get("fits"):
+                lines.append(f"  nothing else fits; the smallest way that does ({s['device_peak_bytes'] / gib:.1f}"
+                             f" GiB): {s['what']}: {s['command']}")
         if self.fail:
-            raise RuntimeError(message)
-        rank_zero_warn(message)
+            # The suggestions first, then the refusal as one line.
+            if len(lines) > 1:
+                rank_zero_warn("\n".join(lines[1:]))
+            raise SettingError("fail", f": true, and {lines[0].removeprefix('FitCheck: ')}",
+                               prefix=f"{callback_args(self)}.")
+        rank_zero_warn("\n".join(lines))

@@ -31,6 +31,7 @@ from lightning_mem.liger import (
     undo_module_patches,
 )
 from lightning_mem.module_tree import find_hf_models
+from lightning_mem.settings import SettingError, SettingNotSupported, callback_key
 
 class LigerKernels(Callback):
     """Apply Liger's kernels to each Hugging Face model in the LightningModule when fit starts.
@@ -60,20 +61,21 @@ class LigerKernels(Callback):
         try:
             check_liger(trainer.strategy.root_device.type)
         except ValueError as err:
-            raise ValueError(f"LigerKernels (`trainer.callbacks`): {err}; remove the callback to run without it") from None
+            raise SettingNotSupported(callback_key(self), f": {err}; remove the callback to run without it") from None
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         models = find_hf_models(pl_module)
         if not models:
-            raise ValueError("LigerKernels: the LightningModule holds no Hugging Face model")
+            raise SettingError(callback_key(self), ": the LightningModule holds no Hugging Face model to patch")
         for name, model in models:
             if not self.frozen_models and not any(p.requires_grad for p in model.parameters()):
                 continue
             try:
                 _, rebound = record_module_patches(lambda model=model: apply_liger_kernels(model, **self.kernels))
-            except ValueError as err:
-                raise ValueError(f"LigerKernels: `{name}`: {err}") from None
+            except ValueError as err:  # a model type Liger has no kernels for
+                raise SettingNotSupported(callback_key(self), f": `{name}`: {err}; remove the callback to run"
+                                          " without it") from None
             self._module_patches += rebound
             self.patched.append(name)
         on = [name for name, wanted in self.kernels.items() if wanted]

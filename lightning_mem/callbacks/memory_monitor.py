@@ -19,6 +19,7 @@ from lightning.pytorch.utilities.rank_zero import WarningCache
 from typing_extensions import override
 
 from lightning_mem.run_dir import run_dir
+from lightning_mem.settings import SettingError, callback_args
 
 log = logging.getLogger(__name__)
 _warning_cache = WarningCache()
@@ -88,7 +89,7 @@ class MemoryMonitor(Callback):
         plot: bool = True,
     ) -> None:
         if every_n_steps < 1:
-            raise ValueError(f"MemoryMonitor: every_n_steps must be >= 1, got {every_n_steps}")
+            raise SettingError("every_n_steps", f" must be >= 1, got {every_n_steps}", prefix=f"{callback_args(self)}.")
         self.every_n_steps = every_n_steps
         self.record_history = record_history
         self.history_max_entries = history_max_entries

@@ -11,6 +11,7 @@ from typing_extensions import override
 
 from lightning_mem.callbacks.optimizer_state_offload import unwrap_optimizer
 from lightning_mem.optim import StepInBackward
+from lightning_mem.settings import SettingError, callback_key
 
 
 class OptimizerInBackward(Callback):
@@ -57,31 +58,32 @@ class OptimizerInBackward(Callback):
         problems = []
         if trainer.accumulate_grad_batches != 1:
             problems.append(
-                f"trainer.accumulate_grad_batches={trainer.accumulate_grad_batches}: each backward steps, so "
+                f"`trainer.accumulate_grad_batches: {trainer.accumulate_grad_batches}`: each backward steps, so "
                 "gradients cannot accumulate; set it to 1"
             )
         if trainer.gradient_clip_val:
             problems.append(
-                f"trainer.gradient_clip_val={trainer.gradient_clip_val}: gradients are freed one by one, so "
+                f"`trainer.gradient_clip_val: {trainer.gradient_clip_val}`: gradients are freed one by one, so "
                 "there is never a global norm to clip by; set it to null (no clipping with the step in backward)"
             )
         if trainer.world_size > 1 or not isinstance(trainer.strategy, SingleDeviceStrategy):
             problems.append(
-                f"trainer.strategy={type(trainer.strategy).__name__} on {trainer.world_size} process(es): "
+                f"`trainer.strategy` {type(trainer.strategy).__name__} on {trainer.world_size} process(es): "
                 "gradients would need reducing across ranks before the step; use a single device (strategy: auto)"
             )
         if getattr(trainer.precision_plugin, "scaler", None) is not None:
             problems.append(
-                "trainer.precision with a gradient scaler (16-mixed): a step cannot be skipped after the "
+                "`trainer.precision` with a gradient scaler (16-mixed): a step cannot be skipped after the "
                 "fact; use bf16-mixed or 32-true"
             )
         if problems:
-            raise ValueError("OptimizerInBackward cannot run with " + "; ".join(problems))
+            raise SettingError(callback_key(self), " cannot run with " + "; ".join(problems))
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if len(trainer.optimizers) != 1:
-            raise ValueError(f"OptimizerInBackward needs exactly one optimizer, got {len(trainer.optimizers)}")
+            raise SettingError(callback_key(self), f" needs exactly one optimizer (`configure_optimizers`), got"
+                               f" {len(trainer.optimizers)}")
         self.stepper = StepInBackward(pl_module, unwrap_optimizer(trainer.optimizers[0]))
         if self._pending_state is not None:
             self.stepper.load_state_dict(self._pending_state)

@@ -1,8 +1,9 @@
 """Training data: where rows come from (:mod:`.rows`), the chat shapes and their rendering
-(:mod:`.chat`), SFT tokenization and batching (:mod:`.sft`), and RL prompt sets (:mod:`.prompts`).
+(:mod:`.chat`), SFT tokenization and batching (:mod:`.sft`), preference pairs (:mod:`.pairs`,
+:mod:`.preference`), and RL prompt sets (:mod:`.prompts`).
 
-The datamodules (``lightning_mem.data.SFTDataModule``, ``lightning_mem.data.PromptDataModule``) and
-the helpers are importable from here.
+The datamodules (``lightning_mem.data.SFTDataModule``, ``lightning_mem.data.PreferenceDataModule``,
+``lightning_mem.data.PromptDataModule``) and the helpers are importable from here.
 """
 
 from lightning_mem.data.rows import (  # noqa: F401
@@ -39,6 +40,18 @@ from lightning_mem.data.sft import (  # noqa: F401
     SFTDataModule,
 )
 
+from lightning_mem.data.pairs import (  # noqa: F401
+    PairStats,
+    row_to_pair,
+)
+
+from lightning_mem.data.preference import (  # noqa: F401
+    PreferenceDataset,
+    PairCollator,
+    PreferenceDataModule,
+    flatten_pair_rows,
+)
+
 from lightning_mem.data.prompts import (  # noqa: F401
     PromptDataset,
     collate_left_padded,
@@ -72,6 +85,12 @@ __all__ = [
     "TokenizedDataset",
     "collate_right_padded",
     "SFTDataModule",
+    "PairStats",
+    "row_to_pair",
+    "PreferenceDataset",
+    "PairCollator",
+    "PreferenceDataModule",
+    "flatten_pair_rows",
     "PromptDataset",
     "collate_left_padded",
     "FullBatchSampler",

@@ -140,6 +140,19 @@ def next_fit_rows(lengths: Sequence[int], row_length: int | None) -> list[int]:
     return rows
 
 
+def packed_places(lengths: Sequence[int], row_length: int | None) -> tuple[list[int], list[tuple[int, int]]]:
+    """Where :func:`collate_packed` puts consecutive examples of ``lengths``: the rows' summed
+    lengths (:func:`next_fit_rows`) and each example's ``(row, first column)``."""
+    sizes = next_fit_rows(lengths, row_length)
+    places, row, at = [], 0, 0
+    for n in lengths:
+        if at + n > sizes[row]:
+            row, at = row + 1, 0
+        places.append((row, at))
+        at += n
+    return sizes, places
+
+
 def collate_packed(examples: Sequence[dict[str, Sequence[int]]], row_length: int | None = None) -> dict[str, torch.Tensor]:
     """Rows ``[rows, longest row]`` of consecutive examples (:func:`next_fit_rows`; one row when
     ``row_length`` is ``None``): ``input_ids``, ``labels`` (each example's first label ``-100``) and
@@ -149,20 +162,16 @@ def collate_packed(examples: Sequence[dict[str, Sequence[int]]], row_length: int
     attends to: it comes after them). ``row_tokens`` holds each row's real tokens. Examples hold
     lists or int arrays (the Arrow cache's int32 columns)."""
     examples = [e for e in examples if len(e["input_ids"])]
-    sizes = next_fit_rows([len(e["input_ids"]) for e in examples], row_length)
+    sizes, places = packed_places([len(e["input_ids"]) for e in examples], row_length)
     width = max(sizes, default=0)
     ids = torch.zeros(max(len(sizes), 1), width, dtype=torch.long)
     labels = torch.full_like(ids, IGNORE_INDEX)
     positions = torch.zeros_like(ids)
-    row, at = 0, 0
-    for example in examples:
+    for example, (row, at) in zip(examples, places):
         n = len(example["input_ids"])
-        if at + n > sizes[row]:
-            row, at = row + 1, 0
         ids[row, at : at + n] = torch.as_tensor(example["input_ids"], dtype=torch.long)
         labels[row, at + 1 : at + n] = torch.as_tensor(example["labels"], dtype=torch.long)[1:]
         positions[row, at : at + n] = torch.arange(n)
-        at += n
     for r, size in enumerate(sizes):
         positions[r, size:] = torch.arange(width - size)
     return {"input_ids": ids, "labels": labels, "position_ids": positions,

@@ -5,7 +5,7 @@ See docs/will_it_fit.md. :func:`estimate` (:mod:`.estimator`) is the entry point
 config (:mod:`.recipe_config`) and runs the recipe's ``Trainer.fit`` on fake tensors (:mod:`.run`,
 :mod:`.fake`), whose phases :mod:`.recorder` records and :mod:`.tracker` counts, one rank's view of
 them under a sharding strategy (:mod:`.sharding`, :mod:`.rank_view`); :mod:`.report` and
-:mod:`.suggest` turn it into an answer; :func:`measure_fit` (:mod:`.measure`) runs the config's real fit under the same tracker, on
+:mod:`.suggest` (with :mod:`.smaller` when nothing fits) turn it into an answer; :func:`measure_fit` (:mod:`.measure`) runs the config's real fit under the same tracker, on
 one or several CPU ranks (:mod:`.sharded`), which is what the estimate is held to.
 """
 

@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m lightning_mem.estimate",
         description="Per-phase, per-rank memory of a recipe config, from the recipe's own step on fake tensors.",
-        epilog="Any other argument is passed to the recipe's CLI as an override, e.g. --data.max_length 4096.",
+        epilog="Any other argument is passed to the recipe's CLI as an override, e.g. --data.max_length 4096;"
+               " the recipe's keys are listed by `python -m recipes.<recipe> fit --help`.",
     )
     parser.add_argument("--config", required=True, help="a recipe config (configs/<recipe>/*.yaml)")
     parser.add_argument("--recipe", default=None, help="sft, qlora, ppo or a module path; default: from the config's folder")
@@ -51,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = parser.parse_known_args(argv)
     device_bytes = None
     if args.device_memory is not None:
-        device_bytes = report.parse_size(args.device_memory)
+        device_bytes = report.parse_size(args.device_memory, key="--device-memory")
+        report.check_device_size(device_bytes, key="--device-memory", text=args.device_memory)
     else:
         tier = report.tier_of(args.config)
         device_bytes = tier.memory_bytes if tier else None
@@ -64,20 +66,23 @@ def main(argv: list[str] | None = None) -> int:
     with _quiet_lightning(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         result = estimate(args.config, overrides, recipe=recipe, world_size=args.world_size, device_memory=device_bytes)
-        suggestions = None
+        advice = None
         if args.suggest and result.device_peak_bytes > report.usable_bytes(device_bytes):
-            suggestions = suggest(
+            advice = suggest(
                 result.parsed, recipe, overrides, device_bytes,
                 lambda extra: estimate(args.config, extra, recipe=recipe, world_size=args.world_size,
                                        device_memory=device_bytes),
                 base=result, config=args.config, limit=args.suggestions,
+                estimate_config=lambda config, extra, module, ranks: estimate(
+                    config, extra, recipe=module, world_size=ranks, device_memory=device_bytes),
             )
     if args.json:
-        print(report.dumps(report.to_dict(result, device_bytes, suggestions)))
+        print(report.dumps(report.to_dict(result, device_bytes, advice)))
     else:
         print(report.table(result, device_bytes))
-        if suggestions is not None:
-            print(report.suggestions_text(suggestions))
+        if advice is not None:
+            print(report.suggestions_text(advice.suggestions, advice.dropped, smaller=advice.smaller,
+                                          peak=result.device_peak_bytes, device_bytes=device_bytes))
     fits = device_bytes is None or result.device_peak_bytes <= report.usable_bytes(device_bytes)
     return 0 if fits else 1
 
@@ -141,4 +146,6 @@ class _Uncompiled(importlib.abc.Loader):
 
 if __name__ == "__main__":
     sys.meta_path.insert(0, _BitsandbytesUncompiled())
-    _exit(main())
+    from lightning_mem.cli import run_command  # a bad setting or data line: one line and status 2
+
+    _exit(run_command(main))

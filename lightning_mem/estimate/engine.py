@@ -33,6 +33,7 @@ from lightning_mem.estimate.tracker import HOST
 from lightning_mem.rl.engine_config import RolloutEngineConfig
 from lightning_mem.rl.rollout import Experience, GenerationConfig, RolloutEngine, experience_from_generation
 from lightning_mem.rl.weight_sync import checkpoint_weights, weight_buckets
+from lightning_mem.settings import SettingError
 
 
 class ReservedEngine(RolloutEngine):
@@ -58,10 +59,10 @@ class ReservedEngine(RolloutEngine):
         from lightning_mem.dtypes import resolve_dtype
 
         if on_cuda and device_memory is None:
-            raise ValueError(
-                "the vLLM rollout engine takes `model.rollout_engine.gpu_memory_utilization` of the device's total"
-                " memory: give the estimate the device's size (--device-memory 80GiB, or a config with a `# tier:` line)"
-            )
+            raise SettingError(
+                "--device-memory", " is needed: the vLLM rollout engine takes `model.rollout_engine.gpu_memory_utilization`"
+                " of the device's total memory; give the estimate the device's size (--device-memory 80GiB, or a config"
+                " with a `# tier:` line)")
         self.engine_config = engine
         self.run = run
         self.on_cuda = on_cuda

@@ -34,6 +34,7 @@ from lightning_mem.estimate.recipe_config import model_vocab_sizes, recipe_for, 
 from lightning_mem.estimate.recorder import MeasuredStep, PhaseEstimate, PhaseRecorder, attribution
 from lightning_mem.estimate.sharded import DEFAULT_TIMEOUT_S, SHARED_DIR_ENV, FSDP2Categories, is_fsdp2, run_ranks
 from lightning_mem.estimate.tracker import MemoryLedger, TrackingMode
+from lightning_mem.settings import SettingError
 
 
 class FitRecorder(PhaseRecorder):
@@ -117,7 +118,7 @@ def _fit_rank(config: str, overrides: list[str], recipe: str | None, steps: int,
         cli = cli_class(module_class, data_class, args=args, run=False)
         trainer, module = cli.trainer, cli.model
         if trainer.world_size != world_size:
-            raise ValueError(f"`trainer.devices`: the config runs {trainer.world_size} processes, not {world_size}")
+            raise SettingError("trainer.devices", f": the config runs {trainer.world_size} processes, not {world_size}")
         ledger = MemoryLedger(set(model_vocab_sizes(cli.config.model)))
         fill, _ = sampled_tokens(module.hparams.name_or_path)
         mode = TrackingMode(ledger, fake=False, fixed_sampling=True, fill_token=fill)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_mem.assets import ASSETS, HUB_ASSETS
+from lightning_mem.settings import SettingError, SettingNotSupported, SettingPathError
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 _RECIPES = {"sft": "recipes.sft", "qlora": "recipes.qlora", "ppo": "recipes.ppo"}
@@ -29,10 +30,9 @@ def recipe_for(config: str | Path, recipe: str | None = None) -> str:
         return _RECIPES.get(recipe, recipe)
     parent = Path(config).resolve().parent.name
     if parent not in _RECIPES:
-        raise ValueError(
-            f"--config {config}: cannot tell its recipe from the folder {parent!r}; pass --recipe "
-            f"({', '.join(_RECIPES)} or a module path)"
-        )
+        raise SettingError(
+            "--recipe", f" is needed: cannot tell the recipe of --config {config} from its folder {parent!r}; pass"
+            f" --recipe ({', '.join(_RECIPES)} or a module path)")
     return _RECIPES[parent]
 
 
@@ -41,12 +41,18 @@ def recipe_parts(module_name: str) -> tuple[Any, type, type, type]:
     from lightning.pytorch import LightningDataModule, LightningModule
     from lightning.pytorch.cli import LightningCLI
 
-    mod = importlib.import_module(module_name)
+    try:
+        mod = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name is None or not module_name.startswith(err.name):
+            raise  # the module exists and one of its imports is missing: its traceback is the report
+        raise SettingError("--recipe", f" {module_name!r}: no such module") from None
     classes = [v for v in vars(mod).values() if inspect.isclass(v)]
     modules = [c for c in classes if issubclass(c, LightningModule) and c.__module__ == module_name]
     datas = [c for c in classes if issubclass(c, LightningDataModule)]
     if len(modules) != 1 or not datas:
-        raise ValueError(f"{module_name}: expected one LightningModule and a datamodule, found {modules} {datas}")
+        raise SettingError("--recipe", f" {module_name!r}: expected one LightningModule defined there and a datamodule,"
+                                       f" found {[m.__name__ for m in modules]} and {[d.__name__ for d in datas]}")
     return mod, _cli_class(modules[0]), modules[0], datas[0]
 
 
@@ -74,7 +80,9 @@ def parse_config(recipe_module: str, args: list[str]) -> tuple[Any, Any, type]:
         def instantiate_classes(self) -> None:
             pass
 
-    cli = _ParseOnly(module_class, data_class, args=args, run=False, save_config_callback=None)
+    # The parser's usage and its tip ("run: ... --help") name this command, not its __main__.py.
+    cli = _ParseOnly(module_class, data_class, args=args, run=False, save_config_callback=None,
+                     parser_kwargs={"prog": "python -m lightning_mem.estimate"})
     return cli, cli.config, module_class
 
 
@@ -92,10 +100,9 @@ def config_folder(name_or_path: str, key: str) -> Path:
     shipped = HUB_ASSETS / name_or_path
     if (shipped / "config.json").is_file():
         return shipped
-    raise FileNotFoundError(
-        f"`{key}`: no config.json is shipped for the hub id {name_or_path!r} (looked in {shipped}); "
-        "pass a local folder that holds its config.json"
-    )
+    raise SettingPathError(
+        key, f": no config.json is shipped for the hub id {name_or_path!r} (looked in {shipped}); "
+        "pass a local folder that holds its config.json")
 
 
 def config_only_copy(name_or_path: str, key: str, workdir: Path) -> str:
@@ -175,7 +182,7 @@ def precision_plugin(precision: Any) -> Any:
     if value in ("bf16-mixed", "16-mixed"):
         # Autocast on the device the estimate runs on (CPU); the dtypes are those of the GPU run.
         return MixedPrecision("bf16-mixed", device="cpu")
-    raise ValueError(f"`trainer.precision`: the estimator does not know {precision!r}")
+    raise SettingNotSupported("trainer.precision", f": the estimator does not know {precision!r}")
 
 
 def is_technique(callback: Any) -> bool:

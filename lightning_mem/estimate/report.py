@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import math
 import re
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from lightning_mem.estimate.tracker import CATEGORIES
+from lightning_mem.settings import SettingError
 
 GiB = 1 << 30
 # What the tracked tensor bytes leave out on a real card: the caching allocator's fragmentation
@@ -25,11 +28,15 @@ _TIER_NAME = re.compile(r"_(\d+)x(\d+)gb", re.IGNORECASE)
 
 
 def parse_size(text: str, *, key: str = "--device-memory") -> int:
-    """``24GiB``, ``80GB``, ``24 GiB``, ``25769803776`` -> bytes. A bare ``GB`` is decimal, ``GiB`` binary."""
+    """``24GiB``, ``80GB``, ``24 GiB``, ``25769803776`` -> bytes. A bare ``GB`` is decimal, ``GiB`` binary.
+
+    Raises:
+        SettingError: naming ``key``, when ``text`` is no size.
+    """
     match = _SIZE.match(str(text))
     unit = (match.group(2) or "").lower() if match else None
     if match is None or unit not in _UNITS:
-        raise ValueError(f"`{key}`: cannot read {text!r} as a size; write e.g. 24GiB, 80GB or a byte count")
+        raise SettingError(key, f": cannot read {text!r} as a size; write e.g. 24GiB, 80GB or a byte count")
     return int(float(match.group(1)) * _UNITS[unit])
 
 
@@ -71,13 +78,39 @@ def usable_bytes(device_bytes: int) -> int:
     return int(device_bytes * (1 - MARGIN_FRACTION)) - MARGIN_BYTES
 
 
+def check_device_size(device_bytes: int, *, key: str, text: str | None = None) -> None:
+    """Refuse a device too small for the margin alone (:data:`MARGIN_TEXT`): nothing would be left
+    for the run, and every estimate would be said not to fit a negative budget.
+
+    Raises:
+        SettingError: naming ``key``, with the margin in bytes and the least device it leaves room on.
+    """
+    if usable_bytes(device_bytes) > 0:
+        return
+    least = math.ceil((MARGIN_BYTES / (1 - MARGIN_FRACTION)) / GiB * 100 + 1e-9) / 100  # the first 0.01 GiB above
+    reserve = device_bytes - usable_bytes(device_bytes)
+    raise SettingError(
+        key, f": {text or f'{device_bytes / GiB:.2f} GiB'} leaves nothing for the run: the estimate reserves"
+        f" {reserve / GiB:.2f} GiB of a device that size ({MARGIN_TEXT}); give at least {least:.2f} GiB")
+
+
 def verdict(peak: int, device_bytes: int | None) -> str:
     if device_bytes is None:
         return "no device size given"
     return "fits" if peak <= usable_bytes(device_bytes) else "does NOT fit"
 
 
-def to_dict(estimate: Any, device_bytes: int | None, suggestions: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def device_needed(peak: int) -> float:
+    """The smallest device, in GiB (rounded up to 0.1), whose usable bytes hold ``peak``."""
+    tenths = math.ceil((peak + MARGIN_BYTES) / (1 - MARGIN_FRACTION) / GiB * 10)
+    while usable_bytes(int(tenths / 10 * GiB)) < peak:  # the float above may round a byte short
+        tenths += 1
+    return tenths / 10
+
+
+def to_dict(estimate: Any, device_bytes: int | None, advice: Any = None) -> dict[str, Any]:
+    """The estimate as JSON-ready data; with ``advice`` (:class:`~lightning_mem.estimate.suggest.Advice`),
+    its ``suggestions``, ``dropped`` and ``smaller``."""
     out: dict[str, Any] = {
         "config": estimate.config,
         "recipe": estimate.recipe,
@@ -98,8 +131,8 @@ def to_dict(estimate: Any, device_bytes: int | None, suggestions: list[dict[str,
             "training": _role(estimate.world_size, estimate.phases, device_bytes),
             "generating": _role(generator.ranks, generator.phases, device_bytes),
         }
-    if suggestions is not None:
-        out["suggestions"] = suggestions
+    if advice is not None:
+        out.update(advice.to_dict())
     return out
 
 
@@ -169,8 +202,12 @@ def dumps(data: dict[str, Any]) -> str:
     return json.dumps(data, indent=2)
 
 
-def suggestions_text(suggestions: list[dict[str, Any]]) -> str:
-    """The suggestions as ready-to-run commands, each with its estimated peak and cost."""
+def suggestions_text(suggestions: list[dict[str, Any]], dropped: list[dict[str, Any]] = (), *,
+                     smaller: list[dict[str, Any]] | None = None, peak: int | None = None,
+                     device_bytes: int | None = None) -> str:
+    """The suggestions as ready-to-run commands, each with its estimated peak and cost; the
+    candidates dropped for not lowering the run's ``peak``; and, when nothing fits, one line that
+    says so, with the smallest way that does (``smaller``) and its command."""
     lines = ["", "suggestions (re-estimated, cheapest first; costs per rank and optimizer step):"]
     for s in suggestions:
         if "device_peak_bytes" not in s:
@@ -181,4 +218,47 @@ def suggestions_text(suggestions: list[dict[str, Any]]) -> str:
         if "cost" in s:
             lines.append(f"    cost: {s['cost']['text']}")
         lines.append(f"    {s.get('command') or ' '.join(s['overrides'])}")
+    if dropped:
+        own = f" {peak / GiB:.2f} GiB" if peak is not None else ""
+        lines.append(f"  not suggested, no lower than the config's own{own}: "
+                     + "; ".join(f"{s['what']} at {s['device_peak_bytes'] / GiB:.2f} GiB" for s in dropped))
+    if not any(s.get("fits") for s in suggestions) and peak is not None and device_bytes is not None:
+        lines += nothing_fits_lines(suggestions, smaller, peak, device_bytes)
     return "\n".join(lines)
+
+
+def nothing_fits_lines(suggestions: list[dict[str, Any]], smaller: list[dict[str, Any]] | None, peak: int,
+                       device_bytes: int) -> list[str]:
+    """``nothing fits ...`` in one line: the lowest peak the run reaches, and the smallest way down
+    the LoRA/QLoRA ladder that fits (or, if none does, the lowest of all and the device it needs);
+    then the command of the way it names."""
+    lowered = [s for s in suggestions if "device_peak_bytes" in s]
+    lowest = min(lowered, key=lambda s: s["device_peak_bytes"], default=None)
+    reach = lowest["device_peak_bytes"] if lowest else peak
+    how = "as configured"
+    if lowest is not None:
+        parts = lowest["what"].count(" + ") + 1
+        how = f"{parts} of the above combined" if parts > 1 else lowest["what"]
+    head = (f"nothing fits {device_bytes / GiB:.1f} GiB ({usable_bytes(device_bytes) / GiB:.2f} GiB usable): the"
+            f" lowest this run reaches is {reach / GiB:.2f} GiB ({how})")
+    ways = [s for s in smaller or [] if "device_peak_bytes" in s]
+    failed = "".join(f"; cannot estimate {s['what']}: {s['error']}" for s in smaller or [] if "error" in s)
+    fitting = [s for s in ways if s["fits"]]
+    if fitting:
+        way = fitting[0]
+        return [f"{head}; the smallest way that does: {way['what']}, estimated at "
+                f"{way['device_peak_bytes'] / GiB:.2f} GiB:", f"  {way['command']}"]
+    low = min(ways, key=lambda s: s["device_peak_bytes"], default=None)
+    if low is None or low["device_peak_bytes"] >= reach:
+        tried = "; ".join(f"{s['what']} at {s['device_peak_bytes'] / GiB:.2f} GiB" for s in ways)
+        rest = (f"; the smaller ways need more: {tried}" if ways
+                else "; no LoRA or QLoRA way of this model to try" if smaller is not None and not failed else "")
+        return [f"{head}, which needs a device of at least {device_needed(reach):.1f} GiB{rest}{failed}"]
+    tried = "; ".join(f"{s['what']} at {s['device_peak_bytes'] / GiB:.2f} GiB" for s in ways)
+    return [f"{head}; nor does any smaller way ({tried}){failed}; the lowest, {low['what']}, needs a device of"
+            f" at least {device_needed(low['device_peak_bytes']):.1f} GiB:", f"  {low['command']}"]
+
+
+def command(recipe: str, config: str, overrides: list[str]) -> str:
+    """The ready-to-run line: ``python -m <recipe> fit --config <config> <overrides>``."""
+    return shlex.join(["python", "-m", recipe, "fit", "--config", str(config), *overrides])

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 import tempfile
 import time
 import traceback
@@ -72,6 +73,10 @@ def run_ranks(target: Callable[..., list[PhaseEstimate]], args: tuple, *, world_
         if hung:
             raise TimeoutError(f"{name}: ranks {[p.name for p in hung]} still ran after {timeout:.0f} s")
         failed = [(rank, proc.exitcode) for rank, proc in enumerate(procs) if proc.exitcode != 0]
+        for rank, _ in failed:  # a bad setting or data line every rank meets: the first rank's, as it is
+            user_error = Path(tmp) / f"rank{rank}.user_error"
+            if user_error.is_file():
+                raise pickle.loads(user_error.read_bytes())
         if failed:
             errors = [(Path(tmp) / f"rank{rank}.err") for rank, _ in failed]
             text = "\n".join(e.read_text() for e in errors if e.is_file())
@@ -98,8 +103,15 @@ def _rank_main(rank: int, world_size: int, port: int, target: Callable[..., list
     try:
         phases = target(*args, world_size=world_size)
         (Path(out) / f"rank{rank}.json").write_text(json.dumps([p.to_dict() for p in phases]))
-    except BaseException:
+    except BaseException as err:
         (Path(out) / f"rank{rank}.err").write_text(f"rank {rank}:\n{traceback.format_exc()}")
+        # The recipes' user errors (lightning_mem.cli.USER_ERRORS), named here: the CLI imports the estimator.
+        from lightning_mem.data.rows import DataFormatError
+        from lightning_mem.settings import SettingError, user_error_in
+
+        user_error = user_error_in(err, (SettingError, DataFormatError)) if isinstance(err, Exception) else None
+        if user_error is not None:  # it pickles (settings.SettingError.__reduce__): the parent raises it
+            (Path(out) / f"rank{rank}.user_error").write_bytes(pickle.dumps(user_error))
         raise
     finally:
         import torch.distributed as dist

@@ -5,7 +5,12 @@ Candidates are tried cheapest first (cost = what they slow down or change, not b
 micro-batches (same updates, more steps of accumulation), activation checkpointing (one extra
 forward), 8-bit optimizer state, optimizer state on the host between phases, activation offload
 (transfers), FSDP2 CPU offload (the optimizer steps on the CPU). Each candidate is a list of the
-recipe CLI's own overrides; it is kept when the re-estimated peak fits.
+recipe CLI's own overrides, offered only where it changes the config (a config that checkpoints
+every block is not offered checkpointing). A candidate is a suggestion only when its re-estimated
+peak is below the config's own: one that is not is dropped, said once, and never combined (8-bit
+paged AdamW under FSDP2 CPU offload puts state back on the device). Those that lower the peak but
+do not fit alone are combined, each kept in the combination only while it lowers the combined peak.
+When nothing fits, :mod:`.smaller` names the smallest way that does (LoRA, then QLoRA).
 
 A suggestion's cost is read off the estimates themselves where it can be: the bytes activation
 offload moves are what the re-estimate holds on the host beyond the plain run (there and back,
@@ -19,12 +24,11 @@ more per micro-batch (about a third more compute: a backward costs about two for
 from __future__ import annotations
 
 import re
-import shlex
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from lightning_mem.estimate.report import GiB, usable_bytes
+from lightning_mem.estimate.report import GiB, command, usable_bytes
 
 
 @dataclass
@@ -72,6 +76,20 @@ def _strategy_path(cfg: Any) -> str:
     return strategy.get("class_path", "") if hasattr(strategy, "get") else str(strategy)
 
 
+def _strategy_arg(cfg: Any, name: str) -> Any:
+    """The strategy's ``init_args.<name>`` as the config sets it (None where it does not)."""
+    strategy = cfg.trainer.get("strategy")
+    init_args = strategy.get("init_args") if hasattr(strategy, "get") else None
+    return init_args.get(name) if hasattr(init_args, "get") else None
+
+
+def _plan_place(model: Any, phase: str, what: str) -> Any:
+    """Where PPO's ``memory_plan`` puts ``what`` in ``phase`` (None where the config does not say)."""
+    plan = model.get("memory_plan")
+    section = plan.get(phase) if hasattr(plan, "get") else None
+    return section.get(what) if hasattr(section, "get") else None
+
+
 def candidates(cfg: Any, recipe: str) -> list[Candidate]:
     """The techniques this config does not use yet, cheapest first, for the parsed config ``cfg``."""
     out: list[Candidate] = []
@@ -88,11 +106,14 @@ def candidates(cfg: Any, recipe: str) -> list[Candidate]:
         if logprob:
             out.append(Candidate(f"no-grad micro-batches of {logprob // 4} tokens",
                                  [f"--model.ppo.logprob_max_tokens_per_microbatch={logprob // 4}"], "split"))
-        out.append(Candidate(
-            "actor and critic optimizer state on the host during rollout and score",
-            ["--model.memory_plan.rollout.actor_optimizer=host", "--model.memory_plan.score.actor_optimizer=host",
-             "--model.memory_plan.rollout.critic_optimizer=host", "--model.memory_plan.score.critic_optimizer=host"],
-            "state_on_host"))
+        from lightning_mem.rl.advantages import WITH_CRITIC
+
+        roles = ("actor", "critic") if model.get("advantage_estimator") in WITH_CRITIC else ("actor",)
+        parked = [f"--model.memory_plan.{phase}.{role}_optimizer=host" for phase in ("rollout", "score")
+                  for role in roles if _plan_place(model, phase, f"{role}_optimizer") != "host"]
+        if parked:
+            out.append(Candidate(f"{' and '.join(roles)} optimizer state on the host during rollout and score",
+                                 parked, "state_on_host"))
     elif data is not None and data.get("max_tokens_per_batch"):
         budget, length = data.max_tokens_per_batch, data.max_length
         accumulate = int(cfg.trainer.get("accumulate_grad_batches") or 1)
@@ -101,9 +122,14 @@ def candidates(cfg: Any, recipe: str) -> list[Candidate]:
                                  [f"--data.max_tokens_per_batch={budget // 2}",
                                   f"--trainer.accumulate_grad_batches={accumulate * 2}"], "split"))
     if fsdp2:
-        out.append(Candidate("FSDP2 activation checkpointing of every block",
-                             ["--trainer.strategy.init_args.activation_checkpointing=1"], "recompute"))
-    elif not _has_callback(cfg, "ActivationCheckpointing") and not recipe.endswith("qlora"):
+        if _strategy_arg(cfg, "activation_checkpointing") not in (True, 1):
+            out.append(Candidate("FSDP2 activation checkpointing of every block",
+                                 ["--trainer.strategy.init_args.activation_checkpointing=1"], "recompute"))
+    elif recipe.endswith("qlora"):  # the recipe checkpoints the quantized blocks itself
+        if model.get("activation_checkpointing") is False:
+            out.append(Candidate("activation checkpointing of every block",
+                                 ["--model.activation_checkpointing=true"], "recompute"))
+    elif not _has_callback(cfg, "ActivationCheckpointing"):
         out.append(Candidate("activation checkpointing of every block",
                              ["--trainer.callbacks+=lightning_mem.callbacks.ActivationCheckpointing"], "recompute"))
     optimizer = model.get("optimizer")
@@ -115,7 +141,7 @@ def candidates(cfg: Any, recipe: str) -> list[Candidate]:
     if not _has_callback(cfg, "ActivationOffload"):
         out.append(Candidate("activation offload to host memory",
                              ["--trainer.callbacks+=lightning_mem.callbacks.ActivationOffload"], "activation_offload"))
-    if fsdp2:
+    if fsdp2 and _strategy_arg(cfg, "cpu_offload") is not True:
         out.append(Candidate("FSDP2 CPU offload of parameters, gradients and optimizer state",
                              ["--trainer.strategy.init_args.cpu_offload=true"], "cpu_offload"))
     return out
@@ -164,9 +190,24 @@ def cost_of(kinds: list[str], base: Any, after: Any, micro_batches: int) -> Cost
     return cost
 
 
-def command(recipe: str, config: str, overrides: list[str]) -> str:
-    """The ready-to-run line: ``python -m <recipe> fit --config <config> <overrides>``."""
-    return shlex.join(["python", "-m", recipe, "fit", "--config", str(config), *overrides])
+@dataclass
+class Advice:
+    """What ``--suggest`` found. ``suggestions``: those that fit, cheapest first; when none does,
+    every attempt that lowered the peak and every one that could not apply. ``dropped``: candidates
+    re-estimated no lower than the config's own peak (neither suggested nor combined). ``smaller``:
+    when nothing fits, the steps down the LoRA/QLoRA ladder tried (:mod:`.smaller`), the last the
+    one that fits if any does; None when it was not looked for."""
+
+    suggestions: list[dict[str, Any]]
+    dropped: list[dict[str, Any]] = field(default_factory=list)
+    smaller: list[dict[str, Any]] | None = None
+
+    @property
+    def fits(self) -> bool:
+        return any(s.get("fits") for s in self.suggestions)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"suggestions": self.suggestions, "dropped": self.dropped, "smaller": self.smaller}
 
 
 def suggest(
@@ -176,45 +217,68 @@ def suggest(
     device_bytes: int,
     run_estimate: Callable[[list[str]], Any],
     *,
-    base: Any = None,
+    base: Any,
     config: str | None = None,
     limit: int = 3,
-) -> list[dict[str, Any]]:
-    """Try each candidate alone, then cumulatively; return up to ``limit`` that fit, cheapest first
-    (or, if none fits, every attempt). Each has ``what``, ``overrides`` (the candidate's own),
-    ``device_peak_bytes``, ``fits`` and, given the plain run's estimate ``base``, ``cost``
+    estimate_config: Callable[[str, list[str], str, int | None], Any] | None = None,
+) -> Advice:
+    """Try each candidate alone and, while it lowers the peak, combined with those before it that
+    did not fit alone; stop after ``limit`` that fit. ``base`` is the plain run's estimate: a
+    candidate must re-estimate below its peak to be suggested at all. Each suggestion has
+    ``what``, ``overrides`` (the candidate's own), ``device_peak_bytes``, ``fits`` and ``cost``
     (:class:`Cost` as a dict, with ``text``); given ``config``, ``command`` (the full line,
-    ``overrides`` included)."""
+    ``overrides`` included). When none fits and ``config`` and ``estimate_config`` are given,
+    :func:`~lightning_mem.estimate.smaller.smaller_ways` looks for the smallest way that does."""
     usable = usable_bytes(device_bytes)
+    own_peak = base.device_peak_bytes
     found: list[dict[str, Any]] = []
     tried: list[dict[str, Any]] = []
-    cumulative: list[Candidate] = []  # the candidates that did not fit alone, combined
+    dropped: list[dict[str, Any]] = []
+
+    def attempt(parts: list[Candidate]) -> dict[str, Any] | None:
+        args = [arg for part in parts for arg in part.overrides]
+        label = " + ".join(part.what for part in parts)
+        try:
+            result = run_estimate(overrides + args)
+        except Exception as err:  # noqa: BLE001 - a candidate that cannot apply is skipped, and said
+            tried.append({"what": label, "overrides": args, "error": str(err).splitlines()[0]})
+            return None
+        peak = result.device_peak_bytes
+        entry: dict[str, Any] = {"what": label, "overrides": args, "device_peak_bytes": peak, "fits": peak <= usable}
+        cost = cost_of([p.kind for p in parts], base, result, _accumulation(cfg, overrides + args))
+        entry["cost"] = {**asdict(cost), "text": cost.describe()}
+        if config is not None:
+            entry["command"] = command(recipe, config, overrides + args)
+        return entry
+
+    combined: list[Candidate] = []  # those that lowered the peak without fitting, while together they lower it more
+    combined_peak = own_peak
     for candidate in candidates(cfg, recipe):
-        attempts = [(candidate.what, [candidate])]
-        if cumulative:
-            attempts.append((f"{candidate.what}, with the earlier candidates that did not fit alone", cumulative + [candidate]))
-        fitted = False
-        for label, parts in attempts:
-            args = [arg for part in parts for arg in part.overrides]
-            try:
-                result = run_estimate(overrides + args)
-            except Exception as err:  # noqa: BLE001 - a candidate that cannot apply is skipped, and said
-                tried.append({"what": label, "overrides": args, "error": str(err).splitlines()[0]})
-                continue
-            peak = result.device_peak_bytes
-            entry: dict[str, Any] = {"what": label, "overrides": args, "device_peak_bytes": peak, "fits": peak <= usable}
-            if base is not None:
-                cost = cost_of([p.kind for p in parts], base, result, _accumulation(cfg, overrides + args))
-                entry["cost"] = {**asdict(cost), "text": cost.describe()}
-            if config is not None:
-                entry["command"] = command(recipe, config, overrides + args)
-            tried.append(entry)
-            if entry["fits"]:
-                found.append(entry)
-                fitted = True
-                break
-        if not fitted:
-            cumulative.append(candidate)
+        alone = attempt([candidate])
+        if alone is None:
+            continue
+        if alone["device_peak_bytes"] >= own_peak:
+            dropped.append(alone)
+            continue
+        tried.append(alone)
+        if alone["fits"]:
+            found.append(alone)
+        else:
+            together = attempt(combined + [candidate]) if combined else None
+            best_apart = min(combined_peak, alone["device_peak_bytes"])
+            if together is not None and together["device_peak_bytes"] < best_apart:
+                tried.append(together)
+                if together["fits"]:
+                    found.append(together)
+                else:
+                    combined, combined_peak = combined + [candidate], together["device_peak_bytes"]
+            elif alone["device_peak_bytes"] < combined_peak:  # better than the combination so far: start from it
+                combined, combined_peak = [candidate], alone["device_peak_bytes"]
         if len(found) >= limit:
             break
-    return found or tried
+    advice = Advice(found or tried, dropped)
+    if not found and config is not None and estimate_config is not None:
+        from lightning_mem.estimate.smaller import smaller_ways
+
+        advice.smaller = smaller_ways(cfg, recipe, config, overrides, base.world_size, usable, estimate_config)
+    return advice

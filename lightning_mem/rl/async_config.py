@@ -86,7 +86,8 @@ class AsyncRolloutConfig:
 def check_generator_devices(config: AsyncRolloutConfig, training_ranks: int) -> None:
     """Every generator has a training rank to serve (generator ``g`` serves ranks ``r % n == g``)."""
     if config.generator_devices > training_ranks:
-        raise ValueError(
+        raise SettingError(
+            "model.async_rollout.generator_devices",
             f"`model.async_rollout.generator_devices`={config.generator_devices} with {training_ranks} training"
             f" rank(s) (`trainer.devices` x `trainer.num_nodes`): each generator serves the requests of some"
             f" training ranks, so at most {training_ranks} generator(s)"

@@ -57,7 +57,7 @@ class GeneratorSpec:
     generation: Any  # GenerationConfig
     eos_token_ids: list[int]
     pad_token_id: int
-    logits_chunk_size: int | None = 512
+    logits_chunk_size: int | str | None = 512  # rows per chunk, "auto" or None (lightning_mem.logits)
     # The behaviour log-prob pass's micro-batch budget: the trainer's no-grad passes' own
     # (``model.ppo.logprob_budget``; None: the whole batch at once), in real tokens when ``packing``.
     logprob_max_tokens: int | None = None

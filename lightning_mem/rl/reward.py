@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_mem.data.rows import DataFormatError
 from lightning_mem.padding import pad_sequences
 from lightning_mem.rl.microbatch import micro_batches
 
@@ -42,7 +43,7 @@ class RewardFunction:
             missing = [k for k in keys if k not in row]
             if missing:
                 where = row.get("_where", f"a row of {source}")
-                raise ValueError(
+                raise DataFormatError(
                     f"{where}: no `{missing[0]}`, which {self.described} needs"
                     f" (it reads {keys}; {sum(any(k not in r for k in keys) for r in rows)} of {len(rows)} rows lack one)"
                 )
@@ -56,7 +57,7 @@ class RewardFunction:
             where, missing, _ = lacking[0]  # the sets come in the order of their first rows
             where = where or f"a row of {source}"
             total = sum(n for _, n, _ in key_sets)
-            raise ValueError(
+            raise DataFormatError(
                 f"{where}: no `{missing[0]}`, which {self.described} needs"
                 f" (it reads {keys}; {sum(n for _, _, n in lacking)} of {total} rows lack one)"
             )

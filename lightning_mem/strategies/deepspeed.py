@@ -43,6 +43,7 @@ from typing_extensions import override
 from jsonargparse.typing import NonNegativeInt, PositiveInt
 
 from lightning_mem.export import local_state_dict
+from lightning_mem.settings import STRATEGY_ARGS, SettingNotSupported, SettingPathError, settings_at
 from lightning_mem.strategies.zero_config import OffloadArg, ZeroStage, ZeroTier, deepspeed_config, precision_config, zero_tier
 
 if TYPE_CHECKING:
@@ -108,8 +109,9 @@ class ZeroStrategy(DeepSpeedStrategy):
         # Validate the whole plan before DeepSpeed is even imported: a bad YAML fails in a second.
         # Every ZeroTier field is an argument of the same name here (None keeps the preset's value).
         arguments = locals()
-        self.tier: ZeroTier = zero_tier(preset, **{f.name: arguments[f.name] for f in dataclasses.fields(ZeroTier)})
-        _check_nvme_path(self.tier)
+        with settings_at(STRATEGY_ARGS):  # named where the Trainer takes them
+            self.tier: ZeroTier = zero_tier(preset, **{f.name: arguments[f.name] for f in dataclasses.fields(ZeroTier)})
+            _check_nvme_path(self.tier)
         self.cpu_adam = cpu_adam
         config = deepspeed_config(self.tier, cpu_adam=cpu_adam, extra_config=extra_config)
         _require_deepspeed()
@@ -136,7 +138,9 @@ class ZeroStrategy(DeepSpeedStrategy):
         # formatting a no-op, so the final config is `deepspeed_config(tier, precision)` plus
         # Lightning's batch-size/accumulation/clipping keys. `setdefault`: extra_config wins.
         assert isinstance(self.config, dict)
-        for key, value in precision_config(self.precision_plugin.precision).items():
+        with settings_at("trainer"):  # the Trainer's own `precision`
+            section = precision_config(self.precision_plugin.precision)
+        for key, value in section.items():
             self.config.setdefault(key, value)
         super()._format_config()
 
@@ -183,7 +187,8 @@ class ZeroStrategy(DeepSpeedStrategy):
     def _init_optimizers(self) -> tuple[Optimizer, LRSchedulerConfig | None]:
         optimizer, scheduler = super()._init_optimizers()
         if self.tier.offloads_optimizer and self.cpu_adam:
-            optimizer = to_deepspeed_cpu_adam(optimizer)
+            with settings_at(STRATEGY_ARGS):
+                optimizer = to_deepspeed_cpu_adam(optimizer)
         return optimizer, scheduler
 
     def full_state_dict(self, module: torch.nn.Module, *, trainable_only: bool = False) -> dict[str, torch.Tensor]:
@@ -288,17 +293,17 @@ def to_deepspeed_cpu_adam(optimizer: Optimizer) -> Optimizer:
     if isinstance(optimizer, DeepSpeedCPUAdam):
         return optimizer
     if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
-        raise TypeError(
-            f"offload_optimizer steps the optimizer on the host with DeepSpeed's CPU Adam, which replaces only"
-            f" torch.optim.Adam/AdamW; configure_optimizers returned {type(optimizer).__qualname__}. Use"
-            " torch.optim.AdamW (or deepspeed.ops.adam.DeepSpeedCPUAdam) as the optimizer, or set the strategy's"
-            " cpu_adam: false to step it on the host as it is (several times slower)."
-        )
-    if optimizer.state:
+        raise SettingNotSupported(
+            "cpu_adam", f"`cpu_adam: true` with `offload_optimizer`: the optimizer steps on the host as DeepSpeed's CPU"
+            f" Adam, which replaces only torch.optim.Adam/AdamW; configure_optimizers returned {type(optimizer).__qualname__}. Use"
+            " torch.optim.AdamW (or deepspeed.ops.adam.DeepSpeedCPUAdam) as the optimizer, or set `cpu_adam: false`"
+            " to step it on the host as it is (several times slower)", siblings=("offload_optimizer",))
+    if optimizer.state:  # the strategy converts the optimizer before its first step
         raise ValueError("to_deepspeed_cpu_adam needs a fresh optimizer: Adam state cannot be carried over")
     for flag in ("amsgrad", "maximize"):
         if any(group.get(flag) for group in optimizer.param_groups):
-            raise ValueError(f"DeepSpeed's CPU Adam does not support {flag}=True; set it to False in the optimizer")
+            raise SettingNotSupported("cpu_adam", f"`cpu_adam: true`: DeepSpeed's CPU Adam does not support the"
+                                      f" optimizer's {flag}=True; set it to false in the optimizer, or set `cpu_adam: false`")
     defaults = optimizer.defaults
     # torch's AdamW is Adam with decoupled weight decay; Adam(decoupled_weight_decay=True) is too.
     adamw_mode = isinstance(optimizer, torch.optim.AdamW) or bool(defaults.get("decoupled_weight_decay", False))
@@ -358,10 +363,11 @@ def _require_deepspeed() -> None:
     try:
         import deepspeed  # noqa: F401
     except ImportError as err:
-        raise ImportError(f"ZeroStrategy needs DeepSpeed, an optional extra: {INSTALL_HINT}") from err
+        raise SettingNotSupported("trainer.strategy", f": ZeroStrategy needs DeepSpeed, an optional extra: {INSTALL_HINT}"
+                                  ) from err
 
 
 def _check_nvme_path(tier: ZeroTier) -> None:
     # DeepSpeed creates its swap files under nvme_path only once the engine is built, minutes in.
     if tier.nvme_path is not None and not os.path.isdir(tier.nvme_path):
-        raise FileNotFoundError(f"nvme_path={tier.nvme_path!r} is not a directory")
+        raise SettingPathError("nvme_path", f" {tier.nvme_path!r} is not a directory")

@@ -46,7 +46,7 @@ from lightning_mem.checkpointing import (
 )
 from lightning_mem.context_parallel import SequenceLayout, attach_layout
 from lightning_mem.dtypes import resolve_dtype
-from lightning_mem.settings import SettingError, SettingNotSupported
+from lightning_mem.settings import STRATEGY_ARGS, SettingError, SettingNotSupported, settings_at
 from lightning_mem.offload import optimizer_state_onto
 from lightning_mem.optim import step_local_shards
 from lightning_mem import activation_checkpointing, module_tree
@@ -178,11 +178,17 @@ class FSDP2Strategy(ModelParallelStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Union[float, timedelta, None] = DEFAULT_TIMEOUT_S,
     ) -> None:
-        self._check_sizes(data_parallel_size, tensor_parallel_size)
-        self._check_model_parallel(tensor_parallel_size, sequence_parallel, context_parallel_size)
-        self._check_plan(cpu_offload, reshard_after_forward, activation_checkpointing, tensor_parallel_size)
-        shard_modules = self._shard_module_names(shard_modules)
-        timeout = self._timeout_of(timeout)
+        with settings_at(STRATEGY_ARGS):  # a bad argument fails here, named where the Trainer takes it
+            self._check_sizes(data_parallel_size, tensor_parallel_size)
+            self._check_model_parallel(tensor_parallel_size, sequence_parallel, context_parallel_size)
+            self._check_plan(cpu_offload, reshard_after_forward, activation_checkpointing, tensor_parallel_size)
+            shard_modules = self._shard_module_names(shard_modules)
+            timeout = self._timeout_of(timeout)
+            if activation_checkpointing_policy not in POLICIES:
+                raise SettingError("activation_checkpointing_policy", f" must be one of {POLICIES},"
+                                   f" got {activation_checkpointing_policy!r}")
+            param_dtype = resolve_dtype(param_dtype, key="param_dtype")
+            reduce_dtype = resolve_dtype(reduce_dtype, key="reduce_dtype")
         super().__init__(
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
@@ -195,14 +201,10 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.checkpoint_io = AtomicCheckpointIO()
         self._cpu_offload = cpu_offload
         self._reshard_after_forward = reshard_after_forward
-        self._param_dtype = resolve_dtype(param_dtype, key="param_dtype")
-        self._reduce_dtype = resolve_dtype(reduce_dtype, key="reduce_dtype")
+        self._param_dtype = param_dtype
+        self._reduce_dtype = reduce_dtype
         # `True` means every block; an int counts blocks; bool is an int, so normalize.
         self._checkpoint_every = int(activation_checkpointing)
-        # The argument `activation_checkpointing` shadows the module of that name here.
-        if activation_checkpointing_policy not in POLICIES:
-            raise ValueError(f"`activation_checkpointing_policy` must be one of {POLICIES},"
-                             f" got {activation_checkpointing_policy!r}.")
         self._checkpoint_policy = activation_checkpointing_policy
         self._shard_modules = shard_modules
         self._sequence_parallel = sequence_parallel
@@ -212,24 +214,22 @@ class FSDP2Strategy(ModelParallelStrategy):
     def _check_plan(cpu_offload: Any, reshard_after_forward: Any, activation_checkpointing: Any,
                     tensor_parallel_size: int) -> None:
         if not isinstance(cpu_offload, bool):
-            raise TypeError(f"`cpu_offload` must be a bool, got {cpu_offload!r}.")
+            raise SettingError("cpu_offload", f" must be true or false, got {cpu_offload!r}")
         if cpu_offload and tensor_parallel_size != 1:
-            raise ValueError(
-                f"`cpu_offload=True` cannot be combined with `tensor_parallel_size={tensor_parallel_size}`:"
+            raise SettingError(
+                "cpu_offload",
+                f"`cpu_offload: true` cannot be combined with `tensor_parallel_size: {tensor_parallel_size}`:"
                 " FSDP2's CPU offload needs plain data-parallel shards, while tensor-parallel"
-                " parameters must stay on the device. Use `tensor_parallel_size=1` or `cpu_offload=False`."
-            )
+                " parameters must stay on the device. Use `tensor_parallel_size: 1` or `cpu_offload: false`",
+                siblings=("tensor_parallel_size",))
         if not isinstance(reshard_after_forward, int) or (
             not isinstance(reshard_after_forward, bool) and reshard_after_forward < 2
         ):
-            raise ValueError(
-                f"`reshard_after_forward` must be a bool or an int >= 2 (a shard size), got {reshard_after_forward!r}."
-            )
+            raise SettingError("reshard_after_forward", " must be a bool or an int >= 2 (a shard size), got"
+                               f" {reshard_after_forward!r}")
         if not isinstance(activation_checkpointing, int) or activation_checkpointing < 0:
-            raise ValueError(
-                "`activation_checkpointing` must be a bool or an int k >= 0 (checkpoint every k-th block),"
-                f" got {activation_checkpointing!r}."
-            )
+            raise SettingError("activation_checkpointing", " must be a bool or an int k >= 0 (checkpoint every k-th"
+                               f" block), got {activation_checkpointing!r}")
 
     @staticmethod
     def _shard_module_names(shard_modules: Any) -> Optional[list[str]]:
@@ -238,7 +238,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         if isinstance(shard_modules, str):
             shard_modules = [shard_modules]
         if not shard_modules or not all(isinstance(name, str) and name for name in shard_modules):
-            raise ValueError(f"`shard_modules` must be a non-empty list of class names, got {shard_modules!r}.")
+            raise SettingError("shard_modules", f" must be a non-empty list of class names, got {shard_modules!r}")
         return list(shard_modules)
 
     @staticmethod
@@ -246,7 +246,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         if timeout is None or isinstance(timeout, timedelta):
             return timeout
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise ValueError(f"`timeout` must be a positive number of seconds, got {timeout!r}.")
+            raise SettingError("timeout", f" must be a positive number of seconds, got {timeout!r}")
         return timedelta(seconds=timeout)
 
     @property
@@ -259,12 +259,11 @@ class FSDP2Strategy(ModelParallelStrategy):
         if data_parallel_size != "auto" and (
             isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int) or data_parallel_size < 1
         ):
-            raise ValueError(f"`data_parallel_size` must be 'auto' or an int >= 1, got {data_parallel_size!r}.")
+            raise SettingError("data_parallel_size", f" must be 'auto' or an int >= 1, got {data_parallel_size!r}")
         if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
-            raise ValueError(
-                f"`tensor_parallel_size` must be an int >= 1, got {tensor_parallel_size!r}. (Lightning's 'auto'"
-                " makes it the devices per node, which leaves nothing for FSDP to shard on one node.)"
-            )
+            raise SettingError(
+                "tensor_parallel_size", f" must be an int >= 1, got {tensor_parallel_size!r} (Lightning's 'auto'"
+                " makes it the devices per node, which leaves nothing for FSDP to shard on one node)")
 
     @staticmethod
     def _check_model_parallel(tensor_parallel_size: int, sequence_parallel: Any, context_parallel_size: Any) -> None:
@@ -312,6 +311,21 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
+        with settings_at(STRATEGY_ARGS):
+            self._resolve_data_parallel_size()
+        dp, tp, cp = self._data_parallel_size, self._tensor_parallel_size, self._context_parallel_size
+        if cp == 1:
+            super().setup_environment()
+            return
+        # Lightning's mesh has two dimensions (data, tensor): built for the data x context ranks,
+        # then replaced by the three-dimensional mesh with the context dimension in between.
+        self._data_parallel_size = dp * cp
+        super().setup_environment()
+        self._data_parallel_size = dp
+        self._device_mesh = self.model_parallel_mesh(dp, cp, tp)
+        self.lightning_module._device_mesh = self._device_mesh
+
+    def _resolve_data_parallel_size(self) -> None:
         # Resolve the mesh before the parent builds it: Lightning's "auto" would make the
         # tensor-parallel size the devices per node, which leaves FSDP nothing to shard.
         world_size = self.num_nodes * self.num_processes
@@ -326,20 +340,8 @@ class FSDP2Strategy(ModelParallelStrategy):
         dp = self._data_parallel_size
         k = self._reshard_after_forward
         if not isinstance(k, bool) and (k >= dp * cp or (dp * cp) % k):
-            raise ValueError(
-                f"`reshard_after_forward={k}` must divide the data-parallel size ({dp * cp}) and be smaller than it;"
-                " use True or False otherwise."
-            )
-        if cp == 1:
-            super().setup_environment()
-            return
-        # Lightning's mesh has two dimensions (data, tensor): built for the data x context ranks,
-        # then replaced by the three-dimensional mesh with the context dimension in between.
-        self._data_parallel_size = dp * cp
-        super().setup_environment()
-        self._data_parallel_size = dp
-        self._device_mesh = self.model_parallel_mesh(dp, cp, tp)
-        self.lightning_module._device_mesh = self._device_mesh
+            raise SettingError("reshard_after_forward", f"`reshard_after_forward: {k}` must divide the data-parallel size"
+                               f" ({dp * cp}) and be smaller than it; use true or false otherwise")
 
     def model_parallel_mesh(self, dp: int, cp: int, tp: int) -> "DeviceMesh":
         """The ``(data_parallel, context_parallel, tensor_parallel)`` mesh: a rank's tensor-parallel
@@ -380,7 +382,8 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.accelerator.setup(trainer)
         self._reject_fsdp1(self.model)
 
-        self.parallelize(self.model)
+        with settings_at(STRATEGY_ARGS):  # a model that cannot be split as set: named where the Trainer takes it
+            self.parallelize(self.model)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self.barrier()
@@ -488,10 +491,9 @@ class FSDP2Strategy(ModelParallelStrategy):
         else:
             names = module_tree.default_block_classes(model)
             if not names:
-                raise ValueError(
-                    f"`{type(model).__name__}` declares no `_no_split_modules`, so FSDP2Strategy cannot tell"
-                    " its blocks. Name the block classes in `shard_modules` (e.g. ['MyDecoderLayer'])."
-                )
+                raise SettingError(
+                    "shard_modules", f": `{type(model).__name__}` declares no `_no_split_modules`, so FSDP2Strategy"
+                    " cannot tell its blocks; name the block classes here (e.g. ['MyDecoderLayer'])")
         blocks = module_tree.find_blocks(model, names)
         if not blocks:
             rank_zero_warn(
@@ -664,11 +666,10 @@ class FSDP2Strategy(ModelParallelStrategy):
         missing = [name for name in self._shard_modules if name not in present]
         if missing:
             hints = sorted({n for model in models for n in module_tree.default_block_classes(model)})
-            raise ValueError(
-                f"`shard_modules` names {missing}, which no model here contains"
-                f" ({', '.join(type(m).__name__ for m in models) or 'no HF model found'})."
-                f" Block classes these models declare: {hints}."
-            )
+            raise SettingError(
+                "shard_modules", f" names {missing}, which no model here contains"
+                f" ({', '.join(type(m).__name__ for m in models) or 'no HF model found'});"
+                f" block classes these models declare: {hints}")
 
     # ------------------------------------------------------------------ placement
 

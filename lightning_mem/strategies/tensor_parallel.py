@@ -89,7 +89,10 @@ def check_model_parallel(config: Any, *, tensor_parallel_size: int = 1, context_
             " tensor-parallel regions)", siblings=("tensor_parallel_size",))
     if tp * cp == 1:
         return
-    heads, kv_heads = attention_heads(config)
+    try:
+        heads, kv_heads = attention_heads(config)
+    except ValueError as err:  # a config without heads: nothing to split them by
+        raise SettingNotSupported("tensor_parallel_size" if tp > 1 else "context_parallel_size", f": {err}") from None
     for name, count in (("attention heads", heads), ("key/value heads", kv_heads)):
         if count % (tp * cp):
             sizes = [f"`{k}`={v}" for k, v in (("tensor_parallel_size", tp), ("context_parallel_size", cp)) if v > 1]
@@ -144,7 +147,9 @@ def plan_entries(model: nn.Module) -> dict[str, str]:
                 entries[name] = style
                 break
     if not entries:
-        raise ValueError(f"{type(model).__name__}'s tensor-parallel plan {sorted(plan)} matches none of its modules")
+        raise SettingNotSupported(
+            "tensor_parallel_size", f": {type(model).__name__}'s tensor-parallel plan {sorted(plan)} matches none of its"
+            " modules; use `tensor_parallel_size: 1`")
     unknown = sorted({style for style in entries.values() if style not in SUPPORTED_STYLES})
     if unknown:
         raise SettingNotSupported(

@@ -20,7 +20,7 @@ from typing import Any, Literal, Union, get_args
 
 from jsonargparse.typing import NonNegativeInt, PositiveInt
 
-from lightning_mem.settings import field_problems
+from lightning_mem.settings import SettingError, field_problems
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
 # What a user may write in YAML: `offload_optimizer: cpu`, or `true` as a short form of `cpu`.
@@ -134,7 +134,7 @@ def zero_tier(preset: str | None = None, **overrides: Any) -> ZeroTier:
     ``offload_optimizer``/``offload_params`` accept ``True``/``False`` as ``"cpu"``/``"none"``.
     """
     if preset is not None and preset not in ZERO_PRESETS:
-        raise ValueError(f"preset={preset!r} is not a ZeRO preset; choose one of {sorted(ZERO_PRESETS)}")
+        raise SettingError("preset", f" {preset!r} is not a ZeRO preset; choose one of {sorted(ZERO_PRESETS)}")
     fields = {f.name for f in dataclasses.fields(ZeroTier)}
     unknown = sorted(set(overrides) - fields)
     if unknown:
@@ -193,7 +193,7 @@ def precision_config(precision: str) -> dict[str, Any]:
     if precision in _FP32_PRECISIONS:
         return {}
     supported = _BF16_PRECISIONS + _FP16_PRECISIONS + _FP32_PRECISIONS
-    raise ValueError(f"precision={precision!r} is not supported with DeepSpeed; use one of {list(supported)}")
+    raise SettingError("precision", f" {precision!r} is not supported with DeepSpeed; use one of {list(supported)}")
 
 
 def _zero_section(tier: ZeroTier) -> dict[str, Any]:
@@ -245,28 +245,29 @@ def _offload_device(name: str, value: Any) -> str:
     if value is False:
         return "none"
     if value not in _OFFLOAD_DEVICES:
-        raise ValueError(f"{name}={value!r} is not an offload device; use one of {list(_OFFLOAD_DEVICES)} (or true/false)")
+        raise SettingError(name, f" {value!r} is not an offload device; use one of {list(_OFFLOAD_DEVICES)} (or true/false)")
     return value
 
 
 def _validate(tier: ZeroTier) -> None:
     # Each field's type and range is its annotation (the CLI checks them while parsing the
-    # strategy's arguments); named here as keyword arguments, as zero_tier takes them.
+    # strategy's arguments); named here as the arguments zero_tier and the strategy take.
     for name, value, problem in field_problems(tier):
-        raise ValueError(f"{name}={value!r} {problem}")
+        raise SettingError(name, f" {problem}, got {value!r}")
     if tier.offloads_params and tier.stage != 3:
-        raise ValueError(
-            f"offload_params={tier.offload_params!r} needs stage=3: at stage {tier.stage} every GPU keeps the full"
-            " 16-bit parameters, so there is nothing sharded to offload. Set stage: 3, or offload_params: none."
-        )
+        raise SettingError(
+            "offload_params",
+            f"`offload_params: {tier.offload_params}` needs `stage: 3`: at stage {tier.stage} every GPU keeps the full"
+            " 16-bit parameters, so there is nothing sharded to offload. Set `stage: 3`, or `offload_params: none`",
+            siblings=("stage",))
     uses_nvme = "nvme" in (tier.offload_optimizer, tier.offload_params)
     if uses_nvme and not tier.nvme_path:
-        raise ValueError("nvme_path is required when offload_optimizer or offload_params is 'nvme'")
+        raise SettingError("nvme_path", " is required when `offload_optimizer` or `offload_params` is 'nvme'",
+                           siblings=("offload_optimizer", "offload_params"))
     if tier.nvme_path and not uses_nvme:
-        raise ValueError(
-            f"nvme_path={tier.nvme_path!r} is set but nothing is offloaded to NVMe; set offload_optimizer and/or"
-            " offload_params to 'nvme', or drop nvme_path"
-        )
+        raise SettingError(
+            "nvme_path", f" {tier.nvme_path!r} is set but nothing is offloaded to NVMe; set `offload_optimizer` and/or"
+            " `offload_params` to 'nvme', or drop it", siblings=("offload_optimizer", "offload_params"))
 
 
 def _deep_merge(base: dict[str, Any], extra: Mapping[str, Any]) -> None:

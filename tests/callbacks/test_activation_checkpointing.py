@@ -3,6 +3,10 @@ import torch
 from memtest_utils import TinyLM, fit, lm_loss, saved_activation_bytes, token_batches
 
 from lightning_mem.callbacks import ActivationCheckpointing
+from lightning_mem.settings import SettingError
+
+#: Where the callback's arguments are named (a regex).
+ARGS = r"trainer\.callbacks\[ActivationCheckpointing\]\.init_args"
 
 
 def _grads_after_fit(tmp_path, callbacks):
@@ -34,12 +38,12 @@ def test_every_second_block(tmp_path):
 
 
 def test_unknown_block_class_is_named(tmp_path):
-    with pytest.raises(ValueError, match=r"has no module of class \['NoSuchBlock'\]"):
+    with pytest.raises(SettingError, match=rf"^`{ARGS}.block_classes`: `model`: `LlamaForCausalLM` has no module of class \['NoSuchBlock'\]"):
         fit(TinyLM(), tmp_path, steps=1, callbacks=[ActivationCheckpointing(block_classes=["NoSuchBlock"])])
 
 
 def test_every_must_be_positive():
-    with pytest.raises(ValueError, match="`every` must be >= 1"):
+    with pytest.raises(SettingError, match=rf"^`{ARGS}.every` must be >= 1, got 0$"):
         ActivationCheckpointing(every=0)
 
 
@@ -54,15 +58,15 @@ def test_policy_blocks_and_input_offload_from_the_callback(tmp_path):
     assert module.model._lightning_mem_input_offloader.stats.stashed_tensors > 0
 
 
-@pytest.mark.parametrize("kwargs, match", [(dict(policy="most"), "`policy` must be one of"),
-                                           (dict(blocks=-1), "`blocks` must be >= 0")])
+@pytest.mark.parametrize("kwargs, match", [(dict(policy="most"), "policy` must be one of"),
+                                           (dict(blocks=-1), "blocks` must be >= 0")])
 def test_bad_arguments_are_named(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(SettingError, match=rf"^`{ARGS}." + match):
         ActivationCheckpointing(**kwargs)
 
 
 def test_a_budget_without_the_cli_is_refused_at_fit_start(tmp_path):
-    with pytest.raises(ValueError, match="`budget` is turned into `blocks` by the recipe command line"):
+    with pytest.raises(SettingError, match=rf"^`{ARGS}.budget` is turned into `{ARGS}.blocks` by the recipe command line"):
         fit(TinyLM(), tmp_path, steps=1, callbacks=[ActivationCheckpointing(budget="1GiB")])
 
 
@@ -103,3 +107,23 @@ def test_the_estimator_models_each_checkpointing_mode(tmp_path):
     assert peak["full"] < peak["selective"] < peak["none"], peak
     measured = max(p.device_peak_bytes for p in measure_fit("configs/sft/tiny_cpu.yaml", overrides(policy="selective"), steps=2)[0])
     assert measured == pytest.approx(peak["selective"], rel=0.05)
+
+
+def test_a_callback_that_has_nothing_to_work_on_names_itself():
+    import types
+
+    from torch import nn
+
+    from lightning_mem.callbacks import CompileBlocks, LigerKernels
+    from lightning_mem.strategies import FSDP2Strategy
+
+    plain = types.SimpleNamespace(strategy=object())  # a trainer whose strategy is not FSDP2
+    for callback in (ActivationCheckpointing(), CompileBlocks(), LigerKernels()):
+        name = type(callback).__name__
+        with pytest.raises(SettingError, match=rf"^`trainer.callbacks\[{name}\]`: the LightningModule holds no Hugging"
+                                               r" Face model"):
+            callback.on_fit_start(plain, nn.Linear(2, 2))
+    fsdp2 = types.SimpleNamespace(strategy=FSDP2Strategy())
+    with pytest.raises(SettingError, match=r"^`trainer.callbacks\[ActivationCheckpointing\]` under FSDP2Strategy: set"
+                                           r" `trainer.strategy.init_args.activation_checkpointing` instead"):
+        ActivationCheckpointing().on_fit_start(fsdp2, nn.Linear(2, 2))

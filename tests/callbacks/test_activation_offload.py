@@ -10,6 +10,7 @@ from memtest_utils import TinyLM, assert_same_parameters, fit, lm_loss, saved_ac
 
 from lightning_mem.callbacks import ActivationOffload
 from lightning_mem.callbacks import activation_offload as activation_offload_module
+from lightning_mem.settings import SettingError
 
 
 def _no_saved_tensor_hooks_installed() -> bool:
@@ -51,4 +52,16 @@ def test_hooks_removed_when_training_step_raises(tmp_path) -> None:
 
     with pytest.raises(RuntimeError, match="boom"):
         fit(Failing(), tmp_path, callbacks=[ActivationOffload()])
+    assert _no_saved_tensor_hooks_installed()
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(max_inflight=0), "max_inflight` must be >= 1, got 0$"),
+    (dict(exclude_modules=["no_such_module"]), r"exclude_modules`: no module of the model matches \['no_such_module'\]$"),
+], ids=["range-at-setup", "exclusions-at-the-first-batch"])
+def test_a_bad_argument_is_named_where_the_trainer_takes_it(tmp_path, kwargs: dict, message: str) -> None:
+    activation_offload_module._warning_cache.clear()
+    with pytest.warns(UserWarning, match="saves no memory here"), pytest.raises(
+            SettingError, match=r"^`trainer.callbacks\[ActivationOffload\].init_args." + message):
+        fit(TinyLM(), tmp_path, callbacks=[ActivationOffload(**kwargs)])
     assert _no_saved_tensor_hooks_installed()

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from lightning_mem.callbacks import CompileBlocks
+from lightning_mem.settings import SettingError
 from tests.helpers import REPO, read_metric, run_recipe, short_fit_args
 
 CONFIG = str(REPO / "configs" / "sft" / "tiny_cpu.yaml")
@@ -49,11 +50,12 @@ def test_the_estimate_runs_compiled_blocks_eager_and_says_so(tmp_path):
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    (dict(mode="reduce-overhead"), r"CompileBlocks: `mode` must be one of .*CUDA-graph"),
-    (dict(backend="inductr"), r"CompileBlocks: `backend` 'inductr' is not a torch.compile backend"),
+    (dict(mode="reduce-overhead"), r"^`trainer.callbacks\[CompileBlocks\].init_args.mode` must be one of .*CUDA-graph"),
+    (dict(backend="inductr"),
+     r"^`trainer.callbacks\[CompileBlocks\].init_args.backend` 'inductr' is not a torch.compile backend"),
 ])
 def test_a_setting_that_cannot_work_is_refused_at_parse_time(kwargs, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(SettingError, match=message):
         CompileBlocks(**kwargs)
 
 

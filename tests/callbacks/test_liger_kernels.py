@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from lightning_mem.callbacks import LigerKernels
+from lightning_mem.settings import SettingError
 from tests.helpers import REPO
 
 CONFIG = str(REPO / "configs" / "sft" / "tiny_cpu.yaml")
@@ -25,8 +26,8 @@ def test_on_a_cpu_the_run_stops_before_the_model_loads(tmp_path):
     module = SFTModule(str(REPO / "assets/tiny-llama"), export_dir=None)
     trainer = Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, callbacks=[LigerKernels()], default_root_dir=str(tmp_path))
-    with pytest.raises(ValueError, match=r"LigerKernels \(`trainer.callbacks`\): Liger's kernels are Triton kernels"
-                                         r" and need a CUDA device; this run's device is cpu"):
+    with pytest.raises(SettingError, match=r"^`trainer.callbacks\[LigerKernels\]`: Liger's kernels are Triton kernels"
+                                           r" and need a CUDA device; this run's device is cpu; remove the callback"):
         trainer.fit(module, train_dataloaders=[{"input_ids": torch.ones(1, 4, dtype=torch.long)}])
     assert module.model is None
 

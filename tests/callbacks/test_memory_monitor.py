@@ -16,6 +16,7 @@ from memtest_utils import TinyLM, fit, lm_loss
 from lightning_mem.callbacks import MemoryMonitor, memory_phase
 from lightning_mem.callbacks import memory_monitor as module_under_test
 from lightning_mem.run_dir import run_dir
+from lightning_mem.settings import SettingError
 
 
 class PhasedLM(TinyLM):
@@ -87,9 +88,12 @@ def test_phase_api_is_a_no_op_without_a_monitor_and_checks_names(tmp_path) -> No
     with monitor.phase("outer"), monitor.phase("inner"):  # usable outside a trainer, nests
         pass
     assert [r["phase"] for r in monitor.rows] == ["inner", "outer"]
-    with pytest.raises(ValueError, match="must be letters"):
+    with pytest.raises(ValueError, match="must be letters"):  # a name in code: a programming error
         with monitor.phase("roll out/1"):
             pass
+    with pytest.raises(SettingError, match=r"^`trainer.callbacks\[MemoryMonitor\].init_args.every_n_steps` must be"
+                                           r" >= 1, got 0$"):
+        MemoryMonitor(every_n_steps=0)
 
 
 def _fake_cuda_snapshot(monkeypatch) -> list[str]:

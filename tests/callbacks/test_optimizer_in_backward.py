@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import bitsandbytes as bnb
@@ -11,6 +12,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from memtest_utils import TinyLM, assert_same_parameters, fit
 
 from lightning_mem.callbacks import OptimizerInBackward
+from lightning_mem.settings import SettingError
 
 
 class _GradsAfterBackward(Callback):
@@ -67,15 +69,15 @@ def test_checkpoint_carries_the_per_parameter_state(tmp_path) -> None:
 @pytest.mark.parametrize(
     ("trainer_kwargs", "message"),
     [
-        (dict(accumulate_grad_batches=2), "accumulate_grad_batches=2"),
-        (dict(gradient_clip_val=1.0), "gradient_clip_val=1.0"),
-        (dict(strategy="ddp"), "trainer.strategy=DDPStrategy on 1 process"),
+        (dict(accumulate_grad_batches=2), "`trainer.accumulate_grad_batches: 2`"),
+        (dict(gradient_clip_val=1.0), "`trainer.gradient_clip_val: 1.0`"),
+        (dict(strategy="ddp"), "`trainer.strategy` DDPStrategy on 1 process"),
     ],
     ids=["accumulation", "clipping", "ddp"],
 )
 def test_limits_fail_early_with_the_key_to_change(tmp_path, trainer_kwargs: dict, message: str) -> None:
     module = TinyLM()
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(SettingError, match=r"^`trainer.callbacks\[OptimizerInBackward\]` cannot run with .*" + re.escape(message)):
         fit(module, tmp_path, callbacks=[OptimizerInBackward()], **trainer_kwargs)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -12,7 +13,8 @@ import pytest
 from lightning_mem.callbacks.fit_check import FitCheck, config_from_argv
 from lightning_mem.estimate import parse_size, tier_of, usable_bytes
 from lightning_mem.estimate.__main__ import main
-from tests.helpers import REPO
+from lightning_mem.settings import SettingError
+from tests.helpers import HANG_GUARD_S, REPO
 
 
 def test_parse_size():
@@ -38,20 +40,49 @@ def test_margin():
 
 
 def test_json_output_and_exit_code(capsys):
-    code = main(["--config", "configs/sft/tiny_cpu.yaml", "--device-memory", "64MiB", "--json"])
+    code = main(["--config", "configs/sft/tiny_cpu.yaml", "--device-memory", "1.15GiB", "--json"])
     out = json.loads(capsys.readouterr().out)
-    assert code == 1 and out["fits"] is False  # the tiny step needs ~120 MiB
+    assert code == 1 and out["fits"] is False  # the tiny step needs ~120 MiB, 1.15 GiB leaves ~36 MiB
     assert out["device_peak_bytes"] == max(p["device_peak_bytes"] for p in out["phases"])
     phase = out["phases"][0]
     assert set(phase["device_breakdown_bytes"]) == {
         "weights", "gradients", "optimizer_state", "activations", "logits", "kv_cache", "other"}
     assert sum(phase["device_breakdown_bytes"].values()) == phase["device_peak_bytes"]
-    assert out["margin"]["fraction"] == 0.1 and out["usable_device_bytes"] == usable_bytes(64 << 20)
+    assert out["margin"]["fraction"] == 0.1 and out["usable_device_bytes"] == usable_bytes(int(1.15 * (1 << 30)))
 
 
-def test_bad_override_fails_before_any_model():
+def test_bad_override_fails_before_any_model(capsys):
     with pytest.raises(SystemExit):
         main(["--config", "configs/sft/tiny_cpu.yaml", "--data.max_lenght", "8"])
+    err = capsys.readouterr().err  # the recipe's parser, named as the command the user ran
+    assert "tip: For details of accepted options run: python -m lightning_mem.estimate --help" in err
+    assert "__main__.py" not in err
+
+
+def test_the_command_prints_a_bad_setting_as_one_line():
+    args = ["--config", "configs/sft/qwen2.5-1.5b_1x24gb.yaml", "--model.name_or_path", "Qwen/Qwen2.5-3B"]
+    done = subprocess.run([sys.executable, "-m", "lightning_mem.estimate", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=HANG_GUARD_S, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(
+        "error: `model.name_or_path`: no config.json is shipped for the hub id 'Qwen/Qwen2.5-3B' (looked in "), errors
+
+
+@pytest.mark.parametrize(("size", "message"), [
+    ("24XB", "error: `--device-memory`: cannot read '24XB' as a size; write e.g. 24GiB, 80GB or a byte count"),
+    ("1GiB", "error: `--device-memory`: 1GiB leaves nothing for the run: the estimate reserves 1.10 GiB of a device"
+             " that size (10% of the device for allocator fragmentation + 1 GiB for the CUDA context); give at least"
+             " 1.12 GiB"),
+], ids=["unreadable", "all-reserve"])
+def test_a_device_size_it_cannot_use_is_one_line_before_any_estimate(size, message, capsys, monkeypatch):
+    from lightning_mem.cli import DEBUG_ENV, run_command
+
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    with pytest.raises(SystemExit) as exit_info:  # as `python -m lightning_mem.estimate` runs main
+        run_command(lambda: main(["--config", "configs/sft/tiny_cpu.yaml", "--device-memory", size]))
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [message]
 
 
 def test_llama_8b_1x24gb_host_memory():
@@ -72,6 +103,26 @@ def test_config_from_argv():
     assert config_from_argv(argv) == ("c.yaml", ["--data.max_length", "8"])
 
 
+def test_fit_check_without_a_config_names_its_argument(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["train.py", "fit", "--trainer.max_steps=3"])
+    with pytest.raises(SettingError, match=r"^`trainer.callbacks\[FitCheck\].init_args.config`: none given, and no"
+                                           r" --config on the command line"):
+        FitCheck().command(24 << 30, 1)
+
+
+def test_the_estimators_own_refusals_name_the_flag_or_key(tmp_path):
+    from lightning_mem.estimate.recipe_config import precision_plugin, recipe_for, recipe_parts
+
+    with pytest.raises(SettingError, match=r"^`--recipe` is needed: cannot tell the recipe of --config"):
+        recipe_for(tmp_path / "mine" / "x.yaml")
+    with pytest.raises(SettingError, match=r"^`--recipe` 'recipes.no_such_recipe': no such module$"):
+        recipe_parts("recipes.no_such_recipe")
+    with pytest.raises(SettingError, match=r"^`--recipe` 'recipes.rewards': expected one LightningModule"):
+        recipe_parts("recipes.rewards")
+    with pytest.raises(SettingError, match=r"^`trainer.precision`: the estimator does not know 'transformer-engine'$"):
+        precision_plugin("transformer-engine")
+
+
 def test_fit_check_report_warns_with_suggestions():
     result = {
         "phases": [{"phase": "train", "device_peak_bytes": 30 << 30}], "usable_device_bytes": 20 << 30,
@@ -80,7 +131,9 @@ def test_fit_check_report_warns_with_suggestions():
     }
     with pytest.warns(UserWarning, match=r"(?s)train 30.0 GiB.*--a=1"):
         FitCheck().report(result)
-    with pytest.raises(RuntimeError, match="run out of memory"):
+    with pytest.warns(UserWarning, match=r"^  fits \(10.0 GiB\): smaller: --a=1$"), pytest.raises(
+            SettingError, match=r"^`trainer.callbacks\[FitCheck\].init_args.fail`: true, and estimated peaks per rank train"
+                                r" 30.0 GiB: more than the 20.0 GiB usable .* The run will likely run out of memory.$"):
         FitCheck(fail=True).report(result)
 
 

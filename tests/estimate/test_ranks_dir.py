@@ -6,7 +6,10 @@ import os
 import time
 from pathlib import Path
 
+import pytest
+
 from lightning_mem.estimate.sharded import SHARED_DIR_ENV, run_ranks
+from lightning_mem.settings import SettingError
 
 
 def _write_late(*, world_size: int) -> list:
@@ -22,3 +25,14 @@ def _write_late(*, world_size: int) -> list:
 
 def test_every_rank_writes_into_one_folder_that_outlives_rank_zero():
     assert run_ranks(_write_late, (), world_size=2, timeout=300) == [[], []]
+
+
+def _refuse_a_setting(*, world_size: int) -> list:
+    raise SettingError("trainer.devices", f": refused on rank {os.environ['RANK']} of {world_size}")
+
+
+def test_a_ranks_setting_error_crosses_back_as_itself():
+    # A sharded estimate's ranks run the recipe: its one-line errors must reach the command line as
+    # they are, not as "ranks failed" with each rank's traceback.
+    with pytest.raises(SettingError, match=r"^`trainer.devices`: refused on rank 0 of 2$"):
+        run_ranks(_refuse_a_setting, (), world_size=2, timeout=300)

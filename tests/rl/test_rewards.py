@@ -2,13 +2,15 @@
 
 import pytest
 
+from lightning_mem.data.rows import DataFormatError
+from lightning_mem.settings import SettingError
 from recipes.rewards import ArithmeticReward, ExactAnswerReward
 
 
 def test_exact_answer():
     rows = [{"answer": "16"}, {"answer": "16"}]
     assert ExactAnswerReward().score([], [" 16 ", "15"], rows) == [1.0, 0.0]
-    with pytest.raises(KeyError, match=r"p.jsonl:2: no `answer`"):
+    with pytest.raises(DataFormatError, match=r"^p.jsonl:2: no `answer`"):
         ExactAnswerReward().score([], ["1"], [{"_where": "p.jsonl:2"}])
 
 
@@ -23,7 +25,7 @@ def test_arithmetic_reward_by_hand():
 
 
 def test_bad_reward_settings_name_their_key():
-    with pytest.raises(ValueError, match=r"`model.reward.init_args.partial` must be in \[0, 1\)"):
+    with pytest.raises(SettingError, match=r"^`model.reward.init_args.partial` must be in \[0, 1\), got 1.0$"):
         ArithmeticReward(partial=1.0)
-    with pytest.raises(ValueError, match=r"`model.reward.init_args.extract`"):
+    with pytest.raises(SettingError, match=r"^`model.reward.init_args.extract` must be 'whole' or 'last_integer'"):
         ArithmeticReward(extract="first")

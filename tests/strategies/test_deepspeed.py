@@ -33,6 +33,7 @@ import yaml
 from torch import nn
 from torch.nn import functional as F
 
+from lightning_mem.settings import SettingError, SettingNotSupported
 from lightning_mem.strategies.deepspeed import (
     ALL_STATES,
     INSTALL_HINT,
@@ -58,7 +59,7 @@ def no_deepspeed(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_missing_deepspeed_names_the_extra(no_deepspeed: None) -> None:
-    with pytest.raises(ImportError, match=r"ZeroStrategy needs DeepSpeed.*lightning-mem\[deepspeed\]"):
+    with pytest.raises(SettingNotSupported, match=r"^`trainer.strategy`: ZeroStrategy needs DeepSpeed.*lightning-mem\[deepspeed\]"):
         ZeroStrategy("zero3_offload")
     assert "lightning-mem[deepspeed]" in INSTALL_HINT
 
@@ -66,10 +67,12 @@ def test_missing_deepspeed_names_the_extra(no_deepspeed: None) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"stage": 2, "offload_params": "cpu"}, ValueError, r"offload_params='cpu' needs stage=3"),
-        ({"preset": "zero3_offload_nvme"}, ValueError, r"nvme_path is required"),
-        ({"preset": "zero9"}, ValueError, r"preset='zero9'"),
-        ({"preset": "zero3_offload_nvme", "nvme_path": "/no/such/dir"}, FileNotFoundError, r"nvme_path='/no/such/dir'"),
+        ({"stage": 2, "offload_params": "cpu"}, SettingError,
+         r"^`trainer\.strategy\.init_args\.offload_params: cpu` needs `trainer\.strategy\.init_args\.stage: 3`"),
+        ({"preset": "zero3_offload_nvme"}, SettingError, r"^`trainer\.strategy\.init_args\.nvme_path` is required"),
+        ({"preset": "zero9"}, SettingError, r"^`trainer\.strategy\.init_args\.preset` 'zero9' is not a ZeRO preset"),
+        ({"preset": "zero3_offload_nvme", "nvme_path": "/no/such/dir"}, FileNotFoundError,
+         r"^`trainer\.strategy\.init_args\.nvme_path` '/no/such/dir' is not a directory"),
     ],
 )
 def test_bad_tiers_fail_before_deepspeed_is_needed(no_deepspeed: None, kwargs, error, match) -> None:
@@ -184,9 +187,9 @@ def test_phase_offload_rejects_what_it_cannot_do(include, error, match) -> None:
 def test_cpu_adam_conversion_refuses_what_cpu_adam_cannot_do() -> None:
     pytest.importorskip("deepspeed")
     params = [nn.Parameter(torch.zeros(2))]
-    with pytest.raises(TypeError, match=r"replaces only torch.optim.Adam/AdamW.*SGD.*cpu_adam: false"):
+    with pytest.raises(SettingNotSupported, match=r"^`cpu_adam: true` with `offload_optimizer`: .*replaces only torch.optim.Adam/AdamW.*SGD.*`cpu_adam: false`"):
         to_deepspeed_cpu_adam(torch.optim.SGD(params, lr=0.1))
-    with pytest.raises(ValueError, match=r"amsgrad=True"):
+    with pytest.raises(SettingNotSupported, match=r"^`cpu_adam: true`: .*amsgrad=True"):
         to_deepspeed_cpu_adam(torch.optim.AdamW(params, amsgrad=True))
     stepped = torch.optim.AdamW(params)
     params[0].grad = torch.ones(2)

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from lightning_mem.settings import SettingError
 from lightning_mem.strategies.zero_config import (
     ZERO_PRESETS,
     ZeroTier,
@@ -118,7 +119,7 @@ def test_no_precision_leaves_the_section_to_the_strategy() -> None:
 
 
 def test_unsupported_precision_names_the_argument() -> None:
-    with pytest.raises(ValueError, match=r"precision='transformer-engine'"):
+    with pytest.raises(SettingError, match=r"^`precision` 'transformer-engine' is not supported with DeepSpeed"):
         deepspeed_config(zero_tier("zero2"), "transformer-engine")
 
 
@@ -186,20 +187,20 @@ def test_extra_config_merges_key_by_key_and_is_not_aliased() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"stage": 1}, ValueError, r"stage=1"),
-        ({"stage": 2, "offload_params": "cpu"}, ValueError, r"offload_params='cpu' needs stage=3"),
-        ({"preset": "zero2", "offload_params": True}, ValueError, r"offload_params='cpu' needs stage=3"),
-        ({"stage": 3, "offload_params": "nvme"}, ValueError, r"nvme_path is required"),
-        ({"preset": "zero3_offload_nvme"}, ValueError, r"nvme_path is required"),
-        ({"preset": "zero3_offload", "nvme_path": "/nvme"}, ValueError, r"nvme_path='/nvme' is set but nothing"),
-        ({"preset": "zero4"}, ValueError, r"preset='zero4'"),
-        ({"offload_optimizer": "gpu"}, ValueError, r"offload_optimizer='gpu'"),
-        ({"offload_params": "disk", "stage": 3}, ValueError, r"offload_params='disk'"),
-        ({"reduce_bucket_size": 0}, ValueError, r"reduce_bucket_size=0"),
-        ({"allgather_bucket_size": 5e8}, ValueError, r"allgather_bucket_size=500000000.0"),
-        ({"prefetch_bucket_size": True}, ValueError, r"prefetch_bucket_size=True"),
-        ({"param_persistence_threshold": -1}, ValueError, r"param_persistence_threshold=-1"),
-        ({"pin_memory": "yes"}, ValueError, r"pin_memory='yes'"),
+        ({"stage": 1}, SettingError, r"^`stage` must be 2 or 3, got 1$"),
+        ({"stage": 2, "offload_params": "cpu"}, SettingError, r"^`offload_params: cpu` needs `stage: 3`"),
+        ({"preset": "zero2", "offload_params": True}, SettingError, r"^`offload_params: cpu` needs `stage: 3`"),
+        ({"stage": 3, "offload_params": "nvme"}, SettingError, r"^`nvme_path` is required"),
+        ({"preset": "zero3_offload_nvme"}, SettingError, r"^`nvme_path` is required"),
+        ({"preset": "zero3_offload", "nvme_path": "/nvme"}, SettingError, r"^`nvme_path` '/nvme' is set but nothing"),
+        ({"preset": "zero4"}, SettingError, r"^`preset` 'zero4' is not a ZeRO preset"),
+        ({"offload_optimizer": "gpu"}, SettingError, r"^`offload_optimizer` 'gpu' is not an offload device"),
+        ({"offload_params": "disk", "stage": 3}, SettingError, r"^`offload_params` 'disk' is not an offload device"),
+        ({"reduce_bucket_size": 0}, SettingError, r"^`reduce_bucket_size` must be positive, got 0$"),
+        ({"allgather_bucket_size": 5e8}, SettingError, r"^`allgather_bucket_size` must be an int, positive, got 500000000.0$"),
+        ({"prefetch_bucket_size": True}, SettingError, r"^`prefetch_bucket_size` must be an int, positive, got True$"),
+        ({"param_persistence_threshold": -1}, SettingError, r"^`param_persistence_threshold` must be >= 0, got -1$"),
+        ({"pin_memory": "yes"}, SettingError, r"^`pin_memory` must be true or false, got 'yes'$"),
         ({"bucket_size": 10}, TypeError, r"unknown ZeRO tier argument\(s\) \['bucket_size'\]"),
     ],
 )
@@ -209,5 +210,5 @@ def test_impossible_tiers_fail_naming_the_argument(kwargs: dict, error: type[Exc
 
 
 def test_tier_validates_when_built_directly() -> None:
-    with pytest.raises(ValueError, match=r"offload_params='cpu' needs stage=3"):
+    with pytest.raises(SettingError, match=r"^`offload_params: cpu` needs `stage: 3`"):
         ZeroTier(stage=2, offload_params="cpu")

@@ -18,6 +18,7 @@ Single-process references run in this process on the same global batches.
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -36,6 +37,7 @@ import fsdp2_scenarios as sc  # noqa: E402
 from tests.helpers import HANG_GUARD_S, bf16_checkpoint_folder  # noqa: E402
 
 from lightning_mem import activation_checkpointing, module_tree  # noqa: E402
+from lightning_mem.settings import SettingError  # noqa: E402
 from lightning_mem.strategies import FSDP2Strategy, full_state_dict, shard_plan  # noqa: E402
 
 
@@ -395,7 +397,7 @@ def test_the_selective_policy_reaches_each_checkpointed_block():
     blocks = strategy.blocks_to_shard(model)
     strategy.apply_activation_checkpointing(blocks[0])
     assert getattr(blocks[0], "_lightning_mem_checkpointed") == "selective"
-    with pytest.raises(ValueError, match="`activation_checkpointing_policy` must be one of"):
+    with pytest.raises(SettingError, match=r"^`trainer\.strategy\.init_args\.activation_checkpointing_policy` must be one of"):
         FSDP2Strategy(activation_checkpointing=True, activation_checkpointing_policy="some")
 
 
@@ -403,19 +405,22 @@ def test_the_selective_policy_reaches_each_checkpointed_block():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"param_dtype": "bfloat17"}, "param_dtype='bfloat17'"),
-        ({"reduce_dtype": torch.int8}, "reduce_dtype=torch.int8"),
-        ({"cpu_offload": True, "tensor_parallel_size": 2}, "cpu_offload=True` cannot be combined"),
-        ({"cpu_offload": "yes"}, "cpu_offload"),
-        ({"reshard_after_forward": 1}, "reshard_after_forward"),
-        ({"activation_checkpointing": -1}, "activation_checkpointing"),
-        ({"shard_modules": []}, "shard_modules"),
-        ({"tensor_parallel_size": "auto"}, "tensor_parallel_size"),
-        ({"data_parallel_size": 0}, "data_parallel_size"),
+        ({"param_dtype": "bfloat17"}, "param_dtype`: unknown dtype 'bfloat17'"),
+        ({"reduce_dtype": torch.int8}, "reduce_dtype`: unknown dtype torch.int8"),
+        ({"cpu_offload": True, "tensor_parallel_size": 2},
+         "cpu_offload: true` cannot be combined with `trainer.strategy.init_args.tensor_parallel_size: 2`"),
+        ({"cpu_offload": "yes"}, "cpu_offload` must be true or false, got 'yes'"),
+        ({"reshard_after_forward": 1}, "reshard_after_forward` must be a bool or an int >= 2"),
+        ({"activation_checkpointing": -1}, "activation_checkpointing` must be a bool or an int k >= 0"),
+        ({"shard_modules": []}, "shard_modules` must be a non-empty list of class names, got []"),
+        ({"tensor_parallel_size": "auto"}, "tensor_parallel_size` must be an int >= 1, got 'auto'"),
+        ({"data_parallel_size": 0}, "data_parallel_size` must be 'auto' or an int >= 1, got 0"),
+        ({"timeout": -1}, "timeout` must be a positive number of seconds, got -1"),
     ],
 )
 def test_bad_arguments_fail_at_construction_naming_the_argument(kwargs, message):
-    with pytest.raises((ValueError, TypeError), match=message.replace("(", r"\(").replace("[", r"\[")):
+    # One line naming the key where the Trainer takes it (the YAML's trainer.strategy.init_args).
+    with pytest.raises(SettingError, match="^" + re.escape(f"`trainer.strategy.init_args.{message}")):
         FSDP2Strategy(**kwargs)
 
 
@@ -427,14 +432,14 @@ class _Holder(nn.Module):
 
 def test_shard_modules_naming_a_class_not_in_the_model_is_a_clear_error():
     strategy = FSDP2Strategy(shard_modules=["GPT2Block"])
-    with pytest.raises(ValueError, match=r"`shard_modules` names \['GPT2Block'\].*LlamaForCausalLM.*LlamaDecoderLayer"):
-        strategy.parallelize(_Holder(sc.tiny_llama(seed=0)))
+    with pytest.raises(SettingError, match=r"^`shard_modules` names \['GPT2Block'\].*LlamaForCausalLM.*LlamaDecoderLayer"):
+        strategy.parallelize(_Holder(sc.tiny_llama(seed=0)))  # named in full by the strategy's setup
 
 
 def test_model_without_no_split_modules_needs_shard_modules():
     model = sc.tiny_llama(seed=0)
     model._no_split_modules = set()
-    with pytest.raises(ValueError, match="declares no `_no_split_modules`.*shard_modules"):
+    with pytest.raises(SettingError, match="^`shard_modules`: `LlamaForCausalLM` declares no `_no_split_modules`"):
         FSDP2Strategy().blocks_to_shard(model)
 
 
@@ -448,7 +453,8 @@ def test_reshard_int_must_divide_the_data_parallel_size():
 
     trainer = Trainer(accelerator="cpu", devices=2, strategy=FSDP2Strategy(reshard_after_forward=2), logger=False)
     # Raised before any process group is created.
-    with pytest.raises(ValueError, match=r"reshard_after_forward=2` must divide the data-parallel size \(2\)"):
+    with pytest.raises(SettingError, match=r"^`trainer\.strategy\.init_args\.reshard_after_forward: 2` must divide the"
+                                           r" data-parallel size \(2\)"):
         trainer.strategy.setup_environment()
 
 
@@ -657,7 +663,7 @@ def test_timeout_is_exposed_in_seconds_with_a_short_default():
 
     assert FSDP2Strategy()._timeout == timedelta(seconds=DEFAULT_TIMEOUT_S) < timedelta(minutes=30)
     assert FSDP2Strategy(timeout=90)._timeout == timedelta(seconds=90)
-    with pytest.raises(ValueError, match="timeout"):
+    with pytest.raises(SettingError, match="timeout"):
         FSDP2Strategy(timeout=-1)
 
 

@@ -108,13 +108,29 @@ def test_models_without_a_plan_or_with_styles_not_applied_are_refused():
 
 
 def test_strategy_arguments_that_cannot_work_fail_at_construction():
-    with pytest.raises(SettingError, match=r"^`sequence_parallel`: true needs `tensor_parallel_size` > 1"):
+    args = r"trainer\.strategy\.init_args"  # where the Trainer takes a strategy's arguments
+    with pytest.raises(SettingError, match=rf"^`{args}\.sequence_parallel`: true needs `{args}\.tensor_parallel_size` > 1"):
         FSDP2Strategy(sequence_parallel=True)
-    with pytest.raises(SettingError, match=r"^`context_parallel_size` must be an int >= 1, got 0"):
+    with pytest.raises(SettingError, match=rf"^`{args}\.context_parallel_size` must be an int >= 1, got 0"):
         FSDP2Strategy(context_parallel_size=0)
-    with pytest.raises(ValueError, match="`cpu_offload=True` cannot be combined with `tensor_parallel_size=2`"):
+    with pytest.raises(SettingError, match=rf"^`{args}\.cpu_offload: true` cannot be combined with"
+                                           rf" `{args}\.tensor_parallel_size: 2`"):
         FSDP2Strategy(cpu_offload=True, tensor_parallel_size=2)
     FSDP2Strategy(cpu_offload=True, context_parallel_size=2)  # sequences split, shards on the host: fine
+
+
+def test_a_model_without_heads_and_packing_under_a_split_are_refused_naming_the_key():
+    from transformers import PretrainedConfig
+
+    from lightning_mem.ranks import check_packing_splits
+
+    with pytest.raises(SettingNotSupported, match=r"^`context_parallel_size`: \w+ names no"
+                                                  r" `num_attention_heads`"):
+        check_model_parallel(PretrainedConfig(), context_parallel_size=2)
+    trainer = types.SimpleNamespace(strategy=types.SimpleNamespace(tensor_parallel_size=2, context_parallel_size=1))
+    with pytest.raises(SettingNotSupported, match=r"^`data.packing: true` with"
+                                                  r" `trainer.strategy.init_args.tensor_parallel_size: 2`"):
+        check_packing_splits(trainer, packing_key="data.packing")
 
 
 def test_a_recipe_names_its_yaml_key_before_any_model_loads():
