@@ -16,7 +16,7 @@ from jsonargparse.typing import PositiveInt
 
 from lightning_mem.data.chat import row_to_prompt_messages
 from lightning_mem.rl.environments import Environment, Message, Step
-from lightning_mem.settings import check_arguments
+from lightning_mem.settings import SettingError, check_arguments, settings_at
 
 _INTEGER = re.compile(r"^\s*(-?\d+)\s*$")
 
@@ -36,9 +36,10 @@ class ArithmeticRetry(Environment):
 
     def __init__(self, tries: PositiveInt = 2, retry_discount: float = 0.5, feedback: str = "Wrong. Try again.",
                  answer_key: str = "answer") -> None:
-        check_arguments(ArithmeticRetry.__init__, {"tries": tries})
-        if not 0 <= retry_discount <= 1:
-            raise ValueError(f"`model.environment.init_args.retry_discount` must be in [0, 1], got {retry_discount}")
+        with settings_at("model.environment.init_args"):
+            check_arguments(ArithmeticRetry.__init__, {"tries": tries})
+            if not 0 <= retry_discount <= 1:
+                raise SettingError("retry_discount", f" must be in [0, 1], got {retry_discount}")
         self.tries, self.retry_discount, self.feedback, self.answer_key = tries, retry_discount, feedback, answer_key
         self.answer = ""
         self.tried = 0

@@ -160,7 +160,8 @@ class ToolEnvironment(Environment):
         key = "model.environment.init_args.tools"
         self.tools = [import_function(t, key=key) if isinstance(t, str) else t for t in tools]
         self.by_name = {fn.__name__: fn for fn in self.tools}
-        parse_tool_calls("", call_format)  # an unknown format fails here, not at the first call
+        if call_format not in ("hermes", "llama3"):  # here, not at the first call
+            raise SettingError("model.environment.init_args.call_format", f" must be 'hermes' or 'llama3', got {call_format!r}")
         self.reward, self.call_format = reward, call_format
         self.timeout_s, self.max_calls_per_turn = timeout_s, max_calls_per_turn
         self.row: dict[str, Any] = {}

@@ -23,6 +23,7 @@ from lightning_mem.rl.multi_turn import FAULTS, MultiTurnConfig, MultiTurnRollou
 from lightning_mem.rl.rollout import GenerationConfig, RolloutEngine
 from lightning_mem.rl.tools import ToolEnvironment
 from lightning_mem.rl.trajectory import ChatRenderer
+from lightning_mem.settings import SettingError
 from recipes.environments import ArithmeticRetry
 from recipes.rewards import ArithmeticReward
 from tests.helpers import TINY_MODEL
@@ -177,6 +178,10 @@ def test_the_arithmetic_retry_environment():
     assert env.metrics() == {"retries": 2, "solved_on_retry": 1}
     env.reset({"prompt": "What is 2 + 3?", "answer": "5"})
     assert env.step({"role": "assistant", "content": "5"}) == Step([], 1.0, True)
+    with pytest.raises(SettingError, match=r"^`model.environment.init_args.retry_discount` must be in \[0, 1\], got 2$"):
+        ArithmeticRetry(retry_discount=2)
+    with pytest.raises(SettingError, match=r"^`model.environment.init_args.tries` must be positive, got 0$"):
+        ArithmeticRetry(tries=0)
 
 
 # -- the hf samplers on the tiny model ---------------------------------------------------------------

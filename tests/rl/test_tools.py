@@ -116,6 +116,8 @@ def test_calls_beyond_the_turns_limit_are_refused_not_run():
     assert [m["content"] for m in step.observations] == ["2", "error: at most 1 calls a turn"]
 
 
-def test_a_tool_path_that_does_not_import_names_the_key():
+def test_a_tool_path_that_does_not_import_or_an_unknown_format_names_the_key():
     with pytest.raises(SettingError, match=r"^`model.environment.init_args.tools`: cannot import 'recipes.tools.abacus'"):
         ToolEnvironment(tools=["recipes.tools.abacus"])
+    with pytest.raises(SettingError, match=r"^`model.environment.init_args.call_format` must be 'hermes' or 'llama3'"):
+        ToolEnvironment(tools=[calculator], call_format="json")
