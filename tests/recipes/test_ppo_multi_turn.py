@@ -16,7 +16,7 @@ from lightning_mem.rl.environments import RewardEnvironment
 from lightning_mem.rl.multi_turn import FAULTS
 from recipes.rewards import ArithmeticReward
 from tests.helpers import REPO, TINY_MODEL, csv_logger_args, read_metric, run_recipe
-from tests.recipes.test_ppo import fit, no_model_load  # noqa: F401  (a fixture)
+from tests.recipes.test_ppo import _quarters, fit, no_model_load, sft_export  # noqa: F401  (fixtures)
 from tests.recipes.test_tiny_configs import ALLOWED, _warning_lines
 
 CONFIG = str(REPO / "configs" / "ppo" / "tiny_cpu_multi_turn.yaml")
@@ -137,3 +137,14 @@ def test_a_prompt_row_without_the_environments_key_fails_before_any_model(tmp_pa
     prompts.write_text('{"prompt": "1 + 1 =", "answer": "2"}\n{"prompt": "2 + 2 ="}\n')
     with pytest.raises(ValueError, match=r"prompts.jsonl:2: no `answer`, which the environment ArithmeticRetry needs"):
         _cli(tmp_path, f"--data.train_file={prompts}", "--data.batch_size=1")
+
+
+# -- the demo -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow  # the target on the full config: 512 PPO steps (`pytest -m slow`; docs/ppo.md has the run)
+def test_the_multi_turn_demo_raises_the_reward(tmp_path, sft_export):  # noqa: F811
+    root = _run(tmp_path, f"--model.name_or_path={sft_export}")
+    first, *_, last = _quarters(root)
+    assert last >= first + 0.1, _quarters(root)
+    assert sum(read_metric(root, "multi_turn/solved_on_retry").values()) > 0  # some second tries were right
