@@ -252,6 +252,17 @@ def test_continuing_the_cache_samples_what_prefilling_every_turn_samples(tokeniz
     assert sum(r * w for r, w in prefills[True]) < sum(r * w for r, w in prefills[False]) * 0.7
 
 
+def test_the_static_decode_loop_prefills_every_turn_to_the_same_trajectories(tokenizer):
+    torch.manual_seed(0)
+    model = load_causal_lm(str(TINY_MODEL))
+    greedy = GenerationConfig(max_new_tokens=5, do_sample=False)
+    static = GenerationConfig(max_new_tokens=5, do_sample=False, kv_cache="static", prompt_bucket=8)
+    engine = RolloutEngine(static, eos_token_ids=[EOS], pad_token_id=PAD)
+    prefill = multi_turn_rollout(Uneven, MultiTurnConfig(max_turns=3, cache_across_turns=False), tokenizer=tokenizer,
+                                 generation=static, engine=engine, eos_token_ids=[EOS], pad_token_id=PAD)
+    assert torch.equal(prefill.rollout(model, ROWS).input_ids, _rollouts(tokenizer, greedy)[True].rollout(model, ROWS).input_ids)
+
+
 def test_sampling_with_the_cache_draws_what_prefill_draws_under_one_seed(tokenizer):
     model = load_causal_lm(str(TINY_MODEL))
     exps = {}
