@@ -12,7 +12,7 @@ import torch
 
 import recipes.ppo as ppo
 from lightning_mem.rl.config import GRPOConfig, KLConfig
-from lightning_mem.rl.environments import RewardEnvironment
+from lightning_mem.rl.environments import Environment, RewardEnvironment, Step
 from lightning_mem.rl.multi_turn import FAULTS
 from recipes.rewards import ArithmeticReward
 from tests.helpers import REPO, TINY_MODEL, csv_logger_args, read_metric, run_recipe
@@ -90,6 +90,31 @@ def test_a_tool_environment_from_yaml_prefilling_every_turn(tmp_path):
                 "--model.multi_turn.step_timeout_s=30", "--model.multi_turn.cache_across_turns=false")
     assert read_metric(root, "multi_turn/turns_mean") == {0: 1.0}  # the random model calls no tool: one answer each
     assert read_metric(root, "multi_turn/tool_calls") == {0: 0.0}
+
+
+class RankTurns(Environment):
+    """Episodes of ``1 + 2 * rank`` turns: under two ranks, rank 0's trajectories all end after one
+    turn while rank 1's run three."""
+
+    def reset(self, row):
+        import torch.distributed as dist
+
+        self.turns, self.turn = 1 + 2 * (dist.get_rank() if dist.is_initialized() else 0), 0
+        return [{"role": "user", "content": row["prompt"]}]
+
+    def step(self, message):
+        self.turn += 1
+        return Step([{"role": "user", "content": "Go on."}], 0.0, self.turn >= self.turns)
+
+
+def test_fsdp2_ranks_whose_trajectories_end_at_different_turns_step_together(tmp_path):
+    """Every forward of a sharded model is a collective: a rank whose trajectories have ended keeps
+    stepping (a one-token dummy row) while the other samples, and nothing hangs."""
+    root = _run(tmp_path, "--trainer.max_steps=8", "--data.batch_size=2", "--model.reward=null",
+                "--model.environment.class_path=tests.recipes.test_ppo_multi_turn.RankTurns",
+                "--model.multi_turn.max_turns=3", "--model.multi_turn.max_total_tokens=96",
+                config=str(REPO / "configs" / "ppo" / "tiny_cpu_fsdp2.yaml"))
+    assert read_metric(root, "multi_turn/turns_mean") == {0: 2.0}  # (2 x 1 + 2 x 3) / 4 trajectories
 
 
 # -- bad settings: one line, before any model loads ----------------------------------------------------
