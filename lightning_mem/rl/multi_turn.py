@@ -137,26 +137,30 @@ class MultiTurnRollout:
         return t
 
     def _turn(self, t: Trajectory, ids: list[int]) -> None:
-        """Append one sampled turn, hand it to the environment, and append its answer (or end)."""
+        """Append one sampled turn (cut to the token budget) and hand it to the environment."""
         room = self.config.max_total_tokens - t.length
         ids = ids[:room]
         ended = bool(ids) and ids[-1] in self.end_ids
         cut = len(ids) == room and not ended  # the budget, not the end token, stopped it
         t.add_sampled(ids)
         t.turns += 1
-        content = self.renderer.tokenizer.decode([i for i in ids if i not in self.end_ids], skip_special_tokens=True)
-        message = {"role": "assistant", "content": content}
-        t.messages.append(message)
-        t.last_answer = content
+        t.last_answer = self.renderer.tokenizer.decode([i for i in ids if i not in self.end_ids],
+                                                       skip_special_tokens=True)
+        t.messages.append({"role": "assistant", "content": t.last_answer})
+        if cut:
+            t.add_count("turns_cut")
+        self._step(t, ended=ended, cut=cut)
+
+    def _step(self, t: Trajectory, *, ended: bool, cut: bool) -> None:
+        """The environment's answer to the last turn: the episode ends (done, a budget, a fault), or
+        its observation's ids are appended."""
         try:
-            step = as_step(self._call(t.env.step, message))
+            step = as_step(self._call(t.env.step, t.messages[-1]))
         except Exception as error:
             t.done = t.failed = True
             t.add_count("env_timeouts" if isinstance(error, Timeout) else "env_errors")
             return
         t.reward += step.reward
-        if cut:
-            t.add_count("turns_cut")
         if step.done or cut or t.turns >= self.config.max_turns:
             t.done, t.at_budget = True, not step.done or cut
             return
