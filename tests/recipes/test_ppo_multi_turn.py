@@ -19,7 +19,7 @@ from tests.helpers import REPO, TINY_MODEL, csv_logger_args, read_metric, run_re
 from tests.recipes.test_ppo import _quarters, fit, no_model_load, sft_export  # noqa: F401  (fixtures)
 from tests.recipes.test_tiny_configs import ALLOWED, _warning_lines
 
-CONFIG = str(REPO / "configs" / "ppo" / "tiny_cpu_multi_turn.yaml")
+CONFIG = str(REPO / "configs/ppo/tiny_cpu_multi_turn.yaml")
 COMPARED = ("policy_loss", "value_loss", "kl", "entropy", "approx_kl", "clipfrac", "reward_mean", "response_length")
 
 
