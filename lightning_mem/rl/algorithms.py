@@ -115,8 +115,10 @@ def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k1", m
 def last_token_index(mask: Tensor) -> Tensor:
     """Column of each row's last unmasked token (0 for an empty row); a mask with holes (a
     multi-turn trajectory's observations) too."""
+    if mask.shape[1] == 0:
+        return torch.zeros(mask.shape[0], dtype=torch.long, device=mask.device)
     columns = torch.arange(mask.shape[1], device=mask.device)
-    return torch.where(mask.bool(), columns, 0).amax(dim=1) if mask.shape[1] else mask.new_zeros(mask.shape[0]).long()
+    return torch.where(mask.bool(), columns, 0).amax(dim=1)
 
 
 def rewards_with_kl_penalty(scores: Tensor, kl: Tensor, mask: Tensor, kl_coef: float) -> Tensor:
