@@ -307,7 +307,7 @@ def _grpo_experience():
     return SimpleNamespace(
         response_mask=mask, scores=torch.tensor([1.0, 1, 1, 1, 1, 0, 0, 0]),
         group_ids=torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]), old_logprobs=torch.zeros(8, 6), ref_logprobs=None,
-        engine_logprobs=None, loss_mask=None, correction_weights=None, sample_stats={},
+        engine_logprobs=None, loss_mask=None, correction_weights=None, sample_stats={}, sample_keep=None,
     )
 
 
