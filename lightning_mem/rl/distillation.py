@@ -194,18 +194,27 @@ def on_policy_distillation(teacher: TeacherConfig | dict | None) -> OnPolicyDist
     return OnPolicyDistillation(teacher)
 
 
-def check_signals(reward: Any, reward_model: Any, teacher: Any, advantage_estimator: str, *,
+def teacher_alone(reward: Any, reward_model: Any, teacher: Any, environment: Any = None) -> bool:
+    """Whether the teacher is a run's only signal: no rule, no learned reward, no environment."""
+    return teacher is not None and reward is None and reward_model is None and environment is None
+
+
+def check_signals(reward: Any, reward_model: Any, teacher: Any, environment: Any, advantage_estimator: str, *,
                   filter_groups: bool) -> None:
-    """One of ``model.reward`` and ``model.reward_model``, or neither beside ``model.teacher`` with an
-    objective that learns from the teacher alone (:func:`check_reward_free_objective`).
+    """Exactly one of ``model.reward`` and ``model.reward_model``, or ``model.environment``, or neither
+    beside ``model.teacher`` with an objective that learns from the teacher alone
+    (:func:`check_reward_free_objective`).
 
     Raises:
         SettingError: naming ``model.reward``, ``model.advantage_estimator`` or ``model.ppo.filter_groups``.
     """
-    if reward is not None and reward_model is not None or reward is None and reward_model is None and teacher is None:
-        raise SettingError("model.reward", "set one of `model.reward` (a rule's class_path) and `model.reward_model`"
-                           " (or neither beside `model.teacher`)")
-    if teacher is not None and reward is None and reward_model is None:
+    both = reward is not None and reward_model is not None
+    if both or (reward is None and reward_model is None and environment is None and teacher is None):
+        raise SettingError(
+            "model.reward", "set exactly one of `model.reward` (a rule's class_path) and `model.reward_model` (a"
+            " learned reward's folder), or `model.environment`, or neither beside `model.teacher`; this config sets"
+            f" {'both' if both else 'neither'}", siblings=("model.reward_model",))
+    if teacher_alone(reward, reward_model, teacher, environment):
         with settings_at("model"):
             check_reward_free_objective(advantage_estimator, filter_groups=filter_groups)
 

@@ -167,7 +167,7 @@ def test_a_teacher_of_another_tokenizer_is_refused_before_any_model_loads(tmp_pa
 
 
 def test_the_reward_rules_name_their_keys_from_the_cli(tmp_path, no_model_load):
-    with pytest.raises(SettingError, match=r"^set one of `model.reward` .* \(or neither beside `model.teacher`\)$"):
+    with pytest.raises(SettingError, match=r"^set exactly one of `model.reward` .*, or neither beside `model.teacher`; this config sets neither$"):
         _main(tmp_path, "--model.teacher=null")
     with pytest.raises(SettingError, match=r"^`model.advantage_estimator: gae` learns from the reward"):
         _main(tmp_path, "--model.advantage_estimator=gae")
