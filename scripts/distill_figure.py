@@ -35,10 +35,10 @@ INPUTS = (CONFIG, "configs/sft/tiny_cpu.yaml", "data/arithmetic/train.jsonl", "d
           "data/arithmetic/prompts.jsonl", "assets/tiny-llama/config.json", "assets/tiny-llama-student/config.json")
 
 
-def fingerprint() -> str:
-    """sha256 over the runs' inputs (:data:`INPUTS`)."""
+def fingerprint(inputs: tuple[str, ...] = INPUTS) -> str:
+    """sha256 over the runs' inputs (:data:`INPUTS`, or another script's)."""
     digest = hashlib.sha256()
-    for name in INPUTS:
+    for name in inputs:
         digest.update(name.encode() + b"\0" + (ROOT / name).read_bytes())
     return digest.hexdigest()
 

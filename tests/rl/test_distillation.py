@@ -51,7 +51,7 @@ def _experience():
     return SimpleNamespace(
         response_mask=mask, scores=torch.tensor([1.0, 1, 1, 1, 1, 0, 0, 0]),
         group_ids=torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]), old_logprobs=old, teacher_logprobs=teacher,
-        ref_logprobs=None, engine_logprobs=None, loss_mask=None, correction_weights=None, sample_stats={},
+        ref_logprobs=None, engine_logprobs=None, loss_mask=None, correction_weights=None, sample_stats={}, sample_keep=None,
         old_values=torch.rand(8, 6) * mask,
     )
 
