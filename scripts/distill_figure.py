@@ -53,6 +53,14 @@ def greedy_exact(export: Path) -> float:
     return float(json.loads(out.strip().splitlines()[-1])["greedy_exact"])
 
 
+def ready_teacher(folder: str) -> Path:
+    """The teacher's folder (relative to the repository), trained first when it holds no model."""
+    teacher = (ROOT / folder).resolve()
+    if not (teacher / "config.json").is_file():
+        train_teacher(teacher)
+    return teacher
+
+
 def train_teacher(teacher: Path) -> None:
     root = teacher.parent
     subprocess.run([sys.executable, "-m", "recipes.sft", "fit", "--config", "configs/sft/tiny_cpu.yaml",
@@ -77,9 +85,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default=str(RECORD))
     # Anything else is a recipe override for both runs (e.g. --trainer.max_steps=200).
     args, overrides = parser.parse_known_args(argv)
-    teacher = (ROOT / args.teacher).resolve()
-    if not (teacher / "config.json").is_file():
-        train_teacher(teacher)
+    teacher = ready_teacher(args.teacher)
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         for seed in args.seeds:

@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scripts.distill_figure import _env, fingerprint, greedy_exact, train_teacher  # noqa: E402
+from scripts.distill_figure import _env, fingerprint, greedy_exact, ready_teacher  # noqa: E402
 
 SFT_CONFIG = "configs/sft/tiny_cpu.yaml"
 DISTILL_CONFIG = "configs/ppo/tiny_cpu_distill.yaml"
@@ -96,9 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--teacher", default="runs/sft/tiny_cpu/export")
     parser.add_argument("--out", default=str(RECORD))
     args, overrides = parser.parse_known_args(argv)
-    teacher = (ROOT / args.teacher).resolve()
-    if not (teacher / "config.json").is_file():
-        train_teacher(teacher)
+    teacher = ready_teacher(args.teacher)
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(args.jobs) as pool:
         runs = {seed: pool.submit(one_seed, Path(tmp) / str(seed), seed, teacher, warmup_steps=args.warmup_steps,
                                   steps=args.steps, extra=overrides) for seed in args.seeds}
