@@ -5,10 +5,13 @@
 One training step is one PPO iteration on a batch of prompts:
 
 1. rollout:    the actor samples responses (KV cache on); under ReMax also one greedy answer per prompt;
-2. score:      a reward rule or reward model judges each response;
+               with an environment, multi-turn trajectories (:mod:`lightning_mem.rl.multi_turn`);
+2. score:      a reward rule or reward model judges each response (an environment scored its own);
 3.             old logprobs (actor), reference logprobs, values (critic), all without gradients;
+               with a distillation teacher, its logprobs of the sampled tokens (a phase of its own);
 4. advantages: per-token rewards with a KL penalty and GAE, whitened; or a critic-free estimator
                (GRPO's group-relative scores as they are, RLOO, REINFORCE++, ReMax, OPO, pass@k);
+               plus each token's reverse KL to a teacher (on-policy distillation);
                the filters' loss mask and the rollout correction's weights;
 5. update:     ``ppo_epochs`` over shuffled mini-batches of token-budget micro-batches: the policy
                loss (clipped surrogate, GSPO, CISPO, Clip-/KL-Cov or GMPO), clipped value loss,
@@ -93,9 +96,13 @@ from lightning_mem.rl.policy_losses import SEQUENCE_LOSSES, policy_loss
 from lightning_mem.rl.rollout_correction import correction_weights, mismatch_kl
 from lightning_mem.rl.sample_filters import groups_filtered, overlong_penalty, truncated, varied_groups
 from lightning_mem.rl.engines import RolloutEngineConfig, logprob_mismatch
+from lightning_mem.rl.distillation import NoReward, TeacherConfig, check_signals, on_policy_distillation, teacher_alone
 from lightning_mem.rl.critic import SeparateCritic, SharedHead, ValueHead, ValueModel, load_value_model, value_function
 from lightning_mem.rl.memory_plan import PhaseMemory, PhaseMemoryPlan
 from lightning_mem.rl.microbatch import PackedBudget
+from lightning_mem.rl.environments import EnvironmentFactory
+from lightning_mem.rl.multi_turn import (MultiTurnConfig, MultiTurnRollout, check_multi_turn, check_template,
+                                         environment_keys, multi_turn_rollout, trajectory_metrics)
 from lightning_mem.rl.reference import AdaptersOff, FrozenCopy, ReferenceMode, disable_dropout, reference_policy
 from lightning_mem.rl.reward import RewardFunction, RewardModel, check_reward_model_source, load_reward_model
 from lightning_mem.rl.rng import SamplingRNG
@@ -137,6 +144,11 @@ class PPOModule(LightningModule):
         reward: a rule, ``class_path`` of a :class:`~lightning_mem.rl.reward.RewardFunction`.
         reward_model: a learned reward instead (:class:`~lightning_mem.rl.config.RewardModelConfig`):
             a sequence classifier with one output, such as ``recipes.reward_model``'s export.
+        teacher: on-policy distillation (:class:`~lightning_mem.rl.distillation.TeacherConfig`): a
+            frozen teacher scores each sampled token in a phase of its own (``teacher``), and each
+            token's advantage gains ``coef * (log p_teacher - log p_old)`` after the estimator's
+            (:mod:`lightning_mem.rl.distillation`). With the teacher, ``reward`` and
+            ``reward_model`` may both be unset (every score is then 0).
         gold_reward: a rule scored on every rollout and logged as ``gold_reward_mean``, never trained
             on: the true reward beside a learned one (a reward model's score can rise while the
             rule's does not: over-optimization).
@@ -151,6 +163,11 @@ class PPOModule(LightningModule):
         async_rollout: how far a separate generator may run ahead (``max_staleness``), what happens
             to a late batch, how often weights are sent, the link's timeout
             (:class:`~lightning_mem.rl.async_config.AsyncRolloutConfig`). Unused when colocated.
+        environment: multi-turn rollouts instead of one answer per prompt: ``class_path`` of an
+            :class:`~lightning_mem.rl.environments.Environment`, one made per trajectory, which
+            scores it (``reward`` and ``reward_model`` stay unset).
+        multi_turn: the trajectories' budgets and rendering
+            (:class:`~lightning_mem.rl.multi_turn.MultiTurnConfig`).
         memory_plan: where things live per phase (:class:`~lightning_mem.rl.memory_plan.PhaseMemoryPlan`).
         logits_chunk_size: response tokens per chunk through the output layer in the score and
             update passes (:mod:`lightning_mem.logits`): at most one chunk's ``[tokens, vocab]``
@@ -177,6 +194,7 @@ class PPOModule(LightningModule):
         advantage_estimator: AdvantageEstimator = "gae",
         reward: RewardFunction | None = None,
         reward_model: RewardModelConfig | None = None,
+        teacher: TeacherConfig | None = None,
         gold_reward: RewardFunction | None = None,
         reference: ReferenceMode = "auto",
         generation: GenerationConfig = GenerationConfig(),
@@ -188,6 +206,8 @@ class PPOModule(LightningModule):
         logits_chunk_size: ChunkSize = 512,
         rollout_engine: RolloutEngineConfig = RolloutEngineConfig(),
         async_rollout: AsyncRolloutConfig = AsyncRolloutConfig(),
+        environment: EnvironmentFactory | None = None,
+        multi_turn: MultiTurnConfig = MultiTurnConfig(),
         export_dir: str | None = "export",
     ) -> None:
         super().__init__()
@@ -196,9 +216,10 @@ class PPOModule(LightningModule):
         # Every check that needs no model runs here, so a bad config fails in a second.
         self._validate(name_or_path, dtype, lora, advantage_estimator, reward, reward_model, reference,
                        generation, ppo, kl, grpo, critic, memory_plan, logits_chunk_size,
-                       trust_remote_code=trust_remote_code, attn_implementation=attn_implementation)
+                       trust_remote_code=trust_remote_code, attn_implementation=attn_implementation,
+                       environment=environment, multi_turn=multi_turn, rollout_engine=rollout_engine, teacher=teacher)
         # logger=False: the CLI logs the whole resolved config (lightning_mem.cli.RunConfigCallback).
-        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "critic_optimizer"], logger=False)
+        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "critic_optimizer", "environment"], logger=False)
         for name in ("reward", "gold_reward"):
             # From the CLI a rule is its class_path, plain data that load_from_checkpoint builds again;
             # one built in Python is an object, kept out of the checkpoint (it need not pickle).
@@ -211,13 +232,15 @@ class PPOModule(LightningModule):
         self.strict_loading = False  # checkpoints hold only what trains (on_save_checkpoint)
         self.optimizer_factory, self.critic_optimizer_factory = optimizer, critic_optimizer
         self.lr_scheduler_factory = lr_scheduler
-        self.reward_fn = reward
+        self.reward_fn = NoReward() if teacher_alone(reward, reward_model, teacher, environment) else reward
         self.gold_reward_fn = gold_reward
+        self.environment, self.multi_turn = environment, multi_turn
         self.lora = lora
         self.generation, self.ppo, self.kl, self.grpo = generation, ppo, kl, grpo
         self.critic_config, self.memory_plan = critic, memory_plan
         # Kept as given: under the CLI, hparams hold the parsed config's plain dicts, not this dataclass.
         self.reward_model_config = reward_model
+        self.distillation = on_policy_distillation(teacher)
         self.logits_chunk_size = check_chunk_size(logits_chunk_size, key="model.logits_chunk_size")
         self.advantage_estimator = advantage_estimator
         self.use_critic = advantage_estimator in WITH_CRITIC
@@ -271,6 +294,7 @@ class PPOModule(LightningModule):
         self.rollout_engine: RolloutEngine | None = None  # or a VLLMRolloutEngine (same interface)
         # Separate placement: the generator process and the trainer's schedule around it (on_fit_start).
         self.async_rollouts: AsyncRollouts | None = None
+        self.trajectories: MultiTurnRollout | None = None  # with an environment: the multi-turn rollout
         self._async_state: dict[str, int] | None = None  # from a checkpoint, until on_fit_start
         self._async_metrics: dict[str, float] = {}
         self.memory: PhaseMemory | None = None
@@ -301,18 +325,18 @@ class PPOModule(LightningModule):
     @staticmethod
     def _validate(name_or_path, dtype, lora, advantage_estimator, reward, reward_model, reference,
                   generation, ppo, kl, grpo, critic, memory_plan, logits_chunk_size, *,
-                  trust_remote_code=False, attn_implementation=None) -> None:
+                  trust_remote_code=False, attn_implementation=None, environment=None, multi_turn=None,
+                  rollout_engine=None, teacher=None) -> None:
         check_model_source(name_or_path, key="model.name_or_path")
         if ppo.packing:  # the actor, reference and critic all load with this attention
             check_packing_attention(attn_implementation, key="model.attn_implementation", packing_key="model.ppo.packing")
         resolve_dtype(dtype, key="model.dtype")
         if advantage_estimator not in ADVANTAGE_ESTIMATORS:
             raise SettingError("model.advantage_estimator", f" must be one of {ADVANTAGE_ESTIMATORS}, got {advantage_estimator!r}")
-        if (reward is None) == (reward_model is None):
-            raise SettingError(
-                "model.reward", "set exactly one of `model.reward` (a rule's class_path) and `model.reward_model` (a"
-                f" learned reward's folder); this config sets {'both' if reward is not None else 'neither'}",
-                siblings=("model.reward_model",))
+        with settings_at("model"):  # what an environment cannot work with (lightning_mem.rl.multi_turn)
+            check_multi_turn(environment, multi_turn, scored_otherwise=reward is not None or reward_model is not None,
+                             advantage_estimator=advantage_estimator, engine=rollout_engine, generation=generation)
+        check_signals(reward, reward_model, teacher, environment, advantage_estimator, filter_groups=ppo.filter_groups)
         if reward is not None and not callable(reward):
             raise TypeError(f"`model.reward` must be a RewardFunction, got {type(reward).__name__}")
         if reward_model is not None:  # its config.json: a classifier with more than one output is refused
@@ -410,10 +434,15 @@ class PPOModule(LightningModule):
         with settings_at("trainer.strategy.init_args"):
             for source in dict.fromkeys(sources):
                 check_model_splits(self.trainer, source, trust_remote_code=hp.trust_remote_code)
+        if self.distillation is not None:  # the teacher's tokenizer, attention and the strategy, before any load
+            with settings_at("model"):
+                self.distillation.check(hp.name_or_path, trainer=self.trainer, trust_remote_code=hp.trust_remote_code,
+                                        packing=self.ppo.packing)
         # The data are loaded (the datamodule's setup runs first), the models are not: a row the
         # reward rule cannot score fails now rather than minutes into the first rollout.
         train_set = getattr(self.trainer.datamodule, "train_set", None)
-        for rule in (self.reward_fn, self.gold_reward_fn):
+        trained_on = self.reward_fn if self.reward_fn is not None else environment_keys(self.environment)
+        for rule in (trained_on, self.gold_reward_fn):
             if rule is None or train_set is None:
                 continue
             source = str(getattr(self.trainer.datamodule, "train_path", "data"))
@@ -422,6 +451,10 @@ class PPOModule(LightningModule):
                 rule.check_key_sets(key_sets, source=source)
             else:
                 rule.check_rows(train_set.rows, source=source)
+        if self.environment is not None:  # multi-turn: the chat template renders observations as suffixes
+            with settings_at("model"):
+                check_template(self.environment, self.multi_turn, load_tokenizer(
+                    hp.name_or_path, trust_remote_code=hp.trust_remote_code, key="model.name_or_path"))
 
     def _check_separate_placement(self) -> None:
         """Separate placement runs with one device, DDP or FSDP2 (gathered before rank 0 sends), each
@@ -508,6 +541,10 @@ class PPOModule(LightningModule):
                 rm.name_or_path, dtype=dtypes["reward_model"], trust_remote_code=hp.trust_remote_code,
                 max_length=rm.max_length, key="model.reward_model.name_or_path",
             )
+        if self.distillation is not None:  # frozen, outside this module's tree, placed as `model.teacher.placement` says
+            with settings_at("model"):
+                self.distillation.load(self.trainer, compute_dtype=dtypes["compute"],
+                                       trust_remote_code=hp.trust_remote_code, attn_implementation=hp.attn_implementation)
         self.eos_token_ids = _eos_ids(self.actor, self.tokenizer)
         # Separate placement: the generators run the configured engine; a training rank samples
         # nothing, so it holds the plain one (no weights of its own, nothing to start or sync).
@@ -519,6 +556,10 @@ class PPOModule(LightningModule):
             # fp32 master weights.
             dtype=dtypes["compute"], trust_remote_code=hp.trust_remote_code,
         )
+        if self.environment is not None:  # multi-turn: the trajectory loop samples with this engine
+            self.trajectories = multi_turn_rollout(
+                self.environment, self.multi_turn, tokenizer=self.tokenizer, generation=self.generation,
+                engine=self.rollout_engine, eos_token_ids=self.eos_token_ids, pad_token_id=self.tokenizer.pad_token_id)
 
     def _load_critic(self, dtype: torch.dtype | str) -> ValueModel:
         hp = self.hparams
@@ -566,6 +607,7 @@ class PPOModule(LightningModule):
             reward_model=self.reward_model,
             rollout_engine=self.rollout_engine,
             actor=self.actor,
+            teacher=None if self.distillation is None else self.distillation.teacher,
         )
         # vLLM starts here, with the actor already on its device (its memory knobs see what is left);
         # the actor's weights reach it at the first rollout's sync.
@@ -667,6 +709,10 @@ class PPOModule(LightningModule):
         with self.memory.phase("score"):
             self.score(exp)
             self.logprobs_and_values(exp)
+        # 3b. On-policy distillation: the teacher's logprobs of the sampled tokens, in a phase of its own.
+        if self.distillation is not None:
+            with self.memory.phase("teacher"):
+                self.teacher_logprobs(exp)
         # An engine with weights of its own: how far off-policy it sampled (on-policy, without the
         # old-logprob pass, the update measures it against its own logprobs: see `loss`).
         if exp.engine_logprobs is not None and exp.old_logprobs is not None:
@@ -700,11 +746,11 @@ class PPOModule(LightningModule):
         if self.async_rollouts is not None:
             exp = self._separate_rollout(batch)
         else:
-            exp = self._colocated_rollout(batch, prompt_ids, prompt_mask, group)
+            exp = self._colocated_rollout(batch, prompt_ids, prompt_mask, group, rows)
         exp.group_ids = torch.arange(len(exp), device=self.device) // group
         exp.rows = rows
-        exp.prompts = self.tokenizer.batch_decode(prompt_ids, skip_special_tokens=True)
-        exp.responses = self._decode(exp)
+        exp.prompts = exp.prompts or self.tokenizer.batch_decode(prompt_ids, skip_special_tokens=True)
+        exp.responses = exp.responses or self._decode(exp)
         return exp
 
     def _separate_rollout(self, batch: dict[str, Any]) -> Experience:
@@ -722,9 +768,12 @@ class PPOModule(LightningModule):
         self._async_metrics = {k: v for k, v in metrics.items() if k not in counts}
         return exp
 
-    def _colocated_rollout(self, batch: dict[str, Any], prompt_ids: Tensor, prompt_mask: Tensor, group: int) -> Experience:
+    def _colocated_rollout(self, batch: dict[str, Any], prompt_ids: Tensor, prompt_mask: Tensor, group: int,
+                           rows: list[dict[str, Any]]) -> Experience:
         synced = self.trainer.world_size > 1
         with step_io(self.trainer).generation(self.actor):
+            if self.trajectories is not None:  # multi-turn: a trajectory per row, run against its environment
+                return self.trajectories.rollout(self.actor, rows, synced=synced, agree_on_count=self.agree_on_count)
             exp = self.rollout_engine.generate(self.actor, prompt_ids, prompt_mask, synced=synced, group_size=group)
             if self.advantage_estimator in GREEDY_BASELINE:  # ReMax: each prompt's greedy answer, the baseline
                 exp.baseline_responses = self._decode(greedy_rollout(self.rollout_engine, self.actor, prompt_ids,
@@ -739,7 +788,8 @@ class PPOModule(LightningModule):
     def score(self, exp: Experience) -> None:
         """Fills ``exp.scores``: the reward rule's or the reward model's score of each response (and
         ``exp.baseline_scores``, of the greedy answers, under ReMax)."""
-        exp.scores = self._scores(exp, exp.responses)
+        if exp.scores is None:  # (an environment scored its trajectories as they ran)
+            exp.scores = self._scores(exp, exp.responses)
         if self.gold_reward_fn is not None:  # logged beside the reward trained on, never trained on
             gold = self.gold_reward_fn(exp.prompts, exp.responses, exp.rows)
             exp.sample_stats["gold_score"] = gold.to(torch.float64).sum()
@@ -769,10 +819,10 @@ class PPOModule(LightningModule):
         """One optimizer step per rollout: the update's policy *is* the rollout's, so its own
         logprobs (detached) serve as the old ones and the separate old-logprob pass is skipped,
         unless something before the update needs them (a KL penalty in the reward, a shared
-        value head that reads the actor's hidden states)."""
+        value head that reads the actor's hidden states, a distillation teacher's advantage)."""
         # The rollout correction weighs by pi_old / pi_engine before the update, so it needs pi_old first.
         uses_old = (self.reads_actor_hidden or (self.reference_policy is not None and self.kl.in_reward)
-                    or self.ppo.rollout_correction.enabled)
+                    or self.ppo.rollout_correction.enabled or self.distillation is not None)
         return self.ppo.ppo_epochs == 1 and self.ppo.num_mini_batches == 1 and not uses_old
 
     def _policy(self, model: nn.Module, mb: Experience, **kwargs: Any) -> Any:
@@ -811,6 +861,15 @@ class PPOModule(LightningModule):
             if values is not None:
                 exp.old_values[idx, :cols] = values.values(mb, hidden, packed=self.ppo.packing)
 
+    @torch.no_grad()
+    def teacher_logprobs(self, exp: Experience) -> None:
+        """Fills ``exp.teacher_logprobs``: the distillation teacher's logprob of each sampled token, in
+        the score phase's micro-batches (no collective: each rank holds a whole teacher)."""
+        plan = step_io(self.trainer).micro_batches
+        self.distillation.score(exp, lambda lengths: plan(lengths, self._budget(self.ppo.logprob_budget)),
+                                temperature=self.generation.temperature, chunk_size=self.logits_chunk_size,
+                                packed=self.ppo.packing)
+
     # 4. Advantages ------------------------------------------------------------------------------
     def advantages(self, exp: Experience) -> None:
         """Fills ``exp.advantages``, ``exp.returns`` (with a critic) and ``exp.kl`` (each sample's KL
@@ -848,6 +907,8 @@ class PPOModule(LightningModule):
             advantages = grpo_passk_advantages(exp.scores, exp.group_ids, mask, scale=self.grpo.scale_rewards)
         else:
             advantages = reinforce_pp_baseline_advantages(exp.scores, exp.group_ids, mask, reduce=self._sum_over_ranks)
+        if self.distillation is not None:  # each token's own reverse KL to the teacher, after the estimator's normalisation
+            advantages = self.distillation.advantages(exp, advantages)
         exp.advantages = advantages
         exp.kl = kl.sum(dim=1)
         self.sample_mask(exp)
@@ -857,6 +918,8 @@ class PPOModule(LightningModule):
         """Fills ``exp.loss_mask``: the response tokens that train, without the samples the filters
         drop (DAPO's zero-variance groups and truncated responses), and their counts for the metrics."""
         keep = torch.ones(exp.response_mask.shape[0], dtype=torch.bool, device=exp.response_mask.device)
+        if exp.sample_keep is not None:  # the rollout's own verdict: a trajectory that failed, or at its budget
+            keep &= exp.sample_keep
         if self.ppo.filter_groups:
             varied = varied_groups(exp.scores, exp.group_ids)
             keep &= varied
@@ -1021,6 +1084,8 @@ class PPOModule(LightningModule):
             metrics["baseline_reward_mean"] = t["baseline_score"] / samples
         if "overlong_penalty" in t:
             metrics["overlong_penalty"] = t["overlong_penalty"] / samples
+        if "teacher_kl" in t:  # the sampled tokens' mean log p_old - log p_teacher (a reverse-KL estimate)
+            metrics["teacher_kl"] = t["teacher_kl"] / t["response_tokens"].clamp(min=1)
         # The engine's drift over all response tokens, and the share the correction cut or dropped.
         if "mismatch_kl" in t:
             metrics["mismatch_kl"] = t["mismatch_kl"] / t["response_tokens"]
@@ -1030,6 +1095,7 @@ class PPOModule(LightningModule):
             metrics["correction_affected_frac"] = t["correction_affected"] / t["response_tokens"]
         # Separate placement: the samples trained at each staleness (the histogram), and those dropped.
         metrics.update({name: value for name, value in t.items() if name.startswith("async/")})
+        metrics.update(trajectory_metrics(t))  # multi-turn: turns, observation tokens, faults
         return metrics
 
     # -- ranks --------------------------------------------------------------------------------

@@ -59,7 +59,7 @@ def _isolated_process_state():
 @pytest.fixture(scope="session")
 def sft_export(tmp_path_factory):
     """The SFT demo run (configs/sft/tiny_cpu.yaml, 600 steps, about 2 minutes), made once a session:
-    the policy PPO starts from and the backbone the tiny reward model starts from."""
+    the policy PPO and DPO start from and the backbone the tiny reward model starts from."""
     from tests.helpers import REPO, run_recipe
 
     root = tmp_path_factory.mktemp("sft")

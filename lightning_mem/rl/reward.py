@@ -35,6 +35,11 @@ class RewardFunction:
         """The row keys :meth:`score` reads (e.g. ``["answer"]``); checked on every row up front."""
         return ()
 
+    @property
+    def described(self) -> str:
+        """How errors about rows name this rule."""
+        return f"the reward {type(self).__name__}"
+
     def check_rows(self, rows: Sequence[dict[str, Any]], source: str = "the prompt data") -> None:
         """Raise naming the first row (file and line) that lacks a :meth:`required_keys` key."""
         keys = list(self.required_keys())
@@ -43,7 +48,7 @@ class RewardFunction:
             if missing:
                 where = row.get("_where", f"a row of {source}")
                 raise DataFormatError(
-                    f"{where}: no `{missing[0]}`, which the reward {type(self).__name__} needs"
+                    f"{where}: no `{missing[0]}`, which {self.described} needs"
                     f" (it reads {keys}; {sum(any(k not in r for k in keys) for r in rows)} of {len(rows)} rows lack one)"
                 )
 
@@ -57,7 +62,7 @@ class RewardFunction:
             where = where or f"a row of {source}"
             total = sum(n for _, n, _ in key_sets)
             raise DataFormatError(
-                f"{where}: no `{missing[0]}`, which the reward {type(self).__name__} needs"
+                f"{where}: no `{missing[0]}`, which {self.described} needs"
                 f" (it reads {keys}; {sum(n for _, _, n in lacking)} of {total} rows lack one)"
             )
 

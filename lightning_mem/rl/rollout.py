@@ -85,7 +85,12 @@ class Experience:
 
     Sequence tensors (``input_ids``, ``attention_mask``) are ``[N, T]``, right-padded. Response
     tensors (``response_ids``, ``response_mask`` and every per-token quantity) are ``[N, R]``,
-    response-aligned: column j is the j-th response token.
+    response-aligned: column j is the j-th token after the prompt.
+
+    ``response_mask`` marks the policy's actions, the tokens it sampled. In a single-turn rollout
+    they are a prefix of each row; in a multi-turn one (:mod:`lightning_mem.rl.trajectory`) the
+    observation tokens between two turns are real tokens of the sequence (``attention_mask`` 1)
+    that the mask leaves out: it has holes, and nothing here assumes it is a prefix.
     """
 
     input_ids: Tensor
@@ -105,7 +110,9 @@ class Experience:
     ref_logprobs: Tensor | None = None
     old_values: Tensor | None = None
     engine_logprobs: Tensor | None = None  # [N, R] the rollout engine's own, when it has its own weights (a diagnostic)
+    teacher_logprobs: Tensor | None = None  # [N, R] a distillation teacher's (model.teacher; rl/distillation.py)
     versions: Tensor | None = None  # [N] the weight version each sample was drawn under (separate placement)
+    sample_keep: Tensor | None = None  # [N] bool, the rollout's own verdict: False keeps a sample out of the loss
     # Filled by the advantage phase.
     advantages: Tensor | None = None
     returns: Tensor | None = None
@@ -113,8 +120,9 @@ class Experience:
     loss_mask: Tensor | None = None  # [N, R] the response tokens that train (filters drop samples)
     correction_weights: Tensor | None = None  # [N, R] the rollout correction's weight per token
     sample_stats: dict[str, Tensor] = field(default_factory=dict)  # sums for the step's metrics
-    # Each sample's (sequence, response) length on the host, read back once (see sequence_lengths).
-    host_lengths: tuple[list[int], list[int]] | None = field(default=None, repr=False, compare=False)
+    # Each sample's (sequence length, response span, sampled tokens) on the host, read back once
+    # (see sequence_lengths). The span runs to the last sampled token; with no holes it is their count.
+    host_lengths: tuple[list[int], list[int], list[int]] | None = field(default=None, repr=False, compare=False)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -125,14 +133,25 @@ class Experience:
         (with the response lengths: one read for both); :meth:`select` of a list of indices -- a
         micro-batch of the plan made from these -- then trims without reading the device again."""
         if self.host_lengths is None:
-            both = torch.stack([self.attention_mask.sum(dim=1).long(), self.response_mask.sum(dim=1).long()])
-            sequences, responses = both.tolist()
-            self.host_lengths = (sequences, responses)
+            three = torch.stack([self.attention_mask.sum(dim=1).long(), response_spans(self.response_mask),
+                                 self.response_mask.sum(dim=1).long()])
+            sequences, spans, counts = three.tolist()
+            self.host_lengths = (sequences, spans, counts)
         return self.host_lengths[0]
 
     @property
     def response_lengths(self) -> Tensor:
+        """The sampled tokens of each sample (a multi-turn trajectory's observations not counted)."""
         return self.response_mask.sum(dim=1)
+
+    @property
+    def contiguous_lengths(self) -> list[int] | None:
+        """Each response's length on the host when every mask is a prefix of its row (the fast path
+        of :func:`~lightning_mem.logits.response_targets`); None where a mask has holes or the
+        lengths were not read back."""
+        if self.host_lengths is None or self.host_lengths[1] != self.host_lengths[2]:
+            return None
+        return self.host_lengths[2]
 
     def select(self, indices: list[int] | Tensor) -> Experience:
         """The samples at ``indices``, with columns trimmed to the longest selected sequence and response
@@ -144,11 +163,11 @@ class Experience:
         if isinstance(indices, Tensor) or self.host_lengths is None:
             idx = torch.as_tensor(indices, dtype=torch.long, device=device)
             seq_len = int(self.attention_mask[idx].sum(dim=1).max())
-            resp_len = max(int(self.response_mask[idx].sum(dim=1).max()), 1)
+            resp_len = max(int(response_spans(self.response_mask[idx]).max()), 1)
             picked = idx.tolist()
         else:  # host indices and host lengths: nothing is read back from the device
             picked = list(indices)
-            lengths = ([self.host_lengths[0][i] for i in picked], [self.host_lengths[1][i] for i in picked])
+            lengths = tuple([part[i] for i in picked] for part in self.host_lengths)
             seq_len, resp_len = max(lengths[0]), max(max(lengths[1]), 1)
             idx = torch.as_tensor(picked, dtype=torch.long)
             # From pinned memory the copy is queued behind the step's work instead of waiting for it.
@@ -165,6 +184,15 @@ class Experience:
             out[f.name] = value
         out["host_lengths"] = lengths
         return replace(self, **out)
+
+
+def response_spans(response_mask: Tensor) -> Tensor:
+    """``[N]``: each row's columns up to and including its last masked-in token (0 for an empty
+    row). A prefix mask's span is its count; a multi-turn mask's covers its observations too."""
+    if response_mask.shape[1] == 0:
+        return torch.zeros(response_mask.shape[0], dtype=torch.long, device=response_mask.device)
+    columns = torch.arange(1, response_mask.shape[1] + 1, device=response_mask.device)
+    return (response_mask.bool().long() * columns).amax(dim=1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -270,35 +298,60 @@ def policy_forward(
     (:func:`lightning_mem.data.packing.pack_right_padded`); the results come back ``[n, R]`` as
     they do padded.
     """
-    from lightning_mem.data.packing import pack_right_padded
-    from lightning_mem.logits import response_targets, score_tokens
+    from lightning_mem.logits import score_tokens
 
-    n, resp_len = batch.response_ids.shape
-    lengths = None if batch.host_lengths is None else batch.host_lengths[1]  # known: no device search
-    options = dict(chunk_size=chunk_size, temperature=temperature, with_entropy=with_entropy,
-                   entropy_grad=entropy_grad, with_hidden=with_hidden)
+    tokens = response_tokens(batch, packed=packed)
+    scores = score_tokens(model, tokens.input_ids, tokens.attention_mask, tokens.positions, tokens.targets,
+                          position_ids=tokens.position_ids, chunk_size=chunk_size, temperature=temperature,
+                          with_entropy=with_entropy, entropy_grad=entropy_grad, with_hidden=with_hidden)
+    return PolicyOutput(tokens.aligned(scores.logprobs), tokens.aligned(scores.entropy), tokens.aligned(scores.hidden))
+
+
+@dataclass
+class ResponseTokens:
+    """What a forward over a batch's response tokens reads (:func:`response_tokens`): the model's
+    inputs, the flat ``positions`` whose outputs predict the ``targets``, and where each lands in
+    the response-aligned ``[n, R]`` layout."""
+
+    input_ids: Tensor
+    attention_mask: Tensor | None  # None when packed (the position ids separate the sequences)
+    position_ids: Tensor | None
+    positions: Tensor
+    targets: Tensor
+    rows: Tensor
+    cols: Tensor
+    shape: tuple[int, int]  # [n, R]
+
+    def aligned(self, values: Tensor | None) -> Tensor | None:
+        """``[k, ...]`` values per target back to ``[n, R, ...]``; padding positions hold 0 (the caller masks them)."""
+        if values is None:
+            return None
+        out = values.new_zeros((*self.shape, *values.shape[1:]))
+        return out.index_put((self.rows, self.cols), values)
+
+
+def response_tokens(batch: Experience, *, packed: bool = False) -> ResponseTokens:
+    """The positions and targets of ``batch``'s response tokens, as the actor's, reference's and a
+    teacher's passes score them: right-padded rows, or (``packed``) the batch's sequences as one
+    padding-free row (:func:`lightning_mem.data.packing.pack_right_padded`)."""
+    from lightning_mem.data.packing import pack_right_padded
+    from lightning_mem.logits import response_targets
+
+    lengths = batch.contiguous_lengths  # known and without holes: no device search
     if packed:
         row = pack_right_padded(batch.input_ids, batch.attention_mask)
         positions, targets, (rows, cols) = response_targets(
             batch.prompt_lengths, batch.response_ids, batch.response_mask, 0, starts=row.starts,
             response_lengths=lengths,
         )
-        scores = score_tokens(model, row.input_ids, None, positions, targets, position_ids=row.position_ids, **options)
+        inputs = (row.input_ids, None, row.position_ids)
     else:
         positions, targets, (rows, cols) = response_targets(
             batch.prompt_lengths, batch.response_ids, batch.response_mask, batch.input_ids.shape[1],
             response_lengths=lengths,
         )
-        scores = score_tokens(model, batch.input_ids, batch.attention_mask, positions, targets, **options)
-
-    def response_aligned(values: Tensor | None) -> Tensor | None:
-        # Back to [n, R] (or [n, R, H]); padding positions hold 0 and are masked by the caller.
-        if values is None:
-            return None
-        out = values.new_zeros((n, resp_len, *values.shape[1:]))
-        return out.index_put((rows, cols), values)
-
-    return PolicyOutput(response_aligned(scores.logprobs), response_aligned(scores.entropy), response_aligned(scores.hidden))
+        inputs = (batch.input_ids, batch.attention_mask, None)
+    return ResponseTokens(*inputs, positions, targets, rows, cols, tuple(batch.response_ids.shape))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -61,6 +61,9 @@ RUNS: dict[str, tuple[str, list[str]]] = {
                              f"--model.name_or_path={TINY_MODEL}", "--data.batch_size=2", *SHORT]),
     "ppo_geo_mean": ("ppo", ["--config", "configs/ppo/tiny_cpu_geo_mean.yaml", "--trainer.max_steps=2",
                              f"--model.name_or_path={TINY_MODEL}", "--data.batch_size=2", *SHORT]),
+    "dpo": ("dpo", ["--config", "configs/dpo/tiny_cpu.yaml", "--trainer.max_steps=2", f"--model.name_or_path={TINY_MODEL}",
+                    "--checkpoint.every_n_train_steps=2", "--data.max_tokens_per_batch=256",
+                    "--model.lr_scheduler.init_args.warmup_steps=1", *SHORT]),
 }  # fmt: skip
 
 
@@ -125,6 +128,7 @@ def test_export_from_an_fsdp2_sharded_checkpoint_equals_the_runs_export(runs, tm
 @pytest.mark.parametrize(
     ("name", "weights", "extra"),
     [("qlora", "adapter_model.safetensors", []), ("ppo", "model.safetensors", [f"--model.name_or_path={TINY_MODEL}"]),
+     ("dpo", "model.safetensors", [f"--model.name_or_path={TINY_MODEL}"]),
      ("reward_model", "model.safetensors", [f"--model.name_or_path={TINY_MODEL}", "--model.lora=null"]),
      # the adapters and head from the checkpoint, merged into the run's saved random base
      ("reward_model_lora", "model.safetensors", [f"--model.name_or_path={TINY_MODEL}", "--model.lora.r=4"])],
