@@ -60,6 +60,7 @@ from lightning_mem.reference_cache import ReferenceLogpCache, cache_key, code_ve
 from lightning_mem.rl.memory_plan import release_cached_memory
 from lightning_mem.rl.reference import disable_dropout
 from lightning_mem.settings import SettingError, settings_at
+from lightning_mem.step_io import step_io
 from recipes.sft import SFTModule
 
 
@@ -145,12 +146,14 @@ class DPOModule(SFTModule):
                 f" {type(self.trainer.strategy).__name__} shards every model and owns where its shards live; use"
                 " `copy` with the strategy's `cpu_offload`, or `precompute`")
         self._reference_loads = self.reference_mode in ("copy", "host")
-        if self.reference_mode == "precompute" and getattr(self.trainer.datamodule, "data_identity", None):
-            with settings_at("model.reference"):
-                self._check_reference_cache()
+        if self.reference_mode == "precompute":
+            if getattr(self.trainer.datamodule, "data_identity", None):  # else no cache (the estimate has no data)
+                with settings_at("model.reference"):
+                    self._check_reference_cache()
             # A miss is computed from a loaded copy only when other weights are named: the policy's
             # start (or a LoRA policy's base) scores it itself, loading nothing.
-            self._reference_loads = not all(self._cached.values()) and self.reference_settings.name_or_path is not None
+            hit = bool(self._cached) and all(self._cached.values())
+            self._reference_loads = not hit and self.reference_settings.name_or_path is not None
         if self._reference_loads:
             self.reference_dtype()  # a dtype the precision contradicts fails now
             if self.reference_settings.name_or_path is not None:  # the SFT setup checked the policy's source
@@ -245,6 +248,11 @@ class DPOModule(SFTModule):
         """Each split's ``[pairs, 2]`` table, read from the cache or computed by :meth:`reference_pass`
         (and saved for the next run); then nothing that scored it stays in memory."""
         for split in splits:
+            stand_in = step_io(self.trainer).data_pass(split)  # the memory estimate's batches, or None
+            if stand_in is not None:  # values that are not values: nothing to check or save
+                pairs = sum(batch["pair_index"].numel() for batch in stand_in)
+                self.reference_tables[split] = self.reference_pass([(batch, True) for batch in stand_in], pairs)
+                continue
             if self._cached.get(split):
                 table = self.reference_cache.load(split, self._cache_keys[split], device=self.device)
             else:
@@ -329,7 +337,9 @@ class DPOModule(SFTModule):
             chosen, rejected = looked_up(self.reference_tables[split], batch["pair_index"])
             tokens, half = batch["sequence_tokens"], batch["pair_index"].numel()
             return SequenceLogps(chosen, tokens[:half]), SequenceLogps(rejected, tokens[half:])
-        with memory_phase(self._trainer, "reference"), torch.no_grad():
+        # Part of the step's phase (train): its forward keeps nothing, and a host-parked copy's
+        # transfer to the device is what the step holds while it runs.
+        with torch.no_grad():
             sums = self.reference_policy.logprobs(self.model, lambda model: self.sequence_logps(model, batch))
         return self.sides(sums, batch)
 

@@ -21,7 +21,7 @@ from lightning_mem.assets import ASSETS, HUB_ASSETS
 from lightning_mem.settings import SettingError, SettingNotSupported, SettingPathError
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
-_RECIPES = {"sft": "recipes.sft", "qlora": "recipes.qlora", "ppo": "recipes.ppo"}
+_RECIPES = {"sft": "recipes.sft", "qlora": "recipes.qlora", "ppo": "recipes.ppo", "dpo": "recipes.dpo"}
 
 
 def recipe_for(config: str | Path, recipe: str | None = None) -> str:
@@ -121,9 +121,10 @@ def config_only_copy(name_or_path: str, key: str, workdir: Path) -> str:
     return str(target)
 
 
-#: Where a recipe config names its models (the policy; PPO's critic and reward model).
+#: Where a recipe config names its models (the policy; PPO's critic and reward model; DPO's reference
+#: when it names other weights than the policy's).
 MODEL_KEYS = (("", "model.name_or_path"), ("critic", "model.critic.name_or_path"),
-              ("reward_model", "model.reward_model.name_or_path"))
+              ("reward_model", "model.reward_model.name_or_path"), ("reference", "model.reference.name_or_path"))
 
 
 def _model_locations(model_cfg: Any) -> Iterator[tuple[Any, str]]:

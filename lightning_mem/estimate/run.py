@@ -246,6 +246,15 @@ class EstimateRun(RankView, StepIO):
         return self.stand_in
 
     @override
+    def data_pass(self, split: str) -> list[dict[str, Any]]:
+        # A pass over the data before training (DPO's precompute) has the training micro-batches'
+        # budget: the largest one stands for all of them (a pass without gradients leaves nothing
+        # behind from one batch to the next). The recorder measures it as the phase it reports.
+        batch = self.batches(self._fill)[-1]
+        self._shape = self.describe(batch)
+        return [batch]
+
+    @override
     def compute_dtype(self, trainer: Any, precision_dtype: Any) -> Any:
         return self.sharding.param_dtype or precision_dtype
 
