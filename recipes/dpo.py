@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,7 @@ from lightning_mem.data import PreferenceDataModule
 from lightning_mem.data.packing import VARLEN_ATTENTION, flatten_rows
 from lightning_mem.dtypes import dtype_name, trainer_dtypes
 from lightning_mem.export import export_main
-from lightning_mem.logits import ChunkSize, next_token_targets, score_tokens
+from lightning_mem.logits import ChunkSize, check_supported, next_token_targets, score_tokens
 from lightning_mem.lora import LoraSettings, merge_main
 from lightning_mem.models import check_model_source, load_causal_lm
 from lightning_mem.preference_losses import (
@@ -55,6 +56,8 @@ from lightning_mem.preference_reference import (
     reference_mode,
     reference_table,
 )
+from lightning_mem.quantization import QuantizationSettings
+from lightning_mem.quantized_lora import load_quantized_lora
 from lightning_mem.ranks import check_model_splits, data_parallel
 from lightning_mem.reference_cache import ReferenceLogpCache, cache_key, code_version, weights_identity
 from lightning_mem.rl.memory_plan import release_cached_memory
@@ -86,6 +89,10 @@ class DPOModule(SFTModule):
             ``cache_dir``, ``pin_memory``). Reference-free objectives (simpo, orpo, sft) load none.
         disable_dropout: switch the policy's dropout off, LoRA's included (TRL's default): the
             log-ratio then compares two deterministic forwards.
+        quantization: a quantized base under the LoRA adapters (QLoRA's 4-bit NF4, or 8-bit:
+            :class:`~lightning_mem.quantization.QuantizationSettings`, as in ``recipes.qlora``): needs
+            ``lora``; the reference is then that base with the adapters off. Its unquantized tensors
+            take ``dtype``, or the compute dtype when it is unset.
     """
 
     def __init__(
@@ -104,6 +111,7 @@ class DPOModule(SFTModule):
         dpo: PreferenceLossSettings = PreferenceLossSettings(),
         reference: ReferenceSettings = ReferenceSettings(),
         disable_dropout: bool = True,
+        quantization: QuantizationSettings | None = None,
     ) -> None:
         super().__init__(name_or_path=name_or_path, dtype=dtype, attn_implementation=attn_implementation,
                          trust_remote_code=trust_remote_code, optimizer=optimizer, lr_scheduler=lr_scheduler,
@@ -120,6 +128,11 @@ class DPOModule(SFTModule):
             self.reference_mode = reference_mode(self.reference_settings, needs_reference=self.dpo.needs_reference,
                                                  lora=self.lora is not None,
                                                  loss=f"`model.dpo.loss_type: {self.dpo.loss_type}`")
+        with settings_at("model.quantization"):
+            self.quantization = QuantizationSettings(**quantization) if isinstance(quantization, dict) else quantization
+        if self.quantization is not None and self.lora is None:
+            raise SettingError("model.quantization", ": a quantized base cannot train, only adapters on it can; set"
+                                                     " `model.lora` too, or train the base unquantized")
         if self.reference_mode is None and self.reference_settings.mode not in ("auto", "none"):
             rank_zero_warn(f"`model.reference.mode: {self.reference_settings.mode}` has no effect: `model.dpo.loss_type:"
                            f" {self.dpo.loss_type}` reads no reference, so none is loaded")
@@ -206,7 +219,15 @@ class DPOModule(SFTModule):
     def configure_model(self) -> None:
         if self.model is not None:
             return
-        super().configure_model()  # the policy, from policy_source(), LoRA applied, in train mode
+        if self.quantization is None:
+            super().configure_model()  # the policy, from policy_source(), LoRA applied, in train mode
+        else:
+            self.model = load_quantized_lora(
+                self.policy_source(), self.quantization, self.lora, frozen_dtype=self.model_dtype(),
+                trained_dtype=trainer_dtypes(self._trainer).trained, attn_implementation=self.hparams.attn_implementation,
+                trust_remote_code=self.hparams.trust_remote_code)
+            if self.logits_chunk_size:  # a model the chunked path cannot score fails here, naming our key
+                check_supported(self.model, key="model.logits_chunk_size")
         if self.hparams.disable_dropout:
             disable_dropout(self.model)
         mode = self.reference_mode
@@ -397,6 +418,10 @@ class DPOModule(SFTModule):
         sums = self.trainer.strategy.reduce(self._val_sums, reduce_op="sum")
         loss = sums[0] / sums[1].clamp(min=1) + self._val_nll_weight * sums[2] / sums[3].clamp(min=1)
         self.log("val_loss", loss, prog_bar=True)
+
+    def adapter_base_record(self) -> dict[str, Any]:
+        record = super().adapter_base_record()  # a quantized base says so: merge and reload quantize it again
+        return record if self.quantization is None else {**record, "quantization": asdict(self.quantization)}
 
     # -- checkpoints: what trains, never the reference ---------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

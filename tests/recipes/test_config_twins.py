@@ -1,4 +1,4 @@
-"""Every shipped GPU-tier config trains on CPU as its tiny twin: 2 optimizer steps of SFT/QLoRA,
+"""Every shipped GPU-tier config trains on CPU as its tiny twin: 2 optimizer steps of SFT/QLoRA/DPO,
 2 iterations (rollouts and their updates) of PPO, through the real CLI.
 
 A twin is the config as shipped, with only these overrides, derived from the YAML by
@@ -13,7 +13,8 @@ A twin is the config as shipped, with only these overrides, derived from the YAM
   a tensor or context degree is kept where the ranks and the tiny model's heads (8 query, 4 KV)
   allow it, else the largest degree that divides all three;
 * the lengths: ``data.max_length`` / ``max_prompt_length`` / ``generation.max_new_tokens`` cut to
-  what the tiny model holds, each token budget scaled by the same factor (never below one sequence);
+  what the tiny model holds, each token budget scaled by the same factor (never below one sequence;
+  DPO's: one pair, two sides);
   PPO's prompt batch cut to a few sequences per mini-batch;
 * the run: 2 steps (PPO: 2 prompt batches), no validation, one checkpoint at the end, under tmp.
 
@@ -50,7 +51,7 @@ from tests.helpers import (  # noqa: E402
 
 CONFIGS = sorted((REPO / "configs").glob("*/*.yaml"))
 GPU_CONFIGS = [p for p in CONFIGS if not p.name.startswith("tiny_")]
-RECIPES = {"sft", "qlora", "ppo"}
+RECIPES = {"sft", "qlora", "ppo", "dpo"}
 
 #: The tiny model's shape, which bounds the parallel degrees and lengths a twin can keep.
 _TINY_CONFIG = json.loads((TINY_MODEL / "config.json").read_text())
@@ -234,13 +235,14 @@ def twin_of(path: Path, model: Path) -> Twin:
     # Lengths, budgets and the run's length.
     run = ["--trainer.max_epochs=1", "--trainer.val_check_interval=null", "--trainer.limit_val_batches=0",
            "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false"]
-    if recipe in ("sft", "qlora"):
+    if recipe in ("sft", "qlora", "dpo"):
         length = _get(config, "data.max_length")
         if length is None:
             raise NoTwinRule(f"{path}: data.max_length is not set")
         factor = SFT_LENGTH / length
+        floor = 2 * SFT_LENGTH if recipe == "dpo" else SFT_LENGTH  # a DPO budget counts a pair's two sides
         out += [f"--data.max_length={SFT_LENGTH}",
-                f"--data.max_tokens_per_batch={_scaled(_get(config, 'data.max_tokens_per_batch'), factor, SFT_LENGTH)}"]
+                f"--data.max_tokens_per_batch={_scaled(_get(config, 'data.max_tokens_per_batch'), factor, floor)}"]
         run += ["--trainer.max_steps=2", "--checkpoint.every_n_train_steps=2"]
     else:
         prompt, new = _get(config, "data.max_prompt_length"), _get(config, "model.generation.max_new_tokens")
@@ -385,7 +387,7 @@ def test_twin_trains_two_steps_on_cpu(path: Path, bf16_tiny: Path, tmp_path: Pat
     checkpoints = list((tmp_path / "checkpoints").glob("*"))
     assert checkpoints, f"{twin.id}: no checkpoint under {tmp_path}"
     assert (tmp_path / "export").is_dir(), f"{twin.id}: no export"
-    # It trained: SFT/QLoRA logs a loss at both optimizer steps, PPO a reward per rollout; all finite.
+    # It trained: SFT/QLoRA/DPO logs a loss at both optimizer steps, PPO a reward per rollout; all finite.
     if twin.recipe == "ppo":
         rewards, losses = read_metric(tmp_path, "reward_mean"), read_metric(tmp_path, "policy_loss")
         assert len(rewards) == 2 and losses, (twin.id, rewards, losses)

@@ -339,6 +339,12 @@ def test_adapters_off_with_other_weights_named(tmp_path, pairs, no_model_load):
                        f"--model.reference.name_or_path={_weights(pairs)}"))
 
 
+def test_a_quantized_base_without_adapters(tmp_path, pairs, no_model_load):
+    with pytest.raises(SettingError, match=r"^`model.quantization`: a quantized base cannot train, only adapters on it can;"
+                                           r" set `model.lora` too"):
+        dpo.main(_args(tmp_path, pairs, "--model.quantization={bits: 4}"))
+
+
 # -- from the SFT demo's export: a short run learns the preference -------------------------------------------
 
 
