@@ -5,7 +5,8 @@
 One training step is one PPO iteration on a batch of prompts:
 
 1. rollout:    the actor samples responses (KV cache on); under ReMax also one greedy answer per prompt;
-2. score:      a reward rule or reward model judges each response;
+               with an environment, multi-turn trajectories (:mod:`lightning_mem.rl.multi_turn`);
+2. score:      a reward rule or reward model judges each response (an environment scored its own);
 3.             old logprobs (actor), reference logprobs, values (critic), all without gradients;
 4. advantages: per-token rewards with a KL penalty and GAE, whitened; or a critic-free estimator
                (GRPO's group-relative scores as they are, RLOO, REINFORCE++, ReMax, OPO, pass@k);
@@ -96,8 +97,11 @@ from lightning_mem.rl.engines import RolloutEngineConfig, logprob_mismatch
 from lightning_mem.rl.critic import SeparateCritic, SharedHead, ValueHead, ValueModel, load_value_model, value_function
 from lightning_mem.rl.memory_plan import PhaseMemory, PhaseMemoryPlan
 from lightning_mem.rl.microbatch import PackedBudget
+from lightning_mem.rl.environments import EnvironmentFactory
+from lightning_mem.rl.multi_turn import (MultiTurnConfig, MultiTurnRollout, check_multi_turn, check_template,
+                                         environment_keys, multi_turn_rollout, trajectory_metrics)
 from lightning_mem.rl.reference import AdaptersOff, FrozenCopy, ReferenceMode, disable_dropout, reference_policy
-from lightning_mem.rl.reward import RewardFunction, RewardModel, load_reward_model
+from lightning_mem.rl.reward import RewardFunction, RewardModel, check_reward_model_source, load_reward_model
 from lightning_mem.rl.rng import SamplingRNG
 from lightning_mem.rl.rollout import Experience, GenerationConfig, RolloutEngine, greedy_rollout, policy_forward
 
@@ -135,7 +139,11 @@ class PPOModule(LightningModule):
             ``reinforce_pp_baseline``, ``opo``, ``grpo_passk``) sample ``grpo.group_size`` answers per
             prompt; ``remax`` samples one and decodes one greedily.
         reward: a rule, ``class_path`` of a :class:`~lightning_mem.rl.reward.RewardFunction`.
-        reward_model: a learned reward instead (:class:`~lightning_mem.rl.config.RewardModelConfig`).
+        reward_model: a learned reward instead (:class:`~lightning_mem.rl.config.RewardModelConfig`):
+            a sequence classifier with one output, such as ``recipes.reward_model``'s export.
+        gold_reward: a rule scored on every rollout and logged as ``gold_reward_mean``, never trained
+            on: the true reward beside a learned one (a reward model's score can rise while the
+            rule's does not: over-optimization).
         reference: ``auto`` (adapters off with LoRA, else a frozen copy), ``copy`` or
             ``adapters_off``. Not built when the KL penalty is off.
         generation, ppo, kl, grpo, critic: the knob groups of :mod:`lightning_mem.rl.config`.
@@ -147,6 +155,11 @@ class PPOModule(LightningModule):
         async_rollout: how far a separate generator may run ahead (``max_staleness``), what happens
             to a late batch, how often weights are sent, the link's timeout
             (:class:`~lightning_mem.rl.async_config.AsyncRolloutConfig`). Unused when colocated.
+        environment: multi-turn rollouts instead of one answer per prompt: ``class_path`` of an
+            :class:`~lightning_mem.rl.environments.Environment`, one made per trajectory, which
+            scores it (``reward`` and ``reward_model`` stay unset).
+        multi_turn: the trajectories' budgets and rendering
+            (:class:`~lightning_mem.rl.multi_turn.MultiTurnConfig`).
         memory_plan: where things live per phase (:class:`~lightning_mem.rl.memory_plan.PhaseMemoryPlan`).
         logits_chunk_size: response tokens per chunk through the output layer in the score and
             update passes (:mod:`lightning_mem.logits`): at most one chunk's ``[tokens, vocab]``
@@ -173,6 +186,7 @@ class PPOModule(LightningModule):
         advantage_estimator: AdvantageEstimator = "gae",
         reward: RewardFunction | None = None,
         reward_model: RewardModelConfig | None = None,
+        gold_reward: RewardFunction | None = None,
         reference: ReferenceMode = "auto",
         generation: GenerationConfig = GenerationConfig(),
         ppo: PPOConfig = PPOConfig(),
@@ -183,6 +197,8 @@ class PPOModule(LightningModule):
         logits_chunk_size: ChunkSize = 512,
         rollout_engine: RolloutEngineConfig = RolloutEngineConfig(),
         async_rollout: AsyncRolloutConfig = AsyncRolloutConfig(),
+        environment: EnvironmentFactory | None = None,
+        multi_turn: MultiTurnConfig = MultiTurnConfig(),
         export_dir: str | None = "export",
     ) -> None:
         super().__init__()
@@ -191,9 +207,15 @@ class PPOModule(LightningModule):
         # Every check that needs no model runs here, so a bad config fails in a second.
         self._validate(name_or_path, dtype, lora, advantage_estimator, reward, reward_model, reference,
                        generation, ppo, kl, grpo, critic, memory_plan, logits_chunk_size,
-                       trust_remote_code=trust_remote_code, attn_implementation=attn_implementation)
+                       trust_remote_code=trust_remote_code, attn_implementation=attn_implementation,
+                       environment=environment, multi_turn=multi_turn, rollout_engine=rollout_engine)
         # logger=False: the CLI logs the whole resolved config (lightning_mem.cli.RunConfigCallback).
-        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "critic_optimizer", "reward"], logger=False)
+        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "critic_optimizer", "environment"], logger=False)
+        for name in ("reward", "gold_reward"):
+            # From the CLI a rule is its class_path, plain data that load_from_checkpoint builds again;
+            # one built in Python is an object, kept out of the checkpoint (it need not pickle).
+            if isinstance(self.hparams.get(name), RewardFunction):
+                del self.hparams[name]
         ppo = self._check_rollout_engine(rollout_engine, generation, ppo, async_rollout)
         self.rollout_engine_config = rollout_engine
         self.async_config = async_rollout
@@ -202,6 +224,8 @@ class PPOModule(LightningModule):
         self.optimizer_factory, self.critic_optimizer_factory = optimizer, critic_optimizer
         self.lr_scheduler_factory = lr_scheduler
         self.reward_fn = reward
+        self.gold_reward_fn = gold_reward
+        self.environment, self.multi_turn = environment, multi_turn
         self.lora = lora
         self.generation, self.ppo, self.kl, self.grpo = generation, ppo, kl, grpo
         self.critic_config, self.memory_plan = critic, memory_plan
@@ -260,6 +284,7 @@ class PPOModule(LightningModule):
         self.rollout_engine: RolloutEngine | None = None  # or a VLLMRolloutEngine (same interface)
         # Separate placement: the generator process and the trainer's schedule around it (on_fit_start).
         self.async_rollouts: AsyncRollouts | None = None
+        self.trajectories: MultiTurnRollout | None = None  # with an environment: the multi-turn rollout
         self._async_state: dict[str, int] | None = None  # from a checkpoint, until on_fit_start
         self._async_metrics: dict[str, float] = {}
         self.memory: PhaseMemory | None = None
@@ -290,19 +315,26 @@ class PPOModule(LightningModule):
     @staticmethod
     def _validate(name_or_path, dtype, lora, advantage_estimator, reward, reward_model, reference,
                   generation, ppo, kl, grpo, critic, memory_plan, logits_chunk_size, *,
-                  trust_remote_code=False, attn_implementation=None) -> None:
+                  trust_remote_code=False, attn_implementation=None, environment=None, multi_turn=None,
+                  rollout_engine=None) -> None:
         check_model_source(name_or_path, key="model.name_or_path")
         if ppo.packing:  # the actor, reference and critic all load with this attention
             check_packing_attention(attn_implementation, key="model.attn_implementation", packing_key="model.ppo.packing")
         resolve_dtype(dtype, key="model.dtype")
         if advantage_estimator not in ADVANTAGE_ESTIMATORS:
             raise SettingError("model.advantage_estimator", f" must be one of {ADVANTAGE_ESTIMATORS}, got {advantage_estimator!r}")
-        if (reward is None) == (reward_model is None):
-            raise ValueError("set exactly one of `model.reward` (a rule's class_path) and `model.reward_model`")
+        with settings_at("model"):  # what an environment cannot work with (lightning_mem.rl.multi_turn)
+            check_multi_turn(environment, multi_turn, scored_otherwise=reward is not None or reward_model is not None,
+                             advantage_estimator=advantage_estimator, engine=rollout_engine, generation=generation)
+        if environment is None and (reward is None) == (reward_model is None):
+            raise SettingError(
+                "model.reward", "set exactly one of `model.reward` (a rule's class_path) and `model.reward_model` (a"
+                " learned reward's folder), or `model.environment`; this config sets"
+                f" {'both' if reward is not None else 'neither'}", siblings=("model.reward_model",))
         if reward is not None and not callable(reward):
             raise TypeError(f"`model.reward` must be a RewardFunction, got {type(reward).__name__}")
-        if reward_model is not None:
-            check_model_source(reward_model.name_or_path, key="model.reward_model.name_or_path")
+        if reward_model is not None:  # its config.json: a classifier with more than one output is refused
+            check_reward_model_source(reward_model.name_or_path, key="model.reward_model.name_or_path")
             resolve_dtype(reward_model.dtype, key="model.reward_model.dtype")
         with settings_at("model"):
             reference_policy(reference, kl_enabled=kl.enabled, lora=lora is not None)
@@ -391,21 +423,28 @@ class PPOModule(LightningModule):
         sources = [hp.name_or_path]
         if self.use_critic and self.critic_config.layout == "separate":
             sources.append(self.critic_config.name_or_path or hp.name_or_path)
-        if hp.reward_model is not None:
-            sources.append(hp.reward_model.name_or_path)
+        if self.reward_model_config is not None:  # not hp.reward_model: under the CLI, hparams hold a plain dict
+            sources.append(self.reward_model_config.name_or_path)
         with settings_at("trainer.strategy.init_args"):
             for source in dict.fromkeys(sources):
                 check_model_splits(self.trainer, source, trust_remote_code=hp.trust_remote_code)
         # The data are loaded (the datamodule's setup runs first), the models are not: a row the
         # reward rule cannot score fails now rather than minutes into the first rollout.
         train_set = getattr(self.trainer.datamodule, "train_set", None)
-        if self.reward_fn is not None and train_set is not None:
+        trained_on = self.reward_fn if self.reward_fn is not None else environment_keys(self.environment)
+        for rule in (trained_on, self.gold_reward_fn):
+            if rule is None or train_set is None:
+                continue
             source = str(getattr(self.trainer.datamodule, "train_path", "data"))
             key_sets = getattr(self.trainer.datamodule, "key_sets", None)
             if key_sets is not None:  # the cache's distinct key sets: no row is read
-                self.reward_fn.check_key_sets(key_sets, source=source)
+                rule.check_key_sets(key_sets, source=source)
             else:
-                self.reward_fn.check_rows(train_set.rows, source=source)
+                rule.check_rows(train_set.rows, source=source)
+        if self.environment is not None:  # multi-turn: the chat template renders observations as suffixes
+            with settings_at("model"):
+                check_template(self.environment, self.multi_turn, load_tokenizer(
+                    hp.name_or_path, trust_remote_code=hp.trust_remote_code, key="model.name_or_path"))
 
     def _check_separate_placement(self) -> None:
         """Separate placement runs with one device, DDP or FSDP2 (gathered before rank 0 sends), each
@@ -503,6 +542,10 @@ class PPOModule(LightningModule):
             # fp32 master weights.
             dtype=dtypes["compute"], trust_remote_code=hp.trust_remote_code,
         )
+        if self.environment is not None:  # multi-turn: the trajectory loop samples with this engine
+            self.trajectories = multi_turn_rollout(
+                self.environment, self.multi_turn, tokenizer=self.tokenizer, generation=self.generation,
+                engine=self.rollout_engine, eos_token_ids=self.eos_token_ids, pad_token_id=self.tokenizer.pad_token_id)
 
     def _load_critic(self, dtype: torch.dtype | str) -> ValueModel:
         hp = self.hparams
@@ -684,11 +727,11 @@ class PPOModule(LightningModule):
         if self.async_rollouts is not None:
             exp = self._separate_rollout(batch)
         else:
-            exp = self._colocated_rollout(batch, prompt_ids, prompt_mask, group)
+            exp = self._colocated_rollout(batch, prompt_ids, prompt_mask, group, rows)
         exp.group_ids = torch.arange(len(exp), device=self.device) // group
         exp.rows = rows
-        exp.prompts = self.tokenizer.batch_decode(prompt_ids, skip_special_tokens=True)
-        exp.responses = self._decode(exp)
+        exp.prompts = exp.prompts or self.tokenizer.batch_decode(prompt_ids, skip_special_tokens=True)
+        exp.responses = exp.responses or self._decode(exp)
         return exp
 
     def _separate_rollout(self, batch: dict[str, Any]) -> Experience:
@@ -706,9 +749,12 @@ class PPOModule(LightningModule):
         self._async_metrics = {k: v for k, v in metrics.items() if k not in counts}
         return exp
 
-    def _colocated_rollout(self, batch: dict[str, Any], prompt_ids: Tensor, prompt_mask: Tensor, group: int) -> Experience:
+    def _colocated_rollout(self, batch: dict[str, Any], prompt_ids: Tensor, prompt_mask: Tensor, group: int,
+                           rows: list[dict[str, Any]]) -> Experience:
         synced = self.trainer.world_size > 1
         with step_io(self.trainer).generation(self.actor):
+            if self.trajectories is not None:  # multi-turn: a trajectory per row, run against its environment
+                return self.trajectories.rollout(self.actor, rows, synced=synced, agree_on_count=self.agree_on_count)
             exp = self.rollout_engine.generate(self.actor, prompt_ids, prompt_mask, synced=synced, group_size=group)
             if self.advantage_estimator in GREEDY_BASELINE:  # ReMax: each prompt's greedy answer, the baseline
                 exp.baseline_responses = self._decode(greedy_rollout(self.rollout_engine, self.actor, prompt_ids,
@@ -723,7 +769,11 @@ class PPOModule(LightningModule):
     def score(self, exp: Experience) -> None:
         """Fills ``exp.scores``: the reward rule's or the reward model's score of each response (and
         ``exp.baseline_scores``, of the greedy answers, under ReMax)."""
-        exp.scores = self._scores(exp, exp.responses)
+        if exp.scores is None:  # (an environment scored its trajectories as they ran)
+            exp.scores = self._scores(exp, exp.responses)
+        if self.gold_reward_fn is not None:  # logged beside the reward trained on, never trained on
+            gold = self.gold_reward_fn(exp.prompts, exp.responses, exp.rows)
+            exp.sample_stats["gold_score"] = gold.to(torch.float64).sum()
         if exp.baseline_responses:
             exp.baseline_scores = self._scores(exp, exp.baseline_responses)
             exp.sample_stats["baseline_score"] = exp.baseline_scores.to(torch.float64).sum()
@@ -838,6 +888,8 @@ class PPOModule(LightningModule):
         """Fills ``exp.loss_mask``: the response tokens that train, without the samples the filters
         drop (DAPO's zero-variance groups and truncated responses), and their counts for the metrics."""
         keep = torch.ones(exp.response_mask.shape[0], dtype=torch.bool, device=exp.response_mask.device)
+        if exp.sample_keep is not None:  # the rollout's own verdict: a trajectory that failed, or at its budget
+            keep &= exp.sample_keep
         if self.ppo.filter_groups:
             varied = varied_groups(exp.scores, exp.group_ids)
             keep &= varied
@@ -996,6 +1048,8 @@ class PPOModule(LightningModule):
             metrics["groups_filtered_frac"] = t["groups_filtered"] / t["groups"]
         if "truncated" in t:
             metrics["truncated_frac"] = t["truncated"] / samples
+        if "gold_score" in t:  # model.gold_reward: the rule's mean score of the same samples
+            metrics["gold_reward_mean"] = t["gold_score"] / samples
         if "baseline_score" in t:  # ReMax: the greedy answers' mean score
             metrics["baseline_reward_mean"] = t["baseline_score"] / samples
         if "overlong_penalty" in t:
@@ -1009,6 +1063,7 @@ class PPOModule(LightningModule):
             metrics["correction_affected_frac"] = t["correction_affected"] / t["response_tokens"]
         # Separate placement: the samples trained at each staleness (the histogram), and those dropped.
         metrics.update({name: value for name, value in t.items() if name.startswith("async/")})
+        metrics.update(trajectory_metrics(t))  # multi-turn: turns, observation tokens, faults
         return metrics
 
     # -- ranks --------------------------------------------------------------------------------

@@ -11,6 +11,13 @@ Three numbers over the first ``--limit`` prompts:
 - ``answer_probability``: the mean probability the model gives the exact answer (its tokens and
   the end token, teacher-forced): the expected exact-answer reward of one sampled response,
   computed without sampling, so two models can be compared without sampling noise.
+
+``--second-try`` adds the multi-turn demo's numbers (``configs/ppo/tiny_cpu_multi_turn.yaml``): one
+sampled trajectory per prompt with :class:`recipes.environments.ArithmeticRetry` (a wrong answer gets
+"Wrong. Try again." and a second answer), run by the recipe's multi-turn rollout: ``first_try_exact``,
+``second_try_exact`` (right second answers over the wrong first ones) and ``two_try_score`` (the
+environment's mean score: 1 for a right first answer, 0.5 for a right second one).
+
 Prompts are rendered with the model's chat template exactly as the PPO recipe renders them, and
 generated with the recipe's rollout engine.
 """
@@ -46,9 +53,10 @@ DEFAULT_PROMPTS = Path(__file__).resolve().parents[1] / "data" / "arithmetic" / 
 
 def evaluate(
     model_path: str, prompts: str | Path = DEFAULT_PROMPTS, *, limit: int = 256, max_new_tokens: int = 6,
-    temperature: float = 1.0, batch_size: int = 64, seed: int = 0,
+    temperature: float = 1.0, batch_size: int = 64, seed: int = 0, second_try: bool = False,
 ) -> dict[str, float]:
-    """``{"greedy_exact", "sampled_exact", "answer_probability", "prompts"}`` over the first ``limit`` prompts."""
+    """``{"greedy_exact", "sampled_exact", "answer_probability", "prompts"}`` over the first ``limit``
+    prompts; with ``second_try``, also the two-try numbers (module docstring)."""
     rows = read_rows(prompts)[:limit]
     if not rows:
         raise ValueError(f"{prompts}: no prompt rows")
@@ -80,7 +88,27 @@ def evaluate(
             correct += sum(exact.score([], responses, batch["rows"]))
         result[name] = correct / len(rows)
     result["answer_probability"] = _answer_probability(model, tokenizer, items, temperature, batch_size)
+    if second_try:
+        result.update(_second_try(model, tokenizer, rows, max_new_tokens, temperature, batch_size))
     return result
+
+
+def _second_try(model, tokenizer, rows, max_new_tokens: int, temperature: float, batch_size: int) -> dict[str, float]:
+    """One sampled two-try trajectory per row (the multi-turn demo's environment and rollout)."""
+    from lightning_mem.rl.multi_turn import MultiTurnConfig, multi_turn_rollout
+    from recipes.environments import ArithmeticRetry
+
+    generation = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature)
+    engine = RolloutEngine(generation, eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id)
+    rollout = multi_turn_rollout(lambda: ArithmeticRetry(tries=2, retry_discount=0.5),
+                                 MultiTurnConfig(max_turns=2, max_total_tokens=256), tokenizer=tokenizer,
+                                 generation=generation, engine=engine, eos_token_ids=[tokenizer.eos_token_id],
+                                 pad_token_id=tokenizer.pad_token_id)
+    scores = torch.cat([rollout.rollout(model, rows[start : start + batch_size]).scores
+                        for start in range(0, len(rows), batch_size)])
+    first, second, wrong = (scores == 1).sum(), (scores == 0.5).sum(), (scores < 1).sum()
+    return {"first_try_exact": float(first) / len(rows), "second_try_exact": float(second) / max(int(wrong), 1),
+            "two_try_score": float(scores.mean())}
 
 
 @torch.no_grad()
@@ -118,10 +146,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--max-new-tokens", type=int, default=6)
     parser.add_argument("--temperature", type=float, default=1.0, help="for the sampled rate")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--second-try", action="store_true", help="also the multi-turn demo's two-try numbers")
     args = parser.parse_args(argv)
     result = evaluate(
         args.model, args.prompts, limit=args.limit, max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature, seed=args.seed,
+        temperature=args.temperature, seed=args.seed, second_try=args.second_try,
     )
     print(json.dumps(result))
     return result

@@ -58,8 +58,8 @@ def _isolated_process_state():
 
 @pytest.fixture(scope="session")
 def sft_export(tmp_path_factory):
-    """The SFT demo run (configs/sft/tiny_cpu.yaml, 600 steps, about 2 minutes), made once for the
-    session: the policy the PPO and DPO end-to-end tests start from."""
+    """The SFT demo run (configs/sft/tiny_cpu.yaml, 600 steps, about 2 minutes), made once a session:
+    the policy PPO and DPO start from and the backbone the tiny reward model starts from."""
     from tests.helpers import REPO, run_recipe
 
     root = tmp_path_factory.mktemp("sft")

@@ -234,15 +234,16 @@ def test_experience_select_with_host_lengths_is_the_device_select_without_syncs(
     for g, w in zip(got, want):
         for name in ("input_ids", "attention_mask", "prompt_lengths", "response_ids", "response_mask", "group_ids"):
             assert torch.equal(getattr(g, name), getattr(w, name)), name
-    assert got[0].host_lengths == ([2, 4], [1, 2])  # carried to the micro-batch, in its order
+    assert got[0].host_lengths == ([2, 4], [1, 2], [1, 2])  # carried to the micro-batch, in its order
+    assert got[0].contiguous_lengths == [1, 2]  # prefix masks: spans and counts agree
 
 
 def test_response_targets_from_host_lengths_equal_the_device_search():
     from lightning_mem.logits import response_targets
 
     exp = _experience()
-    exp.sequence_lengths  # reads both lengths back once
-    lengths = exp.host_lengths[1]
+    exp.sequence_lengths  # reads the lengths back once
+    lengths = exp.contiguous_lengths
     args = (exp.prompt_lengths, exp.response_ids, exp.response_mask, exp.input_ids.shape[1])
     want = response_targets(*args)
     found: list[str] = []

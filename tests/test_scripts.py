@@ -1,6 +1,6 @@
 """The scripts: eval_arithmetic's answer probability is the teacher-forced product of the answer's
-token probabilities, and rows without an answer are refused by line; plot_metrics draws a PNG and
-names a missing column."""
+token probabilities, its two-try numbers count the multi-turn environment's verdicts, and rows
+without an answer are refused by line; plot_metrics draws a PNG and names a missing column."""
 
 from __future__ import annotations
 
@@ -47,6 +47,28 @@ def test_answer_probability_is_the_product_of_token_probabilities(tiny_saved, tm
     assert result["answer_probability"] == pytest.approx(expected, rel=1e-4)
     assert result["prompts"] == 2
     assert 0.0 <= result["greedy_exact"] <= 1.0 and 0.0 <= result["sampled_exact"] <= 1.0
+
+
+def test_the_second_try_numbers_count_the_environments_verdicts(tiny_saved, tmp_path, monkeypatch):
+    """An environment that ignores the answers and says "right at the first try" for answer "first",
+    "right at the second" for "second", "wrong twice" otherwise: the three numbers are its counts."""
+    import recipes.environments as environments
+    from lightning_mem.rl.environments import Step
+
+    class Verdicts(environments.ArithmeticRetry):
+        def step(self, message):
+            self.tried += 1
+            if self.answer == {1: "first", 2: "second"}.get(self.tried):
+                return Step([], self.retry_discount ** (self.tried - 1), True)
+            return Step([{"role": "user", "content": self.feedback}], 0.0, False) if self.tried < 2 else Step([], 0.0, True)
+
+    monkeypatch.setattr(environments, "ArithmeticRetry", Verdicts)
+    answers = ["first", "first", "second", "never", "never", "never"]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "answer": a}) + "\n" for i, a in enumerate(answers)))
+    result = evaluate(str(tiny_saved), prompts, limit=6, second_try=True, batch_size=4)  # two batches
+    assert result["first_try_exact"] == 2 / 6 and result["second_try_exact"] == 1 / 4
+    assert result["two_try_score"] == pytest.approx((2 + 0.5) / 6)
 
 
 def test_rows_without_an_answer_are_refused(tiny_saved, tmp_path):
@@ -102,3 +124,19 @@ def test_the_readmes_demo_figure_is_the_recorded_runs():
     low, high = map(int, claim.groups())
     rates = record["greedy_exact"].values()
     assert (low, high) == (math.floor(100 * min(rates)), math.ceil(100 * max(rates)))
+
+
+def test_the_distillation_figure_is_the_recorded_runs():
+    """docs/distillation.md states what `scripts/distill_figure.py` recorded: distillation above SFT
+    alone in each of at least three seeds, on the current config, data and models."""
+    from scripts.distill_figure import RECORD, fingerprint
+    from tests.helpers import REPO
+
+    record = json.loads(RECORD.read_text())
+    assert record["inputs"] == fingerprint(), "the runs' inputs changed: rerun scripts/distill_figure.py"
+    rates = record["greedy_exact"]
+    assert len(rates) >= 3 and record["distill_wins_every_seed"]
+    assert all(r["distill"] > r["sft"] for r in rates.values())
+    doc = (REPO / "docs" / "distillation.md").read_text()
+    for seed, r in rates.items():
+        assert f"| {seed} | {r['sft']:.3f} | {r['distill']:.3f} |" in doc, seed

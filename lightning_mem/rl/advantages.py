@@ -63,13 +63,16 @@ def rloo_advantages(scores: Tensor, group_ids: Tensor, mask: Tensor) -> Tensor:
 
 
 def discounted_returns(rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Tensor:
-    """G_t = r_t + gamma * G_{t+1} over each response (0 after its last token and on padding)."""
+    """G_t = r_t + gamma * G_{t+1} over each response (0 after its last token and on padding).
+    A masked-out position inside a row (a multi-turn observation) is skipped: ``t + 1`` is the next
+    sampled token, as in :func:`~lightning_mem.rl.algorithms.gae_advantages`."""
     rewards = _masked(rewards, mask)
     out = torch.zeros_like(rewards)
     running = torch.zeros_like(rewards[:, 0])
     for t in reversed(range(rewards.shape[1])):
-        running = torch.where(mask[:, t].bool(), rewards[:, t] + gamma * running, 0.0)
-        out[:, t] = running
+        m = mask[:, t].bool()
+        running = torch.where(m, rewards[:, t] + gamma * running, running)
+        out[:, t] = torch.where(m, running, 0.0)
     return out
 
 

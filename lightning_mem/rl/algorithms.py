@@ -113,9 +113,12 @@ def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k1", m
 
 
 def last_token_index(mask: Tensor) -> Tensor:
-    """Column of each row's last unmasked token (0 for an empty row)."""
-    lengths = mask.long().sum(dim=1)
-    return (lengths - 1).clamp(min=0)
+    """Column of each row's last unmasked token (0 for an empty row); a mask with holes (a
+    multi-turn trajectory's observations) too."""
+    if mask.shape[1] == 0:
+        return torch.zeros(mask.shape[0], dtype=torch.long, device=mask.device)
+    columns = torch.arange(mask.shape[1], device=mask.device)
+    return torch.where(mask.bool(), columns, 0).amax(dim=1)
 
 
 def rewards_with_kl_penalty(scores: Tensor, kl: Tensor, mask: Tensor, kl_coef: float) -> Tensor:
@@ -140,6 +143,12 @@ def gae_advantages(
     delta_t = r_t + gamma * V_{t+1} - V_t, with V = 0 after the last response token (the episode
     ends there); A_t = delta_t + gamma * lam * A_{t+1}. Returns ``(advantages, returns)`` with
     returns = A + V, the value targets. Padding positions are 0 in both.
+
+    The recursion runs over the masked-in tokens only: a masked-out position inside a row (a
+    multi-turn trajectory's observation tokens, which the policy did not choose) is skipped, so
+    ``t + 1`` is the next *sampled* token and the value bootstraps across the observation, which
+    is a transition of the environment, not a step of the policy (verl's multi-turn GAE does the
+    same). With a prefix mask this is the plain recursion.
     """
     values = _masked(values, mask)
     rewards = _masked(rewards, mask)
@@ -150,10 +159,11 @@ def gae_advantages(
     for t in reversed(range(length)):
         m = mask[:, t].bool()
         delta = rewards[:, t] + gamma * next_value - values[:, t]
-        running = torch.where(m, delta + gamma * lam * running, 0.0)
-        advantages[:, t] = running
-        # A padded position passes nothing back: the next real token sees V = 0 and A = 0.
-        next_value = torch.where(m, values[:, t], 0.0)
+        # A masked-out position passes both through unchanged: after a row's last token they are
+        # still 0 (the episode's end), inside a row they carry the next sampled token's over the gap.
+        running = torch.where(m, delta + gamma * lam * running, running)
+        advantages[:, t] = torch.where(m, running, 0.0)
+        next_value = torch.where(m, values[:, t], next_value)
     returns = advantages + values
     return advantages, _masked(returns, mask)
 

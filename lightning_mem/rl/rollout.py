@@ -85,7 +85,12 @@ class Experience:
 
     Sequence tensors (``input_ids``, ``attention_mask``) are ``[N, T]``, right-padded. Response
     tensors (``response_ids``, ``response_mask`` and every per-token quantity) are ``[N, R]``,
-    response-aligned: column j is the j-th response token.
+    response-aligned: column j is the j-th token after the prompt.
+
+    ``response_mask`` marks the policy's actions, the tokens it sampled. In a single-turn rollout
+    they are a prefix of each row; in a multi-turn one (:mod:`lightning_mem.rl.trajectory`) the
+    observation tokens between two turns are real tokens of the sequence (``attention_mask`` 1)
+    that the mask leaves out: it has holes, and nothing here assumes it is a prefix.
     """
 
     input_ids: Tensor
@@ -106,6 +111,7 @@ class Experience:
     old_values: Tensor | None = None
     engine_logprobs: Tensor | None = None  # [N, R] the rollout engine's own, when it has its own weights (a diagnostic)
     versions: Tensor | None = None  # [N] the weight version each sample was drawn under (separate placement)
+    sample_keep: Tensor | None = None  # [N] bool, the rollout's own verdict: False keeps a sample out of the loss
     # Filled by the advantage phase.
     advantages: Tensor | None = None
     returns: Tensor | None = None
@@ -113,8 +119,9 @@ class Experience:
     loss_mask: Tensor | None = None  # [N, R] the response tokens that train (filters drop samples)
     correction_weights: Tensor | None = None  # [N, R] the rollout correction's weight per token
     sample_stats: dict[str, Tensor] = field(default_factory=dict)  # sums for the step's metrics
-    # Each sample's (sequence, response) length on the host, read back once (see sequence_lengths).
-    host_lengths: tuple[list[int], list[int]] | None = field(default=None, repr=False, compare=False)
+    # Each sample's (sequence length, response span, sampled tokens) on the host, read back once
+    # (see sequence_lengths). The span runs to the last sampled token; with no holes it is their count.
+    host_lengths: tuple[list[int], list[int], list[int]] | None = field(default=None, repr=False, compare=False)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -125,14 +132,25 @@ class Experience:
         (with the response lengths: one read for both); :meth:`select` of a list of indices -- a
         micro-batch of the plan made from these -- then trims without reading the device again."""
         if self.host_lengths is None:
-            both = torch.stack([self.attention_mask.sum(dim=1).long(), self.response_mask.sum(dim=1).long()])
-            sequences, responses = both.tolist()
-            self.host_lengths = (sequences, responses)
+            three = torch.stack([self.attention_mask.sum(dim=1).long(), response_spans(self.response_mask),
+                                 self.response_mask.sum(dim=1).long()])
+            sequences, spans, counts = three.tolist()
+            self.host_lengths = (sequences, spans, counts)
         return self.host_lengths[0]
 
     @property
     def response_lengths(self) -> Tensor:
+        """The sampled tokens of each sample (a multi-turn trajectory's observations not counted)."""
         return self.response_mask.sum(dim=1)
+
+    @property
+    def contiguous_lengths(self) -> list[int] | None:
+        """Each response's length on the host when every mask is a prefix of its row (the fast path
+        of :func:`~lightning_mem.logits.response_targets`); None where a mask has holes or the
+        lengths were not read back."""
+        if self.host_lengths is None or self.host_lengths[1] != self.host_lengths[2]:
+            return None
+        return self.host_lengths[2]
 
     def select(self, indices: list[int] | Tensor) -> Experience:
         """The samples at ``indices``, with columns trimmed to the longest selected sequence and response
@@ -144,11 +162,11 @@ class Experience:
         if isinstance(indices, Tensor) or self.host_lengths is None:
             idx = torch.as_tensor(indices, dtype=torch.long, device=device)
             seq_len = int(self.attention_mask[idx].sum(dim=1).max())
-            resp_len = max(int(self.response_mask[idx].sum(dim=1).max()), 1)
+            resp_len = max(int(response_spans(self.response_mask[idx]).max()), 1)
             picked = idx.tolist()
         else:  # host indices and host lengths: nothing is read back from the device
             picked = list(indices)
-            lengths = ([self.host_lengths[0][i] for i in picked], [self.host_lengths[1][i] for i in picked])
+            lengths = tuple([part[i] for i in picked] for part in self.host_lengths)
             seq_len, resp_len = max(lengths[0]), max(max(lengths[1]), 1)
             idx = torch.as_tensor(picked, dtype=torch.long)
             # From pinned memory the copy is queued behind the step's work instead of waiting for it.
@@ -165,6 +183,15 @@ class Experience:
             out[f.name] = value
         out["host_lengths"] = lengths
         return replace(self, **out)
+
+
+def response_spans(response_mask: Tensor) -> Tensor:
+    """``[N]``: each row's columns up to and including its last masked-in token (0 for an empty
+    row). A prefix mask's span is its count; a multi-turn mask's covers its observations too."""
+    if response_mask.shape[1] == 0:
+        return torch.zeros(response_mask.shape[0], dtype=torch.long, device=response_mask.device)
+    columns = torch.arange(1, response_mask.shape[1] + 1, device=response_mask.device)
+    return (response_mask.bool().long() * columns).amax(dim=1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -274,7 +301,7 @@ def policy_forward(
     from lightning_mem.logits import response_targets, score_tokens
 
     n, resp_len = batch.response_ids.shape
-    lengths = None if batch.host_lengths is None else batch.host_lengths[1]  # known: no device search
+    lengths = batch.contiguous_lengths  # known and without holes: no device search
     options = dict(chunk_size=chunk_size, temperature=temperature, with_entropy=with_entropy,
                    entropy_grad=entropy_grad, with_hidden=with_hidden)
     if packed:

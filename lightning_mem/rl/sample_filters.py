@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from lightning_mem.rl.advantages import group_sums
+from lightning_mem.rl.algorithms import last_token_index
 
 
 def varied_groups(scores: Tensor, group_ids: Tensor) -> Tensor:
@@ -39,9 +40,10 @@ def groups_filtered(keep: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor]:
 
 def truncated(response_ids: Tensor, response_mask: Tensor, eos_token_ids: list[int], max_new_tokens: int) -> Tensor:
     """``[N]`` bool: the response hit ``max_new_tokens`` without ending on an end-of-sequence token
-    (cut off, its answer unfinished)."""
+    (cut off, its answer unfinished). Its last token is its last sampled one, wherever it sits (a
+    multi-turn trajectory's mask has holes); its length counts sampled tokens only."""
     lengths = response_mask.sum(dim=1)
-    last = response_ids.gather(1, (lengths - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+    last = response_ids.gather(1, last_token_index(response_mask).unsqueeze(1)).squeeze(1)
     ended = torch.zeros_like(last, dtype=torch.bool)
     for eos in eos_token_ids:
         ended |= last == eos

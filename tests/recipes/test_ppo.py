@@ -307,7 +307,7 @@ def _grpo_experience():
     return SimpleNamespace(
         response_mask=mask, scores=torch.tensor([1.0, 1, 1, 1, 1, 0, 0, 0]),
         group_ids=torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]), old_logprobs=torch.zeros(8, 6), ref_logprobs=None,
-        engine_logprobs=None, loss_mask=None, correction_weights=None, sample_stats={},
+        engine_logprobs=None, loss_mask=None, correction_weights=None, sample_stats={}, sample_keep=None,
     )
 
 
@@ -442,7 +442,7 @@ def test_prompt_row_without_the_rewards_key_fails_before_any_model(tmp_path, no_
 # -- end to end: the real CLI, SFT warm-up then PPO ---------------------------------------------
 
 
-# sft_export: the SFT demo's export, made once per session (tests/conftest.py).
+# `sft_export` (tests/conftest.py): the SFT demo's export, made once a session, the policy PPO starts from.
 
 
 def _ppo(root, sft_export, *extra, config=CONFIG):

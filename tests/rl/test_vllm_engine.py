@@ -246,7 +246,7 @@ def test_memory_plan_drives_the_engine_in_order_and_warns_once_on_cpu(tmp_path, 
 # -- the short PPO run, as the Hugging Face engine's end-to-end test ----------------------------
 
 from tests.helpers import HANG_GUARD_S  # noqa: E402
-from tests.recipes.test_ppo import SHORT_EPOCHS, _ppo, _quarters  # noqa: E402
+from tests.recipes.test_ppo import SHORT_EPOCHS, _ppo, _quarters  # noqa: E402  (sft_export: tests/conftest.py)
 
 
 # The SFT warm-up and 128 PPO steps: minutes on an idle 2-core machine; in `make test-vllm`.
