@@ -87,13 +87,21 @@ class LoraSettings:
 # ---------------------------------------------------------------------------------------------
 
 
-def meta_model(name_or_path: str, *, trust_remote_code: bool = False) -> nn.Module:
+def meta_model(name_or_path: str, *, trust_remote_code: bool = False, auto_class: Any = None,
+               config_kwargs: dict[str, Any] | None = None) -> nn.Module:
     """The model's module tree on the meta device: names and shapes, no memory, no weights read.
 
-    Lets target names be checked before the real (slow, large) load.
+    Lets target names be checked before the real (slow, large) load. ``auto_class``: the
+    ``transformers`` auto class the run loads with (default ``AutoModelForCausalLM``; a reward
+    model's ``AutoModelForSequenceClassification``), with its ``config_kwargs`` (``num_labels``).
     """
+    from lightning_mem.models import load_pretrained
+
     with torch.device("meta"):
-        return load_causal_lm(name_or_path, from_config=True, trust_remote_code=trust_remote_code)
+        if auto_class is None:
+            return load_causal_lm(name_or_path, from_config=True, trust_remote_code=trust_remote_code)
+        return load_pretrained(auto_class, name_or_path, from_config=True, trust_remote_code=trust_remote_code,
+                               config_kwargs=config_kwargs)
 
 
 def _is_linear(module: nn.Module) -> bool:
@@ -116,22 +124,31 @@ def _matches(key: str, name: str) -> bool:
     return name == key or name.endswith(f".{key}")
 
 
-def _output_layer_name(model: nn.Module) -> str | None:
+#: The heads of ``transformers`` sequence classifiers (decoders name it ``score``, encoders
+#: ``classifier``): output layers like an LM head, trained whole (``modules_to_save``), never adapted.
+CLASSIFIER_HEADS = ("score", "classifier")
+
+
+def _output_layer_names(model: nn.Module) -> set[str]:
+    """The full names of ``model``'s output layers: its LM head, or a sequence classifier's head."""
     get = getattr(model, "get_output_embeddings", None)
-    head = get() if callable(get) else None
-    return next((name for name, module in model.named_modules() if module is head), None) if head is not None else None
+    heads = [get() if callable(get) else None]
+    heads += [getattr(model, name, None) for name in CLASSIFIER_HEADS]
+    heads = [head for head in heads if isinstance(head, nn.Module)]
+    return {name for name, module in model.named_modules() if any(module is head for head in heads)}
 
 
 def resolve_target_modules(model: nn.Module, target_modules: str | list[str]) -> list[str] | str:
     """Turn ``target_modules`` into what peft gets, or raise naming the model's linear modules.
 
-    "all-linear" becomes the short names of every linear layer except the output head (the
-    same set as peft's shorthand, but explicit in ``adapter_config.json`` and checkable here).
+    "all-linear" becomes the short names of every linear layer except the output head (an LM head,
+    or a sequence classifier's ``score``; the same set as peft's shorthand, but explicit in
+    ``adapter_config.json`` and checkable here).
     A list entry, or a regex, that matches no linear layer is an error: a typo would otherwise
     train fewer adapters than meant, silently (peft only fails when *nothing* matches).
     """
     linears = linear_module_names(model)
-    head = _output_layer_name(model)
+    heads = _output_layer_names(model)
 
     def fail(what: str) -> SettingError:
         return SettingError(
@@ -143,7 +160,7 @@ def resolve_target_modules(model: nn.Module, target_modules: str | list[str]) ->
         )
 
     if target_modules == ALL_LINEAR:
-        names = _short_names([n for n in linears if n != head])
+        names = _short_names([n for n in linears if n not in heads])
         if not names:
             raise fail("no linear layer besides the output head")
         return names
@@ -178,7 +195,9 @@ def check_lora_targets(model: nn.Module, settings: LoraSettings) -> list[str] | 
     return targets
 
 
-def build_lora_config(settings: LoraSettings, target_modules: list[str] | str) -> Any:
+def build_lora_config(settings: LoraSettings, target_modules: list[str] | str, task_type: str = "CAUSAL_LM") -> Any:
+    """peft's ``LoraConfig``; ``task_type`` is peft's (``CAUSAL_LM``, or ``SEQ_CLS`` for a reward model,
+    whose ``score`` head peft then trains whole)."""
     from peft import LoraConfig
 
     return LoraConfig(
@@ -188,11 +207,11 @@ def build_lora_config(settings: LoraSettings, target_modules: list[str] | str) -
         target_modules=target_modules,
         modules_to_save=list(settings.modules_to_save) if settings.modules_to_save else None,
         bias=settings.bias,
-        task_type="CAUSAL_LM",
+        task_type=task_type,
     )
 
 
-def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
+def apply_lora(model: nn.Module, settings: LoraSettings, task_type: str = "CAUSAL_LM") -> nn.Module:
     """Wrap ``model`` in a peft model with fresh adapters; only adapter parameters train.
 
     Raises:
@@ -203,7 +222,7 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
 
     with settings_at("lora"):
         targets = check_lora_targets(model, settings)
-    peft_model = get_peft_model(model, build_lora_config(settings, targets))
+    peft_model = get_peft_model(model, build_lora_config(settings, targets, task_type))
     on_meta = [n for n, p in peft_model.named_parameters() if p.requires_grad and p.device.type == "meta"]
     if on_meta:
         # A layer that device_map sent to disk lives on the meta device between forwards; its

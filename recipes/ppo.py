@@ -101,7 +101,7 @@ from lightning_mem.rl.environments import EnvironmentFactory
 from lightning_mem.rl.multi_turn import (MultiTurnConfig, MultiTurnRollout, check_multi_turn, check_template,
                                          environment_keys, multi_turn_rollout, trajectory_metrics)
 from lightning_mem.rl.reference import AdaptersOff, FrozenCopy, ReferenceMode, disable_dropout, reference_policy
-from lightning_mem.rl.reward import RewardFunction, RewardModel, load_reward_model
+from lightning_mem.rl.reward import RewardFunction, RewardModel, check_reward_model_source, load_reward_model
 from lightning_mem.rl.rng import SamplingRNG
 from lightning_mem.rl.rollout import Experience, GenerationConfig, RolloutEngine, greedy_rollout, policy_forward
 
@@ -139,7 +139,11 @@ class PPOModule(LightningModule):
             ``reinforce_pp_baseline``, ``opo``, ``grpo_passk``) sample ``grpo.group_size`` answers per
             prompt; ``remax`` samples one and decodes one greedily.
         reward: a rule, ``class_path`` of a :class:`~lightning_mem.rl.reward.RewardFunction`.
-        reward_model: a learned reward instead (:class:`~lightning_mem.rl.config.RewardModelConfig`).
+        reward_model: a learned reward instead (:class:`~lightning_mem.rl.config.RewardModelConfig`):
+            a sequence classifier with one output, such as ``recipes.reward_model``'s export.
+        gold_reward: a rule scored on every rollout and logged as ``gold_reward_mean``, never trained
+            on: the true reward beside a learned one (a reward model's score can rise while the
+            rule's does not: over-optimization).
         reference: ``auto`` (adapters off with LoRA, else a frozen copy), ``copy`` or
             ``adapters_off``. Not built when the KL penalty is off.
         generation, ppo, kl, grpo, critic: the knob groups of :mod:`lightning_mem.rl.config`.
@@ -182,6 +186,7 @@ class PPOModule(LightningModule):
         advantage_estimator: AdvantageEstimator = "gae",
         reward: RewardFunction | None = None,
         reward_model: RewardModelConfig | None = None,
+        gold_reward: RewardFunction | None = None,
         reference: ReferenceMode = "auto",
         generation: GenerationConfig = GenerationConfig(),
         ppo: PPOConfig = PPOConfig(),
@@ -205,7 +210,12 @@ class PPOModule(LightningModule):
                        trust_remote_code=trust_remote_code, attn_implementation=attn_implementation,
                        environment=environment, multi_turn=multi_turn, rollout_engine=rollout_engine)
         # logger=False: the CLI logs the whole resolved config (lightning_mem.cli.RunConfigCallback).
-        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "critic_optimizer", "reward", "environment"], logger=False)
+        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "critic_optimizer", "environment"], logger=False)
+        for name in ("reward", "gold_reward"):
+            # From the CLI a rule is its class_path, plain data that load_from_checkpoint builds again;
+            # one built in Python is an object, kept out of the checkpoint (it need not pickle).
+            if isinstance(self.hparams.get(name), RewardFunction):
+                del self.hparams[name]
         ppo = self._check_rollout_engine(rollout_engine, generation, ppo, async_rollout)
         self.rollout_engine_config = rollout_engine
         self.async_config = async_rollout
@@ -214,6 +224,7 @@ class PPOModule(LightningModule):
         self.optimizer_factory, self.critic_optimizer_factory = optimizer, critic_optimizer
         self.lr_scheduler_factory = lr_scheduler
         self.reward_fn = reward
+        self.gold_reward_fn = gold_reward
         self.environment, self.multi_turn = environment, multi_turn
         self.lora = lora
         self.generation, self.ppo, self.kl, self.grpo = generation, ppo, kl, grpo
@@ -316,11 +327,14 @@ class PPOModule(LightningModule):
             check_multi_turn(environment, multi_turn, scored_otherwise=reward is not None or reward_model is not None,
                              advantage_estimator=advantage_estimator, engine=rollout_engine, generation=generation)
         if environment is None and (reward is None) == (reward_model is None):
-            raise ValueError("set exactly one of `model.reward` (a rule's class_path) and `model.reward_model`")
+            raise SettingError(
+                "model.reward", "set exactly one of `model.reward` (a rule's class_path) and `model.reward_model` (a"
+                f" learned reward's folder); this config sets {'both' if reward is not None else 'neither'}",
+                siblings=("model.reward_model",))
         if reward is not None and not callable(reward):
             raise TypeError(f"`model.reward` must be a RewardFunction, got {type(reward).__name__}")
-        if reward_model is not None:
-            check_model_source(reward_model.name_or_path, key="model.reward_model.name_or_path")
+        if reward_model is not None:  # its config.json: a classifier with more than one output is refused
+            check_reward_model_source(reward_model.name_or_path, key="model.reward_model.name_or_path")
             resolve_dtype(reward_model.dtype, key="model.reward_model.dtype")
         with settings_at("model"):
             reference_policy(reference, kl_enabled=kl.enabled, lora=lora is not None)
@@ -409,16 +423,18 @@ class PPOModule(LightningModule):
         sources = [hp.name_or_path]
         if self.use_critic and self.critic_config.layout == "separate":
             sources.append(self.critic_config.name_or_path or hp.name_or_path)
-        if hp.reward_model is not None:
-            sources.append(hp.reward_model.name_or_path)
+        if self.reward_model_config is not None:  # not hp.reward_model: under the CLI, hparams hold a plain dict
+            sources.append(self.reward_model_config.name_or_path)
         with settings_at("trainer.strategy.init_args"):
             for source in dict.fromkeys(sources):
                 check_model_splits(self.trainer, source, trust_remote_code=hp.trust_remote_code)
         # The data are loaded (the datamodule's setup runs first), the models are not: a row the
         # reward rule cannot score fails now rather than minutes into the first rollout.
         train_set = getattr(self.trainer.datamodule, "train_set", None)
-        rule = self.reward_fn if self.reward_fn is not None else environment_keys(self.environment)
-        if rule is not None and train_set is not None:
+        scoring = self.reward_fn if self.reward_fn is not None else environment_keys(self.environment)
+        for rule in (scoring, self.gold_reward_fn):
+            if rule is None or train_set is None:
+                continue
             source = str(getattr(self.trainer.datamodule, "train_path", "data"))
             key_sets = getattr(self.trainer.datamodule, "key_sets", None)
             if key_sets is not None:  # the cache's distinct key sets: no row is read
@@ -755,6 +771,9 @@ class PPOModule(LightningModule):
         ``exp.baseline_scores``, of the greedy answers, under ReMax)."""
         if exp.scores is None:  # (an environment scored its trajectories as they ran)
             exp.scores = self._scores(exp, exp.responses)
+        if self.gold_reward_fn is not None:  # logged beside the reward trained on, never trained on
+            gold = self.gold_reward_fn(exp.prompts, exp.responses, exp.rows)
+            exp.sample_stats["gold_score"] = gold.to(torch.float64).sum()
         if exp.baseline_responses:
             exp.baseline_scores = self._scores(exp, exp.baseline_responses)
             exp.sample_stats["baseline_score"] = exp.baseline_scores.to(torch.float64).sum()
@@ -1029,6 +1048,8 @@ class PPOModule(LightningModule):
             metrics["groups_filtered_frac"] = t["groups_filtered"] / t["groups"]
         if "truncated" in t:
             metrics["truncated_frac"] = t["truncated"] / samples
+        if "gold_score" in t:  # model.gold_reward: the rule's mean score of the same samples
+            metrics["gold_reward_mean"] = t["gold_score"] / samples
         if "baseline_score" in t:  # ReMax: the greedy answers' mean score
             metrics["baseline_reward_mean"] = t["baseline_score"] / samples
         if "overlong_penalty" in t:

@@ -162,17 +162,23 @@ class SFTModule(FreesGradientsAfterStep, ClipsGradients, LightningModule):
                                      precision_key="trainer.precision")
 
     # -- model -------------------------------------------------------------------------------
+    def policy_source(self) -> str:
+        """Where the model's starting weights load from: ``name_or_path``; with ``lora`` on a
+        config-only folder, its seeded random weights saved under ``random_init_dir`` (an adapter
+        needs a base on disk it can name)."""
+        hp = self.hparams
+        if self.lora is None:
+            return hp.name_or_path
+        return saved_base(self.trainer, hp.name_or_path, hp.random_init_dir, seed=hp.init_seed)
+
     def configure_model(self) -> None:
         # Loaded here rather than in __init__ so the data are validated first and a strategy can
         # wrap the model (Lightning calls this once, after setup, before the optimizer is made).
         if self.model is not None:
             return
         hp = self.hparams
-        base = hp.name_or_path
-        if self.lora is not None:  # an adapter needs a base on disk it can name
-            base = saved_base(self.trainer, base, hp.random_init_dir, seed=hp.init_seed)
         self.model = load_causal_lm(
-            base,
+            self.policy_source(),
             dtype=self.model_dtype(),
             attn_implementation=hp.attn_implementation,
             trust_remote_code=hp.trust_remote_code,

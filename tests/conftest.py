@@ -54,3 +54,18 @@ def _isolated_process_state():
     if os.environ != before:
         os.environ.clear()
         os.environ.update(before)
+
+
+@pytest.fixture(scope="session")
+def sft_export(tmp_path_factory):
+    """The SFT demo run (configs/sft/tiny_cpu.yaml, 600 steps, about 2 minutes), made once a session:
+    the policy PPO and DPO start from and the backbone the tiny reward model starts from."""
+    from tests.helpers import REPO, run_recipe
+
+    root = tmp_path_factory.mktemp("sft")
+    sft = run_recipe(
+        "sft", "fit", "--config", str(REPO / "configs" / "sft" / "tiny_cpu.yaml"), f"--trainer.default_root_dir={root}",
+        "--trainer.logger=false", "--trainer.callbacks=[]", "--trainer.val_check_interval=600",
+    )
+    assert sft.returncode == 0, sft.stderr[-3000:]
+    return root / "export"

@@ -21,7 +21,7 @@ from lightning_mem.assets import ASSETS, HUB_ASSETS
 from lightning_mem.settings import SettingError, SettingNotSupported, SettingPathError
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
-_RECIPES = {"sft": "recipes.sft", "qlora": "recipes.qlora", "ppo": "recipes.ppo"}
+_RECIPES = {"sft": "recipes.sft", "qlora": "recipes.qlora", "ppo": "recipes.ppo", "reward_model": "recipes.reward_model"}
 
 
 def recipe_for(config: str | Path, recipe: str | None = None) -> str:

@@ -5,6 +5,7 @@ warm-up step then the measured one, and the shortcuts (a StepIO) that skip what 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
@@ -121,7 +122,11 @@ class EstimateRun(RankView, StepIO):
         batch = largest(fill, context_parallel_size=cp) if cp > 1 else largest(fill)
         if self.device_model is not None and self.device_model.padded_batches:
             batch = _one_row_padded(batch)
-        warm_up = _head(batch, rows=rows_of(batch), tokens=8)  # every row: no loop of the step runs empty
+        if any(key in batch for key in FLAT_POSITIONS):  # cut columns would leave them pointing past the rows
+            small = _shortened(self.data, tokens=8)
+            warm_up = small.largest_batch(fill, context_parallel_size=cp) if cp > 1 else small.largest_batch(fill)
+        else:
+            warm_up = _head(batch, rows=rows_of(batch), tokens=8)  # every row: no loop of the step runs empty
         return [warm_up] + [batch] * self.accumulated
 
     def fit(self) -> None:
@@ -269,6 +274,22 @@ def _head(batch: dict[str, Any], *, rows: int, tokens: int) -> dict[str, Any]:
         return value[:rows] if isinstance(value, list) else value
 
     return {key: cut(value) for key, value in batch.items()}
+
+
+#: Batch keys holding flat positions into ``input_ids.view(-1)`` (a preference batch's targets and
+#: sequence ends): a batch with them cannot be cut to its last columns by :func:`_head`.
+FLAT_POSITIONS = ("target_positions", "sequence_ends")
+
+
+def _shortened(data: Any, *, tokens: int) -> Any:
+    """A copy of the datamodule ``data`` whose sequences are ``tokens`` long and whose token budget
+    shrinks with them (so its largest batch holds as many sequences): its ``largest_batch`` is a
+    warm-up batch of the same layout, positions and all."""
+    small = copy.copy(data)
+    small.max_length = min(tokens, data.max_length)
+    if getattr(data, "max_tokens_per_batch", None):
+        small.max_tokens_per_batch = max(data.max_tokens_per_batch * small.max_length // data.max_length, small.max_length)
+    return small
 
 
 def _one_row_padded(batch: dict[str, Any]) -> dict[str, Any]:

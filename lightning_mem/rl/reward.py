@@ -8,15 +8,19 @@ reward model need not share a vocabulary.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from lightning_mem.data.rows import DataFormatError
+from lightning_mem.models import check_model_source
 from lightning_mem.padding import pad_sequences
 from lightning_mem.rl.microbatch import micro_batches
+from lightning_mem.settings import SettingError
 
 
 class RewardFunction:
@@ -118,6 +122,37 @@ class RewardModel(nn.Module):
         return scores
 
 
+def reward_model_outputs(name_or_path: str) -> tuple[str, int] | None:
+    """``(architecture, outputs)`` of a local sequence-classifier folder, read from its config.json
+    (no weights, no model); None for a hub id, a causal LM (its head is new: one output) or a
+    config that states no outputs."""
+    config_file = Path(name_or_path).expanduser() / "config.json"
+    if not config_file.is_file():
+        return None
+    config = json.loads(config_file.read_text())
+    architectures = config.get("architectures") or []
+    if architectures and all(name.endswith("ForCausalLM") for name in architectures):
+        return None
+    id2label = config.get("id2label")
+    outputs = len(id2label) if isinstance(id2label, dict) else config.get("num_labels")
+    if outputs is None:
+        return None
+    return (architectures[0] if architectures else config.get("model_type", "model")), int(outputs)
+
+
+def check_reward_model_source(name_or_path: str, *, key: str = "name_or_path") -> None:
+    """A reward model's folder (or hub id) exists and, where its config.json says, has one output:
+    refused in one line naming ``key``, before any model loads. A classifier with more outputs
+    (a two-class preference head, say) has no single score to reward with."""
+    check_model_source(name_or_path, key=key)
+    found = reward_model_outputs(name_or_path)
+    if found is not None and found[1] != 1:
+        architecture, outputs = found
+        raise SettingError(
+            key, f": {name_or_path} is a {architecture} with {outputs} outputs (its config.json); a reward model"
+            " scores with one (`num_labels: 1`)")
+
+
 def load_reward_model(
     name_or_path: str,
     *,
@@ -136,6 +171,7 @@ def load_reward_model(
 
     from lightning_mem.models import load_pretrained, load_tokenizer
 
+    check_reward_model_source(name_or_path, key=key)
     tokenizer = load_tokenizer(name_or_path, trust_remote_code=trust_remote_code, key=key)
     model = load_pretrained(AutoModelForSequenceClassification, name_or_path, dtype=dtype,
                             trust_remote_code=trust_remote_code, key=key, config_kwargs={"num_labels": 1})

@@ -1,5 +1,5 @@
 """Every shipped GPU-tier config trains on CPU as its tiny twin: 2 optimizer steps of SFT/QLoRA,
-2 iterations (rollouts and their updates) of PPO, through the real CLI.
+2 iterations (rollouts and their updates) of PPO, 2 optimizer steps of a reward model, through the real CLI.
 
 A twin is the config as shipped, with only these overrides, derived from the YAML by
 :func:`twin_of` (so a new config gets its twin without a new line here):
@@ -50,7 +50,9 @@ from tests.helpers import (  # noqa: E402
 
 CONFIGS = sorted((REPO / "configs").glob("*/*.yaml"))
 GPU_CONFIGS = [p for p in CONFIGS if not p.name.startswith("tiny_")]
-RECIPES = {"sft", "qlora", "ppo"}
+RECIPES = {"sft", "qlora", "ppo", "reward_model"}
+#: Recipes whose data are preference pairs: a micro-batch holds both sides, so its budget is two rows a pair.
+PAIR_RECIPES = {"reward_model"}
 
 #: The tiny model's shape, which bounds the parallel degrees and lengths a twin can keep.
 _TINY_CONFIG = json.loads((TINY_MODEL / "config.json").read_text())
@@ -234,13 +236,14 @@ def twin_of(path: Path, model: Path) -> Twin:
     # Lengths, budgets and the run's length.
     run = ["--trainer.max_epochs=1", "--trainer.val_check_interval=null", "--trainer.limit_val_batches=0",
            "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false"]
-    if recipe in ("sft", "qlora"):
+    if recipe in ("sft", "qlora", *PAIR_RECIPES):
         length = _get(config, "data.max_length")
         if length is None:
             raise NoTwinRule(f"{path}: data.max_length is not set")
         factor = SFT_LENGTH / length
+        floor = SFT_LENGTH * (2 if recipe in PAIR_RECIPES else 1)  # one pair is two sides
         out += [f"--data.max_length={SFT_LENGTH}",
-                f"--data.max_tokens_per_batch={_scaled(_get(config, 'data.max_tokens_per_batch'), factor, SFT_LENGTH)}"]
+                f"--data.max_tokens_per_batch={_scaled(_get(config, 'data.max_tokens_per_batch'), factor, floor)}"]
         run += ["--trainer.max_steps=2", "--checkpoint.every_n_train_steps=2"]
     else:
         prompt, new = _get(config, "data.max_prompt_length"), _get(config, "model.generation.max_new_tokens")

@@ -22,7 +22,6 @@ from recipes.rewards import ArithmeticReward
 from tests.helpers import ARITH, REPO, TINY_MODEL, csv_logger_args, read_metric, run_recipe
 
 CONFIG = str(REPO / "configs" / "ppo" / "tiny_cpu.yaml")
-SFT_CONFIG = str(REPO / "configs" / "sft" / "tiny_cpu.yaml")
 
 
 def gpu_tier_plan() -> PhaseMemoryPlan:
@@ -443,16 +442,7 @@ def test_prompt_row_without_the_rewards_key_fails_before_any_model(tmp_path, no_
 # -- end to end: the real CLI, SFT warm-up then PPO ---------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def sft_export(tmp_path_factory):
-    """The SFT demo run (configs/sft/tiny_cpu.yaml, 600 steps, about 2 minutes): the policy PPO starts from."""
-    root = tmp_path_factory.mktemp("sft")
-    sft = run_recipe(
-        "sft", "fit", "--config", SFT_CONFIG, f"--trainer.default_root_dir={root}", "--trainer.logger=false",
-        "--trainer.callbacks=[]", "--trainer.val_check_interval=600",
-    )
-    assert sft.returncode == 0, sft.stderr[-3000:]
-    return root / "export"
+# `sft_export` (tests/conftest.py): the SFT demo's export, made once a session, the policy PPO starts from.
 
 
 def _ppo(root, sft_export, *extra, config=CONFIG):

@@ -16,7 +16,7 @@ from lightning_mem.rl.environments import Environment, RewardEnvironment, Step
 from lightning_mem.rl.multi_turn import FAULTS
 from recipes.rewards import ArithmeticReward
 from tests.helpers import REPO, TINY_MODEL, csv_logger_args, read_metric, run_recipe
-from tests.recipes.test_ppo import _quarters, fit, no_model_load, sft_export  # noqa: F401  (fixtures)
+from tests.recipes.test_ppo import _quarters, fit, no_model_load  # noqa: F401  (fixtures; sft_export: tests/conftest.py)
 from tests.recipes.test_tiny_configs import ALLOWED, _warning_lines
 
 CONFIG = str(REPO / "configs/ppo/tiny_cpu_multi_turn.yaml")
@@ -168,7 +168,7 @@ def test_a_prompt_row_without_the_environments_key_fails_before_any_model(tmp_pa
 
 
 @pytest.mark.slow  # the target on the full config: 512 PPO steps (`pytest -m slow`; docs/ppo.md has the run)
-def test_the_multi_turn_demo_raises_the_reward(tmp_path, sft_export):  # noqa: F811
+def test_the_multi_turn_demo_raises_the_reward(tmp_path, sft_export):
     root = _run(tmp_path, f"--model.name_or_path={sft_export}")
     first, *_, last = _quarters(root)
     assert last >= first + 0.1, _quarters(root)

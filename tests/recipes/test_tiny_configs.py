@@ -41,6 +41,12 @@ RUNS: dict[str, tuple[str, list[str]]] = {
                           "--checkpoint.every_n_train_steps=2", *SFT_SHORT]),
     "sft_packed": ("sft", ["--config", "configs/sft/tiny_cpu_packed.yaml", "--trainer.max_steps=2", *SFT_SHORT]),
     "qlora": ("qlora", ["--config", "configs/qlora/tiny_cpu.yaml", "--trainer.max_steps=2", *SFT_SHORT]),
+    "reward_model": ("reward_model", ["--config", "configs/reward_model/tiny_cpu.yaml", "--trainer.max_steps=2",
+                                      f"--model.name_or_path={TINY_MODEL}", "--checkpoint.every_n_train_steps=2",
+                                      *SFT_SHORT]),
+    "reward_model_lora": ("reward_model", ["--config", "configs/reward_model/tiny_cpu.yaml", "--trainer.max_steps=2",
+                                           f"--model.name_or_path={TINY_MODEL}", "--model.lora.r=4",
+                                           "--checkpoint.every_n_train_steps=2", *SFT_SHORT]),
     "ppo": ("ppo", ["--config", "configs/ppo/tiny_cpu.yaml", "--trainer.max_steps=8", f"--model.name_or_path={TINY_MODEL}",
                     "--data.batch_size=8", *SHORT]),
     "ppo_fsdp2": ("ppo", ["--config", "configs/ppo/tiny_cpu_fsdp2.yaml", "--trainer.max_steps=8",
@@ -54,6 +60,9 @@ RUNS: dict[str, tuple[str, list[str]]] = {
                              f"--model.name_or_path={TINY_MODEL}", "--data.batch_size=2", *SHORT]),
     "ppo_geo_mean": ("ppo", ["--config", "configs/ppo/tiny_cpu_geo_mean.yaml", "--trainer.max_steps=2",
                              f"--model.name_or_path={TINY_MODEL}", "--data.batch_size=2", *SHORT]),
+    "dpo": ("dpo", ["--config", "configs/dpo/tiny_cpu.yaml", "--trainer.max_steps=2", f"--model.name_or_path={TINY_MODEL}",
+                    "--checkpoint.every_n_train_steps=2", "--data.max_tokens_per_batch=256",
+                    "--model.lr_scheduler.init_args.warmup_steps=1", *SHORT]),
 }  # fmt: skip
 
 
@@ -117,9 +126,13 @@ def test_export_from_an_fsdp2_sharded_checkpoint_equals_the_runs_export(runs, tm
 
 @pytest.mark.parametrize(
     ("name", "weights", "extra"),
-    [("qlora", "adapter_model.safetensors", []), ("ppo", "model.safetensors", [f"--model.name_or_path={TINY_MODEL}"])],
+    [("qlora", "adapter_model.safetensors", []), ("ppo", "model.safetensors", [f"--model.name_or_path={TINY_MODEL}"]),
+     ("dpo", "model.safetensors", [f"--model.name_or_path={TINY_MODEL}"]),
+     ("reward_model", "model.safetensors", [f"--model.name_or_path={TINY_MODEL}"]),
+     # the adapters and head from the checkpoint, merged into the run's saved random base
+     ("reward_model_lora", "model.safetensors", [f"--model.name_or_path={TINY_MODEL}", "--model.lora.r=4"])],
 )
-def test_export_from_checkpoint_of_qlora_and_ppo_equals_the_runs_export(runs, tmp_path, name, weights, extra):
+def test_export_from_checkpoint_of_other_recipes_equals_the_runs_export(runs, tmp_path, name, weights, extra):
     import importlib
 
     folder, _ = runs[name]

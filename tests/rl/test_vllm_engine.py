@@ -246,12 +246,12 @@ def test_memory_plan_drives_the_engine_in_order_and_warns_once_on_cpu(tmp_path, 
 # -- the short PPO run, as the Hugging Face engine's end-to-end test ----------------------------
 
 from tests.helpers import HANG_GUARD_S  # noqa: E402
-from tests.recipes.test_ppo import SHORT_EPOCHS, _ppo, _quarters, sft_export  # noqa: E402,F401
+from tests.recipes.test_ppo import SHORT_EPOCHS, _ppo, _quarters  # noqa: E402  (sft_export: tests/conftest.py)
 
 
 # The SFT warm-up and 128 PPO steps: minutes on an idle 2-core machine; in `make test-vllm`.
 @pytest.mark.timeout(HANG_GUARD_S)  # a hang guard: minutes on an idle machine, many more on a loaded one
-def test_short_run_with_vllm_raises_the_reward(tmp_path, sft_export):  # noqa: F811
+def test_short_run_with_vllm_raises_the_reward(tmp_path, sft_export):
     """tests/recipes/test_ppo.py's short run with the vLLM engine: the tiny config's first quarter
     (128 PPO steps). The check is the HF test's noise-free one: the probability the exported actor
     gives the exact answer -- the expected reward of one rollout, averaged over the 512 prompts --
