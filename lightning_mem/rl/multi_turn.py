@@ -107,8 +107,10 @@ class MultiTurnRollout:
                 room = max((self.config.max_total_tokens - trajectories[i].length for i in running), default=1)
                 sampled = self.sampler.sample(model, running, [trajectories[i].pending for i in running],
                                               min(self.max_new_tokens, room), synced=synced)
-                for i, ids in zip(running, sampled):
-                    self._turn(trajectories[i], ids)
+                # The engine's log-probs of what it sampled, where it reports them (vLLM).
+                logprobs = getattr(self.sampler, "last_logprobs", None) or [None] * len(sampled)
+                for i, ids, lp in zip(running, sampled, logprobs):
+                    self._turn(trajectories[i], ids, lp)
         device = next(model.parameters()).device
         exp = experience_from_trajectories(trajectories, pad_token_id=self.pad_token_id, device=device,
                                            mask_at_budget=self.config.at_budget == "mask")
@@ -136,13 +138,13 @@ class MultiTurnRollout:
             t.add_count("prompts_over_budget")
         return t
 
-    def _turn(self, t: Trajectory, ids: list[int]) -> None:
+    def _turn(self, t: Trajectory, ids: list[int], logprobs: list[float] | None = None) -> None:
         """Append one sampled turn (cut to the token budget) and hand it to the environment."""
         room = self.config.max_total_tokens - t.length
         ids = ids[:room]
         ended = bool(ids) and ids[-1] in self.end_ids
         cut = len(ids) == room and not ended  # the budget, not the end token, stopped it
-        t.add_sampled(ids)
+        t.add_sampled(ids, logprobs)
         t.turns += 1
         t.last_answer = self.renderer.tokenizer.decode([i for i in ids if i not in self.end_ids],
                                                        skip_special_tokens=True)
@@ -235,9 +237,9 @@ def check_multi_turn(environment: Any, config: MultiTurnConfig, *, scored_otherw
     if advantage_estimator in GREEDY_BASELINE:
         raise SettingNotSupported("advantage_estimator", f": `{advantage_estimator}`'s greedy baseline is one greedy"
                                   " answer, not yet a greedy trajectory: pick another estimator with `environment`")
-    if engine.name != "hf" or engine.placement != "colocated":
-        raise SettingNotSupported("rollout_engine", f" `name: {engine.name}`, `placement: {engine.placement}`: multi-turn"
-                                  " rollouts run on the hf engine, colocated, so far")
+    if engine.placement != "colocated":
+        raise SettingNotSupported("rollout_engine", f" `placement: {engine.placement}`: multi-turn rollouts run"
+                                  " colocated so far")
     if generation.kv_cache == "static" and config.cache_across_turns:
         raise SettingError("multi_turn.cache_across_turns", "`multi_turn.cache_across_turns: true` continues Hugging Face"
                            " generate's cache, but the static decode loop (`generation.kv_cache: static`) lays out its"
@@ -286,8 +288,14 @@ def environment_keys(environment: Callable[[], Environment] | None) -> Any:
 def multi_turn_rollout(environment: Callable[[], Environment], config: MultiTurnConfig, *, tokenizer: Any,
                        generation: Any, engine: Any, eos_token_ids: list[int], pad_token_id: int) -> MultiTurnRollout:
     """The rollout a recipe runs each step: the hf engine continuing its cache across turns
-    (``cache_across_turns``), or ``engine``'s ``generate`` on each whole conversation every turn."""
+    (``cache_across_turns``), or ``engine``'s ``generate`` on each whole conversation every turn
+    (vLLM: its token-id prompts, with its prefix cache on)."""
     from lightning_mem.rl.turn_sampling import CachedTurns, PrefillTurns
+
+    if getattr(engine, "prefix_caching", None) is False and getattr(engine, "llm", None) is None:
+        # Each turn's prompt is the previous turn's conversation and more: vLLM's prefix cache
+        # prefills only the new ids. Every weight load empties it, so no KV outlives its weights.
+        engine.prefix_caching = True
 
     renderer = ChatRenderer(tokenizer, end_token_ids=eos_token_ids, chat_template=_template(config))
     cached = config.cache_across_turns and engine.name == "hf" and generation.kv_cache == "dynamic"

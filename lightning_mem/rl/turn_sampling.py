@@ -142,6 +142,8 @@ class PrefillTurns:
         self.engine = engine
         self.end_ids = set(engine.eos_token_ids)
         self.sequences: dict[int, list[int]] = {}
+        # The engine's log-probs of the ids the last call returned (None if it reports none).
+        self.last_logprobs: list[list[float]] | None = None
 
     @contextlib.contextmanager
     def session(self, model: torch.nn.Module) -> Iterator[None]:
@@ -167,6 +169,8 @@ class PrefillTurns:
             self.engine.config = config
         lengths = exp.response_lengths.tolist()
         sampled = [exp.response_ids[i, :n].tolist() for i, n in enumerate(lengths)][: len(rows)]
+        self.last_logprobs = None if exp.engine_logprobs is None else [
+            exp.engine_logprobs[i, :n].tolist() for i, n in enumerate(lengths)][: len(rows)]
         for r, ids_r in zip(rows, sampled):
             self.sequences[r] += ids_r
         return sampled

@@ -138,7 +138,6 @@ DROPS_PAST_REASONING = (
     (["--model.reward.class_path=recipes.rewards.ExactAnswerReward"],
      r"^`model.environment` scores its own trajectories: leave `model.reward` and `model.reward_model` unset$"),
     (["--model.advantage_estimator=remax"], r"^`model.advantage_estimator`: `remax`'s greedy baseline is one greedy answer"),
-    (["--model.rollout_engine.name=vllm"], r"^`model.rollout_engine` `name: vllm`, `placement: colocated`: multi-turn"),
     (["--model.generation.kv_cache=static"],
      r"^`model.multi_turn.cache_across_turns: true` continues Hugging Face generate's cache, but the static decode"
      r" loop \(`model.generation.kv_cache: static`\)"),
