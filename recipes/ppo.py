@@ -208,7 +208,7 @@ class PPOModule(LightningModule):
         self._validate(name_or_path, dtype, lora, advantage_estimator, reward, reward_model, reference,
                        generation, ppo, kl, grpo, critic, memory_plan, logits_chunk_size,
                        trust_remote_code=trust_remote_code, attn_implementation=attn_implementation,
-                       environment=environment, multi_turn=multi_turn, rollout_engine=rollout_engine)
+                       environment=environment, multi_turn=multi_turn)
         # logger=False: the CLI logs the whole resolved config (lightning_mem.cli.RunConfigCallback).
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "critic_optimizer", "environment"], logger=False)
         for name in ("reward", "gold_reward"):
@@ -315,8 +315,7 @@ class PPOModule(LightningModule):
     @staticmethod
     def _validate(name_or_path, dtype, lora, advantage_estimator, reward, reward_model, reference,
                   generation, ppo, kl, grpo, critic, memory_plan, logits_chunk_size, *,
-                  trust_remote_code=False, attn_implementation=None, environment=None, multi_turn=None,
-                  rollout_engine=None) -> None:
+                  trust_remote_code=False, attn_implementation=None, environment=None, multi_turn=None) -> None:
         check_model_source(name_or_path, key="model.name_or_path")
         if ppo.packing:  # the actor, reference and critic all load with this attention
             check_packing_attention(attn_implementation, key="model.attn_implementation", packing_key="model.ppo.packing")
@@ -325,7 +324,7 @@ class PPOModule(LightningModule):
             raise SettingError("model.advantage_estimator", f" must be one of {ADVANTAGE_ESTIMATORS}, got {advantage_estimator!r}")
         with settings_at("model"):  # what an environment cannot work with (lightning_mem.rl.multi_turn)
             check_multi_turn(environment, multi_turn, scored_otherwise=reward is not None or reward_model is not None,
-                             advantage_estimator=advantage_estimator, engine=rollout_engine, generation=generation)
+                             advantage_estimator=advantage_estimator, generation=generation)
         if environment is None and (reward is None) == (reward_model is None):
             raise SettingError(
                 "model.reward", "set exactly one of `model.reward` (a rule's class_path) and `model.reward_model` (a"
@@ -622,6 +621,7 @@ class PPOModule(LightningModule):
             # The behaviour log-probs run in the score phase's micro-batches: same budget, same packing.
             logprob_max_tokens=self.ppo.logprob_budget, packing=self.ppo.packing,
             engine=self.rollout_engine_config,  # its `name` picks the generators' engine
+            environment=self.environment, multi_turn=self.multi_turn,  # with an environment, they run the trajectories
         )
 
     def _generator_dtype(self) -> torch.dtype:
@@ -642,7 +642,7 @@ class PPOModule(LightningModule):
         group = self.grpo.group_size if self.advantage_estimator in GROUPED else 1
         self.async_rollouts = AsyncRollouts(self.async_config, client, self._prompts_of, group_size=group,
                                             greedy_baseline=self.advantage_estimator in GREEDY_BASELINE,
-                                            say=rank_zero_info)
+                                            multi_turn=self.environment is not None, say=rank_zero_info)
         if self._async_state is not None:
             self.async_rollouts.load_state_dict(self._async_state)
 
@@ -742,8 +742,9 @@ class PPOModule(LightningModule):
         if greedy is not None:
             exp.baseline_responses = self._decode(greedy)
         for name in ("input_ids", "attention_mask", "prompt_lengths", "response_ids", "response_mask",
-                     "engine_logprobs", "versions"):
-            setattr(exp, name, getattr(exp, name).to(self.device))
+                     "engine_logprobs", "versions", "scores", "sample_keep"):  # (the last two: an environment's)
+            if getattr(exp, name) is not None:
+                setattr(exp, name, getattr(exp, name).to(self.device))
         counts = {k: v for k, v in metrics.items() if k.startswith("async/staleness_") or k in ("async/dropped", "async/late")}
         exp.sample_stats.update({k: torch.tensor(v, dtype=torch.float64) for k, v in counts.items()})
         self._async_metrics = {k: v for k, v in metrics.items() if k not in counts}

@@ -43,6 +43,7 @@ from lightning_mem.rl.environments import Environment, as_step
 from lightning_mem.rl.rollout import Experience
 from lightning_mem.rl.tools import Timeout, call_with_timeout, tool_schemas
 from lightning_mem.rl.trajectory import ChatRenderer, PrefixError, Trajectory, experience_from_trajectories
+from lightning_mem.rl.turn_sampling import device_of
 from lightning_mem.settings import check_fields
 
 #: Counts every rollout reports (each rank the same names: the step sums them over ranks).
@@ -111,7 +112,7 @@ class MultiTurnRollout:
                 logprobs = getattr(self.sampler, "last_logprobs", None) or [None] * len(sampled)
                 for i, ids, lp in zip(running, sampled, logprobs):
                     self._turn(trajectories[i], ids, lp)
-        device = next(model.parameters()).device
+        device = device_of(model)
         exp = experience_from_trajectories(trajectories, pad_token_id=self.pad_token_id, device=device,
                                            mask_at_budget=self.config.at_budget == "mask")
         exp.prompts = [self.renderer.tokenizer.decode(t.prompt_ids, skip_special_tokens=True) for t in trajectories]
@@ -201,6 +202,22 @@ class MultiTurnRollout:
         return {PREFIX + k: torch.tensor(v, dtype=torch.float64, device=device) for k, v in sums.items()}
 
 
+def trajectory_extras(exp: Experience) -> dict[str, Any]:
+    """What a multi-turn Experience holds beyond its token tensors, as plain data: the scores, which
+    trajectories train, the step's sums, the texts. Separate placement sends it back with the samples."""
+    return {"scores": exp.scores.tolist(), "keep": exp.sample_keep.tolist(), "prompts": exp.prompts,
+            "responses": exp.responses, "stats": {k: float(v) for k, v in exp.sample_stats.items()}}
+
+
+def with_trajectory_extras(exp: Experience, extras: dict[str, Any]) -> Experience:
+    """``exp`` (a generator's tensors) with :func:`trajectory_extras` back in place, exactly."""
+    exp.scores = torch.tensor(extras["scores"], dtype=torch.float32)
+    exp.sample_keep = torch.tensor(extras["keep"], dtype=torch.bool)
+    exp.prompts, exp.responses = extras["prompts"], extras["responses"]
+    exp.sample_stats.update({k: torch.tensor(v, dtype=torch.float64) for k, v in extras["stats"].items()})
+    return exp
+
+
 def trajectory_metrics(totals: dict[str, Tensor]) -> dict[str, Tensor]:
     """The step's multi-turn metrics from its sums over all ranks: turns and observation tokens per
     trajectory, the share that ended at its budget, and every count as it is."""
@@ -221,7 +238,7 @@ def trajectory_metrics(totals: dict[str, Tensor]) -> dict[str, Tensor]:
 
 
 def check_multi_turn(environment: Any, config: MultiTurnConfig, *, scored_otherwise: bool, advantage_estimator: str,
-                     engine: Any, generation: Any) -> None:
+                     generation: Any) -> None:
     """Refuse the settings a multi-turn run cannot work with, named relative to the recipe's model
     section (``environment``, ``multi_turn.*``...); nothing when ``environment`` is None."""
     from lightning_mem.rl.advantages import GREEDY_BASELINE
@@ -237,9 +254,6 @@ def check_multi_turn(environment: Any, config: MultiTurnConfig, *, scored_otherw
     if advantage_estimator in GREEDY_BASELINE:
         raise SettingNotSupported("advantage_estimator", f": `{advantage_estimator}`'s greedy baseline is one greedy"
                                   " answer, not yet a greedy trajectory: pick another estimator with `environment`")
-    if engine.placement != "colocated":
-        raise SettingNotSupported("rollout_engine", f" `placement: {engine.placement}`: multi-turn rollouts run"
-                                  " colocated so far")
     if generation.kv_cache == "static" and config.cache_across_turns:
         raise SettingError("multi_turn.cache_across_turns", "`multi_turn.cache_across_turns: true` continues Hugging Face"
                            " generate's cache, but the static decode loop (`generation.kv_cache: static`) lays out its"

@@ -114,11 +114,11 @@ class CachedTurns:
         """One turn for ``rows``: each row's sampled ids up to and including its end token."""
         if not rows:
             if synced:  # the other ranks still sample: run their forward passes alongside
-                dummy = torch.tensor([[self.pad_token_id]], device=_device(model))
+                dummy = torch.tensor([[self.pad_token_id]], device=device_of(model))
                 model.generate(input_ids=dummy, attention_mask=torch.ones_like(dummy), synced_gpus=True,
                                generation_config=self._settings(1))
             return []
-        self._layout(rows, new_ids, _device(model))
+        self._layout(rows, new_ids, device_of(model))
         width = self.ids.shape[1]
         sequences = model.generate(input_ids=self.ids, attention_mask=self.mask, synced_gpus=synced,
                                    generation_config=self._settings(max_new_tokens),
@@ -160,7 +160,7 @@ class PrefillTurns:
         for r, ids in zip(rows, new_ids):
             self.sequences[r] = self.sequences.get(r, []) + list(ids)
         prompts = [self.sequences[r] for r in rows] or [[self.engine.pad_token_id]]
-        ids, mask = pad_sequences(prompts, self.engine.pad_token_id, side="left", device=_device(model))
+        ids, mask = pad_sequences(prompts, self.engine.pad_token_id, side="left", device=device_of(model))
         config = self.engine.config
         self.engine.config = replace(config, max_new_tokens=max_new_tokens if rows else 1)
         try:
@@ -176,8 +176,10 @@ class PrefillTurns:
         return sampled
 
 
-def _device(model: torch.nn.Module) -> torch.device:
-    return next(model.parameters()).device
+def device_of(model: torch.nn.Module | None) -> torch.device:
+    """Where a batch for ``model`` goes; the CPU for an engine that holds the weights itself (vLLM's
+    generator has no model of ours)."""
+    return next(model.parameters()).device if model is not None else torch.device("cpu")
 
 
 def _cache_keyword(model: torch.nn.Module) -> str:
