@@ -99,7 +99,7 @@ from lightning_mem.rl.memory_plan import PhaseMemory, PhaseMemoryPlan
 from lightning_mem.rl.microbatch import PackedBudget
 from lightning_mem.rl.environments import EnvironmentFactory
 from lightning_mem.rl.multi_turn import (MultiTurnConfig, MultiTurnRollout, check_multi_turn, check_template,
-                                         environment_keys, multi_turn_rollout, trajectory_metrics)
+                                         environment_keys, trajectory_metrics)
 from lightning_mem.rl.reference import AdaptersOff, FrozenCopy, ReferenceMode, disable_dropout, reference_policy
 from lightning_mem.rl.reward import RewardFunction, RewardModel, check_reward_model_source, load_reward_model
 from lightning_mem.rl.rng import SamplingRNG
@@ -542,7 +542,7 @@ class PPOModule(LightningModule):
             dtype=dtypes["compute"], trust_remote_code=hp.trust_remote_code,
         )
         if self.environment is not None:  # multi-turn: the trajectory loop samples with this engine
-            self.trajectories = multi_turn_rollout(
+            self.trajectories = step_io(self._trainer).multi_turn_rollout(
                 self.environment, self.multi_turn, tokenizer=self.tokenizer, generation=self.generation,
                 engine=self.rollout_engine, eos_token_ids=self.eos_token_ids, pad_token_id=self.tokenizer.pad_token_id)
 
