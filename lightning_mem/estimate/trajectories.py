@@ -69,9 +69,10 @@ class LongestTrajectories:
         finally:
             self.engine.config = generation
         n = len(exp)
-        exp.scores = torch.zeros(n, device=device)
-        exp.sample_keep = torch.ones(n, dtype=torch.bool, device=device)
+        # From data, as a reward rule's scores are: constants the estimate's fake mode keeps real.
+        exp.scores = torch.tensor([0.0] * n, device=device)
+        exp.sample_keep = torch.tensor([True] * n, device=device)
         exp.prompts, exp.responses = [""] * n, [""] * n  # nothing to decode from fake tokens
-        exp.sample_stats.update({PREFIX + name: torch.zeros((), dtype=torch.float64, device=device)
+        exp.sample_stats.update({PREFIX + name: torch.tensor(0.0, dtype=torch.float64, device=device)
                                  for name in self.counters})
         return exp
