@@ -44,7 +44,7 @@ module call, plain autograd with the logits kept for backward).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal, Union
 
@@ -91,6 +91,7 @@ class TokenScores:
     logprobs: Tensor  # [n] fp32: log p(target | prefix) at the given temperature
     entropy: Tensor | None  # [n] fp32, when asked for
     hidden: Tensor | None  # [n, hidden] final hidden states of the scored positions, when asked for
+    extra: Tensor | None = None  # what ``score_tokens``' ``extra`` computed from them, when given
 
 
 def chunked_logprobs(
@@ -498,7 +499,7 @@ class ScoredOutputLayer(nn.Module):
 
     It receives the final hidden states ``[B, T, H]`` the model would project to logits, gathers
     the rows at ``positions`` (flat indices ``b * T + t``), and returns a tuple
-    ``(logprobs, entropy, hidden)`` of :class:`TokenScores` fields in place of logits.
+    ``(logprobs, entropy, hidden, extra)`` of :class:`TokenScores` fields in place of logits.
     """
 
     def __init__(
@@ -512,6 +513,7 @@ class ScoredOutputLayer(nn.Module):
         with_entropy: bool,
         entropy_grad: bool,
         with_hidden: bool,
+        extra: Callable[[Tensor, nn.Module], Tensor] | None = None,
     ) -> None:
         super().__init__()
         # Kept out of the module tree (a plain attribute, not a submodule): the real layer stays
@@ -520,8 +522,9 @@ class ScoredOutputLayer(nn.Module):
         self.positions, self.targets = positions, targets
         self.chunk_size, self.temperature = chunk_size, temperature
         self.with_entropy, self.entropy_grad, self.with_hidden = with_entropy, entropy_grad, with_hidden
+        self.extra = extra
 
-    def forward(self, hidden_states: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    def forward(self, hidden_states: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
         hidden = hidden_states.reshape(-1, hidden_states.shape[-1]).index_select(0, self.positions)
         logprobs, entropy = chunked_logprobs(
             hidden,
@@ -532,7 +535,8 @@ class ScoredOutputLayer(nn.Module):
             with_entropy=self.with_entropy,
             entropy_grad=self.entropy_grad,
         )
-        return logprobs, entropy, (hidden if self.with_hidden else None)
+        extra = self.extra(hidden, self.output_layer) if self.extra is not None else None
+        return logprobs, entropy, (hidden if self.with_hidden else None), extra
 
 
 def causal_lm_of(model: nn.Module) -> nn.Module:
@@ -592,6 +596,7 @@ def score_tokens(
     entropy_grad: bool = True,
     with_hidden: bool = False,
     position_ids: Tensor | None = None,
+    extra: Callable[[Tensor, nn.Module], Tensor] | None = None,
 ) -> TokenScores:
     """Run ``model`` on a right- or left-padded batch and score ``targets`` at ``positions``.
 
@@ -613,10 +618,15 @@ def score_tokens(
         with_entropy, entropy_grad: the entropy of each position's distribution, with or
             without a gradient.
         with_hidden: also return the gathered final hidden states (a shared value head reads them).
+        extra: ``extra(hidden rows [n, H], output layer) -> Tensor``, computed inside the forward,
+            where the output layer is what the forward uses (a sharding strategy has its weight
+            whole there, as FSDP2's root unit does) and the result's backward passes the strategy's
+            hooks as the log-probs' does; returned as :attr:`TokenScores.extra` (a distillation
+            divergence, :mod:`lightning_mem.distillation`).
     """
     check_supported(model)
     options = dict(chunk_size=chunk_size or None, temperature=temperature, with_entropy=with_entropy,
-                   entropy_grad=entropy_grad, with_hidden=with_hidden)
+                   entropy_grad=entropy_grad, with_hidden=with_hidden, extra=extra)
     layout = layout_of(model)
     if layout is None:
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
@@ -646,7 +656,8 @@ def _scored_split_forward(model: nn.Module, input_ids: Tensor, attention_mask: T
     if not layout.context_parallel:
         return scores
     owners = shard.owners(positions, width)
-    return TokenScores(*(gather_scattered(value, owners, layout) for value in (scores.logprobs, scores.entropy, scores.hidden)))
+    return TokenScores(*(gather_scattered(value, owners, layout)
+                         for value in (scores.logprobs, scores.entropy, scores.hidden, scores.extra)))
 
 
 def _scored_forward(model: nn.Module, inputs: dict[str, Tensor], positions: Tensor, targets: Tensor,
@@ -656,12 +667,38 @@ def _scored_forward(model: nn.Module, inputs: dict[str, Tensor], positions: Tens
     with _output_layer_replaced(lm, head):
         out = model(**inputs, use_cache=False)
     scores = out.logits if hasattr(out, "logits") else out[0]
-    if not isinstance(scores, tuple) or len(scores) != 3:
+    if not isinstance(scores, tuple) or len(scores) != 4:
         raise ValueError(
             f"{type(lm).__name__}'s forward changed the output layer's result before returning it; the chunked"
             " logits path cannot be used with this model: set `chunk_size: null`"
         )
     return TokenScores(*scores)
+
+
+class _HiddenRows(nn.Module):
+    """Stands in for the output layer: returns the final hidden states at ``positions``, ``[n, hidden]``."""
+
+    def __init__(self, positions: Tensor) -> None:
+        super().__init__()
+        self.positions = positions
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        return hidden_states.reshape(-1, hidden_states.shape[-1]).index_select(0, self.positions)
+
+
+def hidden_states_at(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, positions: Tensor, *,
+                     position_ids: Tensor | None = None) -> Tensor:
+    """``[n, hidden]``: the final hidden states ``model``'s output layer would read at ``positions``
+    (flat indices ``b * T + t``), its output layer skipped (a distillation teacher's forward: the
+    loss applies the output layer itself, a chunk at a time). Arguments as :func:`score_tokens`."""
+    check_supported(model)  # a model that post-processes its logits cannot be read this way either
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+    if position_ids is not None:
+        inputs["position_ids"] = position_ids
+    lm = causal_lm_of(model)
+    with _output_layer_replaced(lm, _HiddenRows(positions)):
+        out = model(**inputs, use_cache=False)
+    return out.logits if hasattr(out, "logits") else out[0]
 
 
 def next_token_targets(input_ids: Tensor, labels: Tensor, ignore_index: int = -100) -> tuple[Tensor, Tensor]:

@@ -328,8 +328,8 @@ class PPOModule(LightningModule):
         if environment is None and (reward is None) == (reward_model is None):
             raise SettingError(
                 "model.reward", "set exactly one of `model.reward` (a rule's class_path) and `model.reward_model` (a"
-                f" learned reward's folder); this config sets {'both' if reward is not None else 'neither'}",
-                siblings=("model.reward_model",))
+                " learned reward's folder), or `model.environment`; this config sets"
+                f" {'both' if reward is not None else 'neither'}", siblings=("model.reward_model",))
         if reward is not None and not callable(reward):
             raise TypeError(f"`model.reward` must be a RewardFunction, got {type(reward).__name__}")
         if reward_model is not None:  # its config.json: a classifier with more than one output is refused
@@ -430,8 +430,8 @@ class PPOModule(LightningModule):
         # The data are loaded (the datamodule's setup runs first), the models are not: a row the
         # reward rule cannot score fails now rather than minutes into the first rollout.
         train_set = getattr(self.trainer.datamodule, "train_set", None)
-        scoring = self.reward_fn if self.reward_fn is not None else environment_keys(self.environment)
-        for rule in (scoring, self.gold_reward_fn):
+        trained_on = self.reward_fn if self.reward_fn is not None else environment_keys(self.environment)
+        for rule in (trained_on, self.gold_reward_fn):
             if rule is None or train_set is None:
                 continue
             source = str(getattr(self.trainer.datamodule, "train_path", "data"))

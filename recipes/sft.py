@@ -3,6 +3,7 @@
     python -m recipes.sft fit --config configs/sft/tiny_cpu.yaml
     python -m recipes.sft fit --config configs/sft/tiny_cpu.yaml --ckpt_path last   # resume
     python -m recipes.sft fit --config configs/sft/tiny_cpu_lora.yaml               # LoRA adapters
+    python -m recipes.sft fit --config configs/sft/tiny_cpu_distill.yaml            # from a teacher's logits
     python -m recipes.sft merge --adapter runs/sft/tiny_cpu_lora/export --out runs/sft/tiny_cpu_lora/merged
     python -m recipes.sft export --config configs/sft/tiny_cpu.yaml \
         --ckpt_path runs/sft/tiny_cpu/checkpoints/last.ckpt --out runs/sft/tiny_cpu/export_last
@@ -11,7 +12,10 @@ The memory plan (strategy, precision, checkpointing, offload, optimizer) lives i
 file is the algorithm: next-token cross-entropy on the assistant's tokens, as a token mean over
 each optimizer step (every micro-batch of the accumulation, every rank). With ``model.lora`` the
 base is frozen and LoRA adapters train (:mod:`lightning_mem.lora`): checkpoints then hold the
-adapters only, and the export is a peft adapter that ``merge`` folds into a plain HF model.
+adapters only, and the export is a peft adapter that ``merge`` folds into a plain HF model. With
+``model.distillation`` a frozen teacher's forward (its own phase, ``teacher``) gives its final hidden
+states at the same positions, and the divergence of the student's distribution from the teacher's is
+mixed with the cross-entropy (:mod:`lightning_mem.distillation`).
 """
 
 from __future__ import annotations
@@ -25,12 +29,14 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_mem.callbacks import memory_phase
 from lightning_mem.callbacks.shared_casts import SharedCasts
 from lightning_mem.callbacks.training_dtypes import TrainingDtypes
 from lightning_mem.checkpointing import check_trainable_kept, keep_trainable
 from lightning_mem.cli import RecipeCLI, run_command
 from lightning_mem.data import SFTDataModule
 from lightning_mem.data.packing import VARLEN_ATTENTION, check_packing_attention, flatten_rows
+from lightning_mem.distillation import DistillationSettings, LogitDistillation
 from lightning_mem.export import export_hf, export_main
 from lightning_mem.clipping import ClipsGradients
 from lightning_mem.gradients import FreesGradientsAfterStep
@@ -101,6 +107,11 @@ class SFTModule(FreesGradientsAfterStep, ClipsGradients, LightningModule):
         random_init_dir, init_seed: with ``lora`` and a config-only base folder, the seeded random
             weights the adapters train on are saved there (relative to
             ``trainer.default_root_dir``), so the adapter names a base that can be reloaded.
+        distillation: learn from a frozen teacher's distribution too
+            (:class:`~lightning_mem.distillation.DistillationSettings`: ``teacher``, ``loss``,
+            ``beta``, ``temperature``, ``kd_ratio``, ``top_k``): the training loss becomes
+            ``(1 - kd_ratio) * CE + kd_ratio * divergence``, each a token mean over the step; the
+            teacher's forward is a phase of its own (``teacher``). Validation stays the CE.
     """
 
     def __init__(
@@ -116,6 +127,7 @@ class SFTModule(FreesGradientsAfterStep, ClipsGradients, LightningModule):
         lora: LoraSettings | None = None,
         random_init_dir: str = "random_base",
         init_seed: int = 0,
+        distillation: DistillationSettings | None = None,
     ) -> None:
         super().__init__()
         check_model_source(name_or_path, key="model.name_or_path")  # fail before anything is loaded
@@ -130,6 +142,10 @@ class SFTModule(FreesGradientsAfterStep, ClipsGradients, LightningModule):
             # Checkpoints carry the trainable tensors only, so loading one leaves the base's keys missing.
             self.strict_loading = False
         self.lora = lora
+        if isinstance(distillation, dict):  # as lora: the CLI's hparams hold plain dicts
+            with settings_at("model.distillation"):
+                distillation = DistillationSettings(**distillation)
+        self.distillation = LogitDistillation(distillation) if distillation is not None else None
         # logger=False: the CLI logs the whole resolved config (lightning_mem.cli.RunConfigCallback).
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"], logger=False)
         self.optimizer_factory = optimizer
@@ -147,6 +163,11 @@ class SFTModule(FreesGradientsAfterStep, ClipsGradients, LightningModule):
         # A model the strategy cannot split its way (heads vs tensor/context-parallel sizes) fails now.
         with settings_at("trainer.strategy.init_args"):
             check_model_splits(self.trainer, self.hparams.name_or_path, trust_remote_code=self.hparams.trust_remote_code)
+        if self.distillation is not None:  # the teacher's tokenizer, attention and the strategy, before any load
+            with settings_at("model.distillation"):
+                self.distillation.check(self.hparams.name_or_path, trainer=self.trainer,
+                                        trust_remote_code=self.hparams.trust_remote_code,
+                                        packing=getattr(self.trainer.datamodule, "packing", False))
 
     def configure_callbacks(self) -> list[Any]:
         # TrainingDtypes: one line at the start, the dtypes this run really has. SharedCasts: linear
@@ -196,13 +217,20 @@ class SFTModule(FreesGradientsAfterStep, ClipsGradients, LightningModule):
         self.model.train()
         if self.logits_chunk_size:  # a model the chunked path cannot score fails here, naming our key
             check_supported(self.model, key="model.logits_chunk_size")
+        if self.distillation is not None:  # frozen, outside this module's tree, placed as the YAML says
+            with settings_at("model.distillation"):
+                self.distillation.load_teacher(self.trainer, compute_dtype=trainer_dtypes(self._trainer).compute,
+                                               trust_remote_code=hp.trust_remote_code,
+                                               attn_implementation=hp.attn_implementation, init_seed=hp.init_seed)
 
     def forward(self, **batch: torch.Tensor) -> Any:
         return self.model(**batch)
 
-    # -- the algorithm: cross-entropy on assistant tokens ---------------------------------------
-    def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
-        """``(summed cross-entropy, label tokens)`` of a micro-batch; -100 marks prompt and padding."""
+    # -- the algorithm: cross-entropy on assistant tokens (and the teacher's divergence) -------------
+    def loss(self, batch: dict[str, torch.Tensor], *, distill: bool = False) -> tuple[torch.Tensor, int]:
+        """``(summed loss, label tokens)`` of a micro-batch; -100 marks prompt and padding. The loss is
+        the cross-entropy, mixed with the divergence from the teacher when ``distill`` (training with
+        ``model.distillation``)."""
         positions, targets = batch.get("target_positions"), batch.get("target_ids")
         if self.hparams.attn_implementation in VARLEN_ATTENTION:
             flat = flatten_rows(batch)  # varlen flash-attention isolates the examples of one row only
@@ -210,16 +238,29 @@ class SFTModule(FreesGradientsAfterStep, ClipsGradients, LightningModule):
                 batch, positions = flat, None
         if positions is None:  # a batch of a datamodule of your own: found on the device (a host sync)
             positions, targets = next_token_targets(batch["input_ids"], batch["labels"])
-        # Packed rows (data.packing) have restarting position_ids and no attention mask.
+        teacher = None
+        if distill and self.distillation is not None:
+            with memory_phase(self._trainer, "teacher"):  # the teacher's forward, no gradients: a phase of its own
+                teacher = self.distillation.teacher_hidden(batch["input_ids"], batch.get("attention_mask"), positions,
+                                                           position_ids=batch.get("position_ids"))
+        # Packed rows (data.packing) have restarting position_ids and no attention mask. With a teacher,
+        # the divergence is computed in the same forward, from the same rows and output layer.
+        divergence = None if teacher is None else self.distillation.in_forward(teacher, chunk_size=self.logits_chunk_size)
         scores = score_tokens(
             self.model, batch["input_ids"], batch.get("attention_mask"), positions, targets,
-            chunk_size=self.logits_chunk_size, position_ids=batch.get("position_ids"),
+            chunk_size=self.logits_chunk_size, position_ids=batch.get("position_ids"), extra=divergence,
         )
         # The count is the targets' length: the host knows it, whoever found them.
-        return -scores.logprobs.sum(), targets.numel()
+        cross_entropy, tokens = -scores.logprobs.sum(), targets.numel()
+        if teacher is None:
+            return cross_entropy, tokens
+        divergence = scores.extra.sum()
+        for name, value in (("train_ce_loss", cross_entropy), ("train_kd_loss", divergence)):
+            self.log(name, value.detach() / max(tokens, 1), on_step=True, on_epoch=False)
+        return self.distillation.mix(cross_entropy, divergence), tokens
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss_sum, tokens = self.loss(batch)
+        loss_sum, tokens = self.loss(batch, distill=True)
         # Tensors on the device, logged without prog_bar: Lightning reads a prog_bar value back after
         # every batch (a host sync per micro-batch on a GPU); the logger reads these at its log steps,
         # and the recipes' progress bars show train_loss from those reads (callbacks/progress.py).

@@ -1,5 +1,7 @@
-"""Make the shipped CPU assets: the arithmetic dataset in data/arithmetic/ and the tiny
-Llama-architecture model config + tokenizer in assets/tiny-llama/.
+"""Make the shipped CPU assets: the arithmetic dataset in data/arithmetic/, the tiny
+Llama-architecture model config + tokenizer in assets/tiny-llama/, and a smaller student of the same
+tokenizer in assets/tiny-llama-student/ (half the width and half the blocks: what the SFT demo's
+export teaches in configs/sft/tiny_cpu_distill.yaml).
 
 Deterministic: running it again rewrites the same files byte for byte.
 
@@ -14,11 +16,14 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA_DIR = ROOT / "data" / "arithmetic"
 MODEL_DIR = ROOT / "assets" / "tiny-llama"
+STUDENT_DIR = ROOT / "assets" / "tiny-llama-student"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 MAX_OPERAND = 20
 SPECIAL_TOKENS = ["<|pad|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>"]
@@ -113,17 +118,22 @@ def make_tokenizer(texts: list[str]) -> None:
     fast.save_pretrained(MODEL_DIR)
 
 
-def make_config() -> None:
+def make_config(folder: Path = MODEL_DIR, *, hidden: int = 256, intermediate: int = 688, layers: int = 4,
+                heads: int = 8, kv_heads: int = 4) -> None:
     from transformers import AutoTokenizer, LlamaConfig
 
     tok = AutoTokenizer.from_pretrained(MODEL_DIR)
+    if folder != MODEL_DIR:  # the same tokenizer files, byte for byte: a student speaks its teacher's tokens
+        folder.mkdir(parents=True, exist_ok=True)
+        for name in TOKENIZER_FILES:
+            shutil.copyfile(MODEL_DIR / name, folder / name)
     config = LlamaConfig(
         vocab_size=len(tok),
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=256,
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
@@ -131,14 +141,15 @@ def make_config() -> None:
         eos_token_id=tok.eos_token_id,
         bos_token_id=None,
     )
-    config.save_pretrained(MODEL_DIR)
+    config.save_pretrained(folder)
 
 
 def main() -> None:
     texts = make_data()
     make_tokenizer(texts)
     make_config()
-    print(f"wrote {DATA_DIR} and {MODEL_DIR}")
+    make_config(STUDENT_DIR, hidden=128, intermediate=344, layers=2, heads=4, kv_heads=2)
+    print(f"wrote {DATA_DIR}, {MODEL_DIR} and {STUDENT_DIR}")
 
 
 if __name__ == "__main__":

@@ -124,3 +124,19 @@ def test_the_readmes_demo_figure_is_the_recorded_runs():
     low, high = map(int, claim.groups())
     rates = record["greedy_exact"].values()
     assert (low, high) == (math.floor(100 * min(rates)), math.ceil(100 * max(rates)))
+
+
+def test_the_distillation_figure_is_the_recorded_runs():
+    """docs/distillation.md states what `scripts/distill_figure.py` recorded: distillation above SFT
+    alone in each of at least three seeds, on the current config, data and models."""
+    from scripts.distill_figure import RECORD, fingerprint
+    from tests.helpers import REPO
+
+    record = json.loads(RECORD.read_text())
+    assert record["inputs"] == fingerprint(), "the runs' inputs changed: rerun scripts/distill_figure.py"
+    rates = record["greedy_exact"]
+    assert len(rates) >= 3 and record["distill_wins_every_seed"]
+    assert all(r["distill"] > r["sft"] for r in rates.values())
+    doc = (REPO / "docs" / "distillation.md").read_text()
+    for seed, r in rates.items():
+        assert f"| {seed} | {r['sft']:.3f} | {r['distill']:.3f} |" in doc, seed

@@ -121,15 +121,19 @@ def config_only_copy(name_or_path: str, key: str, workdir: Path) -> str:
     return str(target)
 
 
-#: Where a recipe config names its models (the policy; PPO's critic and reward model).
+#: Where a recipe config names its models (the policy; PPO's critic and reward model; a
+#: distillation teacher), by their section's dotted path under ``model``.
 MODEL_KEYS = (("", "model.name_or_path"), ("critic", "model.critic.name_or_path"),
-              ("reward_model", "model.reward_model.name_or_path"))
+              ("reward_model", "model.reward_model.name_or_path"),
+              ("distillation.teacher", "model.distillation.teacher.name_or_path"))
 
 
 def _model_locations(model_cfg: Any) -> Iterator[tuple[Any, str]]:
     """``(section holding name_or_path, its key)`` for every model the config names."""
     for attr, key in MODEL_KEYS:
-        holder = getattr(model_cfg, attr, None) if attr else model_cfg
+        holder = model_cfg
+        for part in attr.split(".") if attr else ():
+            holder = getattr(holder, part, None)
         if holder is not None and getattr(holder, "name_or_path", None):
             yield holder, key
 

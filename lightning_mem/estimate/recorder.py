@@ -21,6 +21,7 @@ from torch import nn
 from lightning.pytorch import Callback
 from typing_extensions import override
 
+from lightning_mem.distillation.teacher import held_models
 from lightning_mem.estimate.fake import fake_only_stash, swap_or_set_data
 from lightning_mem.estimate.sharding import Sharding, shard_per_rank
 from lightning_mem.estimate.tracker import HOST, MemoryLedger
@@ -126,7 +127,10 @@ class PhaseRecorder(Callback):
     unless its storage is on the host). The phases are those a step reports (``rollout``, ``score``,
     ``train``: :func:`lightning_mem.callbacks.memory_phase` reaches this callback as it reaches the
     ``MemoryMonitor``); a step that reports none is one phase, ``train``, from its first micro-batch
-    to its optimizer step. Over several measured steps a phase keeps its largest peak.
+    to its optimizer step, and the time a step spends outside the phases it reports is ``train``
+    too when it reports no ``train`` of its own (the SFT recipe's ``teacher`` phase: the student's
+    forward, backward and optimizer step are around it). Over several measured steps a phase keeps
+    its largest peak.
     :meth:`measured` says which optimizer steps count (the estimate: the one after its warm-up; a
     real run: every one after the first).
     """
@@ -146,6 +150,8 @@ class PhaseRecorder(Callback):
         self._depth = 0  # open phases: nested ones (an engine's sleep inside the rollout) are part of theirs
         self._shape = ""
         self._phase: str | None = None  # the phase a step reported, while it runs
+        self._names: set[str] = set()  # the phases the current step reported
+        self._rest: PhaseEstimate | None = None  # its largest peak outside them
         #: Paged optimizer state (bitsandbytes' managed buffers) per parameter, and the largest one:
         #: the pages the update of one parameter needs on the device (see :func:`pages_on_a_gpu`).
         self.paged_bytes: dict[int, int] = {}
@@ -184,6 +190,7 @@ class PhaseRecorder(Callback):
         accumulate = trainer.accumulate_grad_batches
         if batch_idx % accumulate == 0 and self.measured(self.step_of(trainer, batch_idx)):  # a measured step begins
             self._measuring, self._named = True, False
+            self._names, self._rest = set(), None
             self._shape = self.describe(batch)
             self.ledger.reset_peak()
 
@@ -194,6 +201,10 @@ class PhaseRecorder(Callback):
             return
         if not self._named:  # a step that names no phases is one: train
             self._record("train", self.step_description(accumulate))
+        else:  # the time outside its phases is train, unless it named a train phase itself
+            self._fold_rest(self.step_description(accumulate))
+            if "train" not in self._names and self._rest is not None:
+                self._keep_peak(self._rest)
         self._measuring = False
 
     def step_description(self, accumulate: int) -> str:
@@ -211,7 +222,9 @@ class PhaseRecorder(Callback):
         self._depth += 1
         top = self._depth == 1 and self._measuring
         if top:
+            self._fold_rest(f"batch of {self._shape}")
             self._named, self._phase = True, name
+            self._names.add(name)
             self.retag()
             self.ledger.reset_peak()
         try:
@@ -222,8 +235,28 @@ class PhaseRecorder(Callback):
                 self._phase = None
         if top:
             self._record(name, f"batch of {self._shape}")
+            self.ledger.reset_peak()  # what follows, outside any phase, is measured on its own
+
+    def _fold_rest(self, shape: str) -> None:
+        """Keep the peak since the last phase (or the step's start) as the step's time outside its phases."""
+        if not self._measuring:
+            return
+        new = self._estimate("train", shape)
+        if self._rest is None or new.device_peak_bytes > self._rest.device_peak_bytes:
+            self._rest = new
 
     def _record(self, name: str, shape: str) -> None:
+        self._keep_peak(self._estimate(name, shape))
+
+    def _keep_peak(self, new: PhaseEstimate) -> None:
+        """``new`` is its phase's peak if it is the largest seen (the host peak: the largest either way)."""
+        old = self.peaks.get(new.phase)
+        if old is None or new.device_peak_bytes > old.device_peak_bytes:
+            self.peaks[new.phase] = new
+        if old is not None and old.host_peak_bytes > self.peaks[new.phase].host_peak_bytes:
+            self.peaks[new.phase].host_peak_bytes = old.host_peak_bytes
+
+    def _estimate(self, name: str, shape: str) -> PhaseEstimate:
         ledger = self.ledger
         if ledger.view is not None:  # the peak of one rank's view, taken at every moment
             breakdown, host = dict(ledger.peak_breakdown), ledger.peak_host_bytes
@@ -236,12 +269,7 @@ class PhaseRecorder(Callback):
             # it before the update); one parameter's, whole or this rank's shard of it.
             share = self.world_size if "optimizer_state" in self.sharding.shard else 1
             breakdown = {**breakdown, "optimizer_state": breakdown["optimizer_state"] + math.ceil(self.paged_working_set / share)}
-        new = PhaseEstimate(name, sum(breakdown.values()), breakdown, host, shape)
-        old = self.peaks.get(name)
-        if old is None or new.device_peak_bytes > old.device_peak_bytes:
-            self.peaks[name] = new
-        if old is not None and old.host_peak_bytes > self.peaks[name].host_peak_bytes:
-            self.peaks[name].host_peak_bytes = old.host_peak_bytes
+        return PhaseEstimate(name, sum(breakdown.values()), breakdown, host, shape)
 
     @staticmethod
     def describe(batch: Any) -> str:
@@ -267,7 +295,8 @@ class PhaseRecorder(Callback):
         if self.module is None:
             return
         ledger = self.ledger
-        for t in [*self.module.parameters(), *self.module.buffers(), *_quantization_state(self.module)]:
+        held = [t for m in held_models(self.module) for t in (*m.parameters(), *m.buffers(), *_quantization_state(m))]
+        for t in [*self.module.parameters(), *self.module.buffers(), *_quantization_state(self.module), *held]:
             if ledger.category_of(t) != HOST:
                 ledger.retag(t, "weights")
             if isinstance(t, nn.Parameter) and t.grad is not None and ledger.category_of(t.grad) != HOST:
