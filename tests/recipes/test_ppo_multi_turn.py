@@ -190,7 +190,7 @@ def test_a_prompt_row_without_the_environments_key_fails_before_any_model(tmp_pa
 # -- the demo -------------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow  # the target on the full config: 512 PPO steps (`pytest -m slow`; docs/ppo.md has the run)
+@pytest.mark.slow  # the target on the full config: 192 PPO steps (`pytest -m slow`; docs/ppo.md has the run)
 def test_the_multi_turn_demo_raises_the_reward(tmp_path, sft_export):
     root = _run(tmp_path, f"--model.name_or_path={sft_export}")
     first, *_, last = _quarters(root)
