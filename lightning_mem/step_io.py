@@ -70,6 +70,13 @@ class StepIO:
 
         return build_rollout_engine(config, generation, **kwargs)
 
+    def multi_turn_rollout(self, environment: Any, config: Any, **kwargs: Any) -> Any:
+        """:func:`lightning_mem.rl.multi_turn.multi_turn_rollout`: trajectories of ``environment``
+        within ``config``'s budgets (``model.environment``, ``model.multi_turn``)."""
+        from lightning_mem.rl.multi_turn import multi_turn_rollout
+
+        return multi_turn_rollout(environment, config, **kwargs)
+
     def async_client(self, spec: Any, **kwargs: Any) -> Any:
         """:class:`lightning_mem.rl.async_client.AsyncRolloutClient`: a training rank's end of separate
         placement's rollout group (rank 0 starts the generator processes ``spec`` describes)."""

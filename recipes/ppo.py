@@ -8,8 +8,10 @@ One training step is one PPO iteration on a batch of prompts:
                with an environment, multi-turn trajectories (:mod:`lightning_mem.rl.multi_turn`);
 2. score:      a reward rule or reward model judges each response (an environment scored its own);
 3.             old logprobs (actor), reference logprobs, values (critic), all without gradients;
+               with a distillation teacher, its logprobs of the sampled tokens (a phase of its own);
 4. advantages: per-token rewards with a KL penalty and GAE, whitened; or a critic-free estimator
                (GRPO's group-relative scores as they are, RLOO, REINFORCE++, ReMax, OPO, pass@k);
+               plus each token's reverse KL to a teacher (on-policy distillation);
                the filters' loss mask and the rollout correction's weights;
 5. update:     ``ppo_epochs`` over shuffled mini-batches of token-budget micro-batches: the policy
                loss (clipped surrogate, GSPO, CISPO, Clip-/KL-Cov or GMPO), clipped value loss,
@@ -94,12 +96,13 @@ from lightning_mem.rl.policy_losses import SEQUENCE_LOSSES, policy_loss
 from lightning_mem.rl.rollout_correction import correction_weights, mismatch_kl
 from lightning_mem.rl.sample_filters import groups_filtered, overlong_penalty, truncated, varied_groups
 from lightning_mem.rl.engines import RolloutEngineConfig, logprob_mismatch
+from lightning_mem.rl.distillation import NoReward, TeacherConfig, check_signals, on_policy_distillation, teacher_alone
 from lightning_mem.rl.critic import SeparateCritic, SharedHead, ValueHead, ValueModel, load_value_model, value_function
 from lightning_mem.rl.memory_plan import PhaseMemory, PhaseMemoryPlan
 from lightning_mem.rl.microbatch import PackedBudget
 from lightning_mem.rl.environments import EnvironmentFactory
 from lightning_mem.rl.multi_turn import (MultiTurnConfig, MultiTurnRollout, check_multi_turn, check_template,
-                                         environment_keys, multi_turn_rollout, trajectory_metrics)
+                                         environment_keys, trajectory_metrics)
 from lightning_mem.rl.reference import AdaptersOff, FrozenCopy, ReferenceMode, disable_dropout, reference_policy
 from lightning_mem.rl.reward import RewardFunction, RewardModel, check_reward_model_source, load_reward_model
 from lightning_mem.rl.rng import SamplingRNG
@@ -141,6 +144,11 @@ class PPOModule(LightningModule):
         reward: a rule, ``class_path`` of a :class:`~lightning_mem.rl.reward.RewardFunction`.
         reward_model: a learned reward instead (:class:`~lightning_mem.rl.config.RewardModelConfig`):
             a sequence classifier with one output, such as ``recipes.reward_model``'s export.
+        teacher: on-policy distillation (:class:`~lightning_mem.rl.distillation.TeacherConfig`): a
+            frozen teacher scores each sampled token in a phase of its own (``teacher``), and each
+            token's advantage gains ``coef * (log p_teacher - log p_old)`` after the estimator's
+            (:mod:`lightning_mem.rl.distillation`). With the teacher, ``reward`` and
+            ``reward_model`` may both be unset (every score is then 0).
         gold_reward: a rule scored on every rollout and logged as ``gold_reward_mean``, never trained
             on: the true reward beside a learned one (a reward model's score can rise while the
             rule's does not: over-optimization).
@@ -186,6 +194,7 @@ class PPOModule(LightningModule):
         advantage_estimator: AdvantageEstimator = "gae",
         reward: RewardFunction | None = None,
         reward_model: RewardModelConfig | None = None,
+        teacher: TeacherConfig | None = None,
         gold_reward: RewardFunction | None = None,
         reference: ReferenceMode = "auto",
         generation: GenerationConfig = GenerationConfig(),
@@ -208,7 +217,7 @@ class PPOModule(LightningModule):
         self._validate(name_or_path, dtype, lora, advantage_estimator, reward, reward_model, reference,
                        generation, ppo, kl, grpo, critic, memory_plan, logits_chunk_size,
                        trust_remote_code=trust_remote_code, attn_implementation=attn_implementation,
-                       environment=environment, multi_turn=multi_turn, rollout_engine=rollout_engine)
+                       environment=environment, multi_turn=multi_turn, teacher=teacher)
         # logger=False: the CLI logs the whole resolved config (lightning_mem.cli.RunConfigCallback).
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "critic_optimizer", "environment"], logger=False)
         for name in ("reward", "gold_reward"):
@@ -223,7 +232,7 @@ class PPOModule(LightningModule):
         self.strict_loading = False  # checkpoints hold only what trains (on_save_checkpoint)
         self.optimizer_factory, self.critic_optimizer_factory = optimizer, critic_optimizer
         self.lr_scheduler_factory = lr_scheduler
-        self.reward_fn = reward
+        self.reward_fn = NoReward() if teacher_alone(reward, reward_model, teacher, environment) else reward
         self.gold_reward_fn = gold_reward
         self.environment, self.multi_turn = environment, multi_turn
         self.lora = lora
@@ -231,6 +240,7 @@ class PPOModule(LightningModule):
         self.critic_config, self.memory_plan = critic, memory_plan
         # Kept as given: under the CLI, hparams hold the parsed config's plain dicts, not this dataclass.
         self.reward_model_config = reward_model
+        self.distillation = on_policy_distillation(teacher)
         self.logits_chunk_size = check_chunk_size(logits_chunk_size, key="model.logits_chunk_size")
         self.advantage_estimator = advantage_estimator
         self.use_critic = advantage_estimator in WITH_CRITIC
@@ -316,7 +326,7 @@ class PPOModule(LightningModule):
     def _validate(name_or_path, dtype, lora, advantage_estimator, reward, reward_model, reference,
                   generation, ppo, kl, grpo, critic, memory_plan, logits_chunk_size, *,
                   trust_remote_code=False, attn_implementation=None, environment=None, multi_turn=None,
-                  rollout_engine=None) -> None:
+                  teacher=None) -> None:
         check_model_source(name_or_path, key="model.name_or_path")
         if ppo.packing:  # the actor, reference and critic all load with this attention
             check_packing_attention(attn_implementation, key="model.attn_implementation", packing_key="model.ppo.packing")
@@ -325,12 +335,8 @@ class PPOModule(LightningModule):
             raise SettingError("model.advantage_estimator", f" must be one of {ADVANTAGE_ESTIMATORS}, got {advantage_estimator!r}")
         with settings_at("model"):  # what an environment cannot work with (lightning_mem.rl.multi_turn)
             check_multi_turn(environment, multi_turn, scored_otherwise=reward is not None or reward_model is not None,
-                             advantage_estimator=advantage_estimator, engine=rollout_engine, generation=generation)
-        if environment is None and (reward is None) == (reward_model is None):
-            raise SettingError(
-                "model.reward", "set exactly one of `model.reward` (a rule's class_path) and `model.reward_model` (a"
-                " learned reward's folder), or `model.environment`; this config sets"
-                f" {'both' if reward is not None else 'neither'}", siblings=("model.reward_model",))
+                             advantage_estimator=advantage_estimator, generation=generation)
+        check_signals(reward, reward_model, teacher, environment, advantage_estimator, filter_groups=ppo.filter_groups)
         if reward is not None and not callable(reward):
             raise TypeError(f"`model.reward` must be a RewardFunction, got {type(reward).__name__}")
         if reward_model is not None:  # its config.json: a classifier with more than one output is refused
@@ -428,6 +434,10 @@ class PPOModule(LightningModule):
         with settings_at("trainer.strategy.init_args"):
             for source in dict.fromkeys(sources):
                 check_model_splits(self.trainer, source, trust_remote_code=hp.trust_remote_code)
+        if self.distillation is not None:  # the teacher's tokenizer, attention and the strategy, before any load
+            with settings_at("model"):
+                self.distillation.check(hp.name_or_path, trainer=self.trainer, trust_remote_code=hp.trust_remote_code,
+                                        packing=self.ppo.packing)
         # The data are loaded (the datamodule's setup runs first), the models are not: a row the
         # reward rule cannot score fails now rather than minutes into the first rollout.
         train_set = getattr(self.trainer.datamodule, "train_set", None)
@@ -531,6 +541,10 @@ class PPOModule(LightningModule):
                 rm.name_or_path, dtype=dtypes["reward_model"], trust_remote_code=hp.trust_remote_code,
                 max_length=rm.max_length, key="model.reward_model.name_or_path",
             )
+        if self.distillation is not None:  # frozen, outside this module's tree, placed as `model.teacher.placement` says
+            with settings_at("model"):
+                self.distillation.load(self.trainer, compute_dtype=dtypes["compute"],
+                                       trust_remote_code=hp.trust_remote_code, attn_implementation=hp.attn_implementation)
         self.eos_token_ids = _eos_ids(self.actor, self.tokenizer)
         # Separate placement: the generators run the configured engine; a training rank samples
         # nothing, so it holds the plain one (no weights of its own, nothing to start or sync).
@@ -543,7 +557,7 @@ class PPOModule(LightningModule):
             dtype=dtypes["compute"], trust_remote_code=hp.trust_remote_code,
         )
         if self.environment is not None:  # multi-turn: the trajectory loop samples with this engine
-            self.trajectories = multi_turn_rollout(
+            self.trajectories = step_io(self._trainer).multi_turn_rollout(
                 self.environment, self.multi_turn, tokenizer=self.tokenizer, generation=self.generation,
                 engine=self.rollout_engine, eos_token_ids=self.eos_token_ids, pad_token_id=self.tokenizer.pad_token_id)
 
@@ -593,6 +607,7 @@ class PPOModule(LightningModule):
             reward_model=self.reward_model,
             rollout_engine=self.rollout_engine,
             actor=self.actor,
+            teacher=None if self.distillation is None else self.distillation.teacher,
         )
         # vLLM starts here, with the actor already on its device (its memory knobs see what is left);
         # the actor's weights reach it at the first rollout's sync.
@@ -622,6 +637,7 @@ class PPOModule(LightningModule):
             # The behaviour log-probs run in the score phase's micro-batches: same budget, same packing.
             logprob_max_tokens=self.ppo.logprob_budget, packing=self.ppo.packing,
             engine=self.rollout_engine_config,  # its `name` picks the generators' engine
+            environment=self.environment, multi_turn=self.multi_turn,  # with an environment, they run the trajectories
         )
 
     def _generator_dtype(self) -> torch.dtype:
@@ -642,7 +658,7 @@ class PPOModule(LightningModule):
         group = self.grpo.group_size if self.advantage_estimator in GROUPED else 1
         self.async_rollouts = AsyncRollouts(self.async_config, client, self._prompts_of, group_size=group,
                                             greedy_baseline=self.advantage_estimator in GREEDY_BASELINE,
-                                            say=rank_zero_info)
+                                            multi_turn=self.environment is not None, say=rank_zero_info)
         if self._async_state is not None:
             self.async_rollouts.load_state_dict(self._async_state)
 
@@ -694,6 +710,10 @@ class PPOModule(LightningModule):
         with self.memory.phase("score"):
             self.score(exp)
             self.logprobs_and_values(exp)
+        # 3b. On-policy distillation: the teacher's logprobs of the sampled tokens, in a phase of its own.
+        if self.distillation is not None:
+            with self.memory.phase("teacher"):
+                self.teacher_logprobs(exp)
         # An engine with weights of its own: how far off-policy it sampled (on-policy, without the
         # old-logprob pass, the update measures it against its own logprobs: see `loss`).
         if exp.engine_logprobs is not None and exp.old_logprobs is not None:
@@ -742,8 +762,9 @@ class PPOModule(LightningModule):
         if greedy is not None:
             exp.baseline_responses = self._decode(greedy)
         for name in ("input_ids", "attention_mask", "prompt_lengths", "response_ids", "response_mask",
-                     "engine_logprobs", "versions"):
-            setattr(exp, name, getattr(exp, name).to(self.device))
+                     "engine_logprobs", "versions", "scores", "sample_keep"):  # (the last two: an environment's)
+            if getattr(exp, name) is not None:
+                setattr(exp, name, getattr(exp, name).to(self.device))
         counts = {k: v for k, v in metrics.items() if k.startswith("async/staleness_") or k in ("async/dropped", "async/late")}
         exp.sample_stats.update({k: torch.tensor(v, dtype=torch.float64) for k, v in counts.items()})
         self._async_metrics = {k: v for k, v in metrics.items() if k not in counts}
@@ -800,10 +821,10 @@ class PPOModule(LightningModule):
         """One optimizer step per rollout: the update's policy *is* the rollout's, so its own
         logprobs (detached) serve as the old ones and the separate old-logprob pass is skipped,
         unless something before the update needs them (a KL penalty in the reward, a shared
-        value head that reads the actor's hidden states)."""
+        value head that reads the actor's hidden states, a distillation teacher's advantage)."""
         # The rollout correction weighs by pi_old / pi_engine before the update, so it needs pi_old first.
         uses_old = (self.reads_actor_hidden or (self.reference_policy is not None and self.kl.in_reward)
-                    or self.ppo.rollout_correction.enabled)
+                    or self.ppo.rollout_correction.enabled or self.distillation is not None)
         return self.ppo.ppo_epochs == 1 and self.ppo.num_mini_batches == 1 and not uses_old
 
     def _policy(self, model: nn.Module, mb: Experience, **kwargs: Any) -> Any:
@@ -842,6 +863,15 @@ class PPOModule(LightningModule):
             if values is not None:
                 exp.old_values[idx, :cols] = values.values(mb, hidden, packed=self.ppo.packing)
 
+    @torch.no_grad()
+    def teacher_logprobs(self, exp: Experience) -> None:
+        """Fills ``exp.teacher_logprobs``: the distillation teacher's logprob of each sampled token, in
+        the score phase's micro-batches (no collective: each rank holds a whole teacher)."""
+        plan = step_io(self.trainer).micro_batches
+        self.distillation.score(exp, lambda lengths: plan(lengths, self._budget(self.ppo.logprob_budget)),
+                                temperature=self.generation.temperature, chunk_size=self.logits_chunk_size,
+                                packed=self.ppo.packing)
+
     # 4. Advantages ------------------------------------------------------------------------------
     def advantages(self, exp: Experience) -> None:
         """Fills ``exp.advantages``, ``exp.returns`` (with a critic) and ``exp.kl`` (each sample's KL
@@ -879,6 +909,8 @@ class PPOModule(LightningModule):
             advantages = grpo_passk_advantages(exp.scores, exp.group_ids, mask, scale=self.grpo.scale_rewards)
         else:
             advantages = reinforce_pp_baseline_advantages(exp.scores, exp.group_ids, mask, reduce=self._sum_over_ranks)
+        if self.distillation is not None:  # each token's own reverse KL to the teacher, after the estimator's normalisation
+            advantages = self.distillation.advantages(exp, advantages)
         exp.advantages = advantages
         exp.kl = kl.sum(dim=1)
         self.sample_mask(exp)
@@ -1054,6 +1086,8 @@ class PPOModule(LightningModule):
             metrics["baseline_reward_mean"] = t["baseline_score"] / samples
         if "overlong_penalty" in t:
             metrics["overlong_penalty"] = t["overlong_penalty"] / samples
+        if "teacher_kl" in t:  # the sampled tokens' mean log p_old - log p_teacher (a reverse-KL estimate)
+            metrics["teacher_kl"] = t["teacher_kl"] / t["response_tokens"].clamp(min=1)
         # The engine's drift over all response tokens, and the share the correction cut or dropped.
         if "mismatch_kl" in t:
             metrics["mismatch_kl"] = t["mismatch_kl"] / t["response_tokens"]

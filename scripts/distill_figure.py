@@ -35,10 +35,10 @@ INPUTS = (CONFIG, "configs/sft/tiny_cpu.yaml", "data/arithmetic/train.jsonl", "d
           "data/arithmetic/prompts.jsonl", "assets/tiny-llama/config.json", "assets/tiny-llama-student/config.json")
 
 
-def fingerprint() -> str:
-    """sha256 over the runs' inputs (:data:`INPUTS`)."""
+def fingerprint(inputs: tuple[str, ...] = INPUTS) -> str:
+    """sha256 over the runs' inputs (:data:`INPUTS`, or another script's)."""
     digest = hashlib.sha256()
-    for name in INPUTS:
+    for name in inputs:
         digest.update(name.encode() + b"\0" + (ROOT / name).read_bytes())
     return digest.hexdigest()
 
@@ -51,6 +51,14 @@ def greedy_exact(export: Path) -> float:
     out = subprocess.run([sys.executable, "scripts/eval_arithmetic.py", str(export)], cwd=ROOT, env=_env(),
                          check=True, capture_output=True, text=True).stdout
     return float(json.loads(out.strip().splitlines()[-1])["greedy_exact"])
+
+
+def ready_teacher(folder: str) -> Path:
+    """The teacher's folder (relative to the repository), trained first when it holds no model."""
+    teacher = (ROOT / folder).resolve()
+    if not (teacher / "config.json").is_file():
+        train_teacher(teacher)
+    return teacher
 
 
 def train_teacher(teacher: Path) -> None:
@@ -77,9 +85,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default=str(RECORD))
     # Anything else is a recipe override for both runs (e.g. --trainer.max_steps=200).
     args, overrides = parser.parse_known_args(argv)
-    teacher = (ROOT / args.teacher).resolve()
-    if not (teacher / "config.json").is_file():
-        train_teacher(teacher)
+    teacher = ready_teacher(args.teacher)
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         for seed in args.seeds:

@@ -140,3 +140,21 @@ def test_the_distillation_figure_is_the_recorded_runs():
     doc = (REPO / "docs" / "distillation.md").read_text()
     for seed, r in rates.items():
         assert f"| {seed} | {r['sft']:.3f} | {r['distill']:.3f} |" in doc, seed
+
+
+def test_the_on_policy_distillation_figure_is_the_recorded_runs():
+    """docs/distillation.md states what `scripts/distill_onpolicy_figure.py` recorded (each seed's
+    warm-up, SFT alone and distilled rates, and whether distillation won every seed), for at least
+    three seeds, on the current config, data and models."""
+    from scripts.distill_onpolicy_figure import INPUTS, RECORD
+    from scripts.distill_figure import fingerprint
+
+    record = json.loads(RECORD.read_text())
+    assert record["inputs"] == fingerprint(INPUTS), "the runs' inputs changed: rerun scripts/distill_onpolicy_figure.py"
+    rates = record["greedy_exact"]
+    assert len(rates) >= 3
+    assert record["distill_wins_every_seed"] == all(r["distill"] > r["sft"] for r in rates.values())
+    doc = (REPO / "docs" / "distillation.md").read_text()
+    for seed, r in rates.items():
+        assert f"| {seed} | {r['warmup']:.3f} | {r['sft']:.3f} | {r['distill']:.3f} |" in doc, seed
+    assert record["command"] in doc

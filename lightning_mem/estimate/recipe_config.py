@@ -123,12 +123,12 @@ def config_only_copy(name_or_path: str, key: str, workdir: Path) -> str:
 
 
 #: Where a recipe config names its models (the policy; PPO's critic and reward model; a
-#: distillation teacher; DPO's reference when it names other weights than the policy's), by their
-#: section's dotted path under ``model``.
+#: distillation teacher, SFT's and PPO's; DPO's reference when it names other weights than the
+#: policy's), by their section's dotted path under ``model``.
 MODEL_KEYS = (("", "model.name_or_path"), ("critic", "model.critic.name_or_path"),
               ("reward_model", "model.reward_model.name_or_path"),
               ("distillation.teacher", "model.distillation.teacher.name_or_path"),
-              ("reference", "model.reference.name_or_path"))
+              ("teacher", "model.teacher.name_or_path"), ("reference", "model.reference.name_or_path"))
 
 
 def _model_locations(model_cfg: Any) -> Iterator[tuple[Any, str]]:

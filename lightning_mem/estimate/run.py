@@ -244,6 +244,15 @@ class EstimateRun(RankView, StepIO):
                               **kwargs)
 
     @override
+    def multi_turn_rollout(self, environment: Any, config: Any, **kwargs: Any) -> Any:
+        from lightning_mem.estimate.trajectories import LongestTrajectories
+
+        # Every trajectory to its token budget; the warm-up step's prompts are its short rows.
+        return LongestTrajectories(config, kwargs["engine"], fill_token=lambda: self.mode.fill_token,
+                                   prompt_tokens=lambda: getattr(self.data, "max_prompt_length", 8) if self._measuring else 8,
+                                   counters=environment().counters)
+
+    @override
     def async_client(self, spec: Any, **kwargs: Any) -> Any:
         from lightning_mem.estimate.generator import GeneratorStandIn
 

@@ -1,10 +1,16 @@
 """A PPO step's memory plan: where each model and optimizer state lives in each phase.
 
-A PPO step has three phases that need different things on the accelerator:
+A PPO step has three phases that need different things on the accelerator, and a fourth with a
+distillation teacher:
 
 - **rollout**: the actor generates; its KV cache grows with batch x length. Nothing else is used.
 - **score**: the reward (rule or model), the reference's and the actor's logprobs, the critic's
   values; all without gradients.
+- **teacher** (on-policy distillation only, :mod:`lightning_mem.rl.distillation`): the teacher's
+  log-probs of the sampled tokens, without gradients. Unset in the plan, it keeps the score
+  phase's placement (nothing moves between the two but the teacher). The teacher itself is not a
+  plan component: its ``placement`` says where it lives, and under ``host`` :class:`PhaseMemory`
+  brings it onto the device for this phase only.
 - **train**: epochs of updates of the actor (and critic): parameters, gradients, optimizer state,
   activations.
 
@@ -50,12 +56,13 @@ from lightning_mem.allocator import release_free_host_memory
 from lightning_mem.settings import SettingError, check_fields
 
 Placement = Literal["device", "host"]
-PHASES = ("rollout", "score", "train")
+PHASES = ("rollout", "score", "teacher", "train")
 
 #: What each phase computes with: those must be on the device during it.
 USED_IN_PHASE: dict[str, tuple[str, ...]] = {
     "rollout": (),
     "score": ("critic", "reference", "reward_model"),
+    "teacher": (),
     "train": ("actor_optimizer", "critic_optimizer", "critic"),
 }
 _OPTIMIZERS = ("actor_optimizer", "critic_optimizer")
@@ -87,6 +94,7 @@ class PhaseMemoryPlan:
     Args:
         rollout, score, train: a :class:`PhasePlacement` per phase. Components a phase computes
             with must be on the device in it (checked by :meth:`validate`).
+        teacher: the placement during a distillation teacher's phase; None: the score phase's.
         free_kv_cache: drop the rollout's preallocated (static) KV cache when the rollout ends, so
             its memory serves the next phases; ``False`` keeps it for the next rollout (no
             re-allocation, no fragmentation, but held through training).
@@ -104,6 +112,7 @@ class PhaseMemoryPlan:
     rollout: PhasePlacement = field(default_factory=PhasePlacement)
     score: PhasePlacement = field(default_factory=PhasePlacement)
     train: PhasePlacement = field(default_factory=PhasePlacement)
+    teacher: PhasePlacement | None = None
     free_kv_cache: bool = True
     empty_cache_between_phases: bool = False
     pin_memory: bool | None = None
@@ -112,12 +121,18 @@ class PhaseMemoryPlan:
     def placement(self, phase: str) -> PhasePlacement:
         if phase not in PHASES:
             raise ValueError(f"unknown phase {phase!r}; the phases are {PHASES}")
+        if phase == "teacher" and self.teacher is None:
+            return self.score
         return getattr(self, phase)
+
+    def _declared(self) -> tuple[str, ...]:
+        """The phases the plan declares (an unset teacher phase is the score phase's, not its own)."""
+        return tuple(p for p in PHASES if p != "teacher" or self.teacher is not None)
 
     def validate(self) -> None:
         """Reject a plan that would compute with a component parked on the host (errors name
         ``<phase>.<component>``; a recipe names where the plan sits, ``settings_at("model.memory_plan")``)."""
-        for phase in PHASES:
+        for phase in self._declared():
             placement = self.placement(phase)
             for component in USED_IN_PHASE[phase]:
                 if getattr(placement, component) != "device":
@@ -129,13 +144,14 @@ class PhaseMemoryPlan:
 
     def host_placements(self) -> list[str]:
         """``"<phase>.<component>"`` for every component (optimizer state or module) sent to the host."""
-        return [f"{phase}.{f.name}" for phase in PHASES for f in dataclasses.fields(PhasePlacement)
+        return [f"{phase}.{f.name}" for phase in self._declared() for f in dataclasses.fields(PhasePlacement)
                 if getattr(self.placement(phase), f.name) == "host"]
 
     def offloads_modules(self) -> list[str]:
         """``"<phase>.<component>"`` for every module (critic, reference, reward model) sent to the host."""
         return [
-            f"{phase}.{name}" for phase in PHASES for name in _MODULES if getattr(self.placement(phase), name) == "host"
+            f"{phase}.{name}" for phase in self._declared() for name in _MODULES
+            if getattr(self.placement(phase), name) == "host"
         ]
 
 
@@ -179,6 +195,7 @@ class PhaseMemory:
         reward_model: nn.Module | None = None,
         rollout_engine: Any = None,
         actor: nn.Module | None = None,
+        teacher: Any = None,
     ) -> None:
         plan.validate()
         if getattr(rollout_engine, "needs_weight_sync", False) and actor is None:
@@ -190,6 +207,9 @@ class PhaseMemory:
         self.trainer = trainer
         self.rollout_engine = rollout_engine
         self.actor = actor
+        # A distillation teacher (lightning_mem.distillation.Teacher): its `on_device()` brings it in
+        # for the teacher phase when it is parked on the host, and parks it again after.
+        self.teacher = teacher
         self._engine_stale = True  # the engine's weights differ from the actor's (at start: it has none yet)
         #: The rollout engine's state in each phase (``"awake"``, ``"asleep(level 1)"``...), as last seen.
         self.engine_states: dict[str, str] = {}
@@ -314,7 +334,8 @@ class PhaseMemory:
                     self._wake_engine()
                 if engine is not None and hasattr(engine, "state"):
                     self.engine_states[name] = engine.state
-                yield
+                with self.teacher.on_device() if name == "teacher" and self.teacher is not None else contextlib.nullcontext():
+                    yield
         except BaseException:
             # An exception mid-step (an OOM, a bad reward, Ctrl-C): nothing stays parked on the
             # host, so whatever handles it (a checkpoint on exception, an OOM retry, a debugger)

@@ -110,6 +110,7 @@ class Experience:
     ref_logprobs: Tensor | None = None
     old_values: Tensor | None = None
     engine_logprobs: Tensor | None = None  # [N, R] the rollout engine's own, when it has its own weights (a diagnostic)
+    teacher_logprobs: Tensor | None = None  # [N, R] a distillation teacher's (model.teacher; rl/distillation.py)
     versions: Tensor | None = None  # [N] the weight version each sample was drawn under (separate placement)
     sample_keep: Tensor | None = None  # [N] bool, the rollout's own verdict: False keeps a sample out of the loss
     # Filled by the advantage phase.
@@ -297,35 +298,60 @@ def policy_forward(
     (:func:`lightning_mem.data.packing.pack_right_padded`); the results come back ``[n, R]`` as
     they do padded.
     """
-    from lightning_mem.data.packing import pack_right_padded
-    from lightning_mem.logits import response_targets, score_tokens
+    from lightning_mem.logits import score_tokens
 
-    n, resp_len = batch.response_ids.shape
+    tokens = response_tokens(batch, packed=packed)
+    scores = score_tokens(model, tokens.input_ids, tokens.attention_mask, tokens.positions, tokens.targets,
+                          position_ids=tokens.position_ids, chunk_size=chunk_size, temperature=temperature,
+                          with_entropy=with_entropy, entropy_grad=entropy_grad, with_hidden=with_hidden)
+    return PolicyOutput(tokens.aligned(scores.logprobs), tokens.aligned(scores.entropy), tokens.aligned(scores.hidden))
+
+
+@dataclass
+class ResponseTokens:
+    """What a forward over a batch's response tokens reads (:func:`response_tokens`): the model's
+    inputs, the flat ``positions`` whose outputs predict the ``targets``, and where each lands in
+    the response-aligned ``[n, R]`` layout."""
+
+    input_ids: Tensor
+    attention_mask: Tensor | None  # None when packed (the position ids separate the sequences)
+    position_ids: Tensor | None
+    positions: Tensor
+    targets: Tensor
+    rows: Tensor
+    cols: Tensor
+    shape: tuple[int, int]  # [n, R]
+
+    def aligned(self, values: Tensor | None) -> Tensor | None:
+        """``[k, ...]`` values per target back to ``[n, R, ...]``; padding positions hold 0 (the caller masks them)."""
+        if values is None:
+            return None
+        out = values.new_zeros((*self.shape, *values.shape[1:]))
+        return out.index_put((self.rows, self.cols), values)
+
+
+def response_tokens(batch: Experience, *, packed: bool = False) -> ResponseTokens:
+    """The positions and targets of ``batch``'s response tokens, as the actor's, reference's and a
+    teacher's passes score them: right-padded rows, or (``packed``) the batch's sequences as one
+    padding-free row (:func:`lightning_mem.data.packing.pack_right_padded`)."""
+    from lightning_mem.data.packing import pack_right_padded
+    from lightning_mem.logits import response_targets
+
     lengths = batch.contiguous_lengths  # known and without holes: no device search
-    options = dict(chunk_size=chunk_size, temperature=temperature, with_entropy=with_entropy,
-                   entropy_grad=entropy_grad, with_hidden=with_hidden)
     if packed:
         row = pack_right_padded(batch.input_ids, batch.attention_mask)
         positions, targets, (rows, cols) = response_targets(
             batch.prompt_lengths, batch.response_ids, batch.response_mask, 0, starts=row.starts,
             response_lengths=lengths,
         )
-        scores = score_tokens(model, row.input_ids, None, positions, targets, position_ids=row.position_ids, **options)
+        inputs = (row.input_ids, None, row.position_ids)
     else:
         positions, targets, (rows, cols) = response_targets(
             batch.prompt_lengths, batch.response_ids, batch.response_mask, batch.input_ids.shape[1],
             response_lengths=lengths,
         )
-        scores = score_tokens(model, batch.input_ids, batch.attention_mask, positions, targets, **options)
-
-    def response_aligned(values: Tensor | None) -> Tensor | None:
-        # Back to [n, R] (or [n, R, H]); padding positions hold 0 and are masked by the caller.
-        if values is None:
-            return None
-        out = values.new_zeros((n, resp_len, *values.shape[1:]))
-        return out.index_put((rows, cols), values)
-
-    return PolicyOutput(response_aligned(scores.logprobs), response_aligned(scores.entropy), response_aligned(scores.hidden))
+        inputs = (batch.input_ids, batch.attention_mask, None)
+    return ResponseTokens(*inputs, positions, targets, rows, cols, tuple(batch.response_ids.shape))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,7 +14,8 @@ A twin is the config as shipped, with only these overrides, derived from the YAM
   allow it, else the largest degree that divides all three;
 * the lengths: ``data.max_length`` / ``max_prompt_length`` / ``generation.max_new_tokens`` cut to
   what the tiny model holds, each token budget scaled by the same factor (never below one sequence;
-  DPO's: one pair, two sides);
+  DPO's and a reward model's: one pair, two sides); a multi-turn config's trajectory budget
+  (``model.multi_turn.max_total_tokens``) is its length;
   PPO's prompt batch cut to a few sequences per mini-batch;
 * the run: 2 steps (PPO: 2 prompt batches), no validation, one checkpoint at the end, under tmp.
 
@@ -64,6 +65,7 @@ MAX_RANKS_MIXED = 4  # data parallel x a model-parallel degree: both dimensions 
 SFT_LENGTH = 64  # tokens per row: the arithmetic rows are ~16 tokens
 PROMPT_LENGTH = 96  # the longest shipped system prompt and a question fit
 NEW_TOKENS = 8
+TRAJECTORY_LENGTH = 160  # a multi-turn twin's token budget: a tiny prompt, a few turns and replies
 
 FSDP2 = "lightning_mem.strategies.FSDP2Strategy"
 ZERO = "lightning_mem.strategies.deepspeed.ZeroStrategy"
@@ -251,10 +253,15 @@ def twin_of(path: Path, model: Path) -> Twin:
         if prompt is None or new is None:
             raise NoTwinRule(f"{path}: data.max_prompt_length and model.generation.max_new_tokens must be set")
         twin_prompt, twin_new = min(prompt, PROMPT_LENGTH), min(new, NEW_TOKENS)
-        factor = (twin_prompt + twin_new) / (prompt + new)
+        length, twin_len = prompt + new, twin_prompt + twin_new
         out += [f"--data.max_prompt_length={twin_prompt}", f"--model.generation.max_new_tokens={twin_new}"]
+        trajectory = _get(config, "model.multi_turn.max_total_tokens")
+        if trajectory is not None:  # multi-turn: a trajectory's token budget is its sequences' length
+            length, twin_len = trajectory, min(trajectory, TRAJECTORY_LENGTH)
+            out.append(f"--model.multi_turn.max_total_tokens={twin_len}")
+        factor = twin_len / length
         for key in ("max_tokens_per_microbatch", "logprob_max_tokens_per_microbatch"):
-            budget = _scaled(_get(config, f"model.ppo.{key}"), factor, twin_prompt + twin_new)
+            budget = _scaled(_get(config, f"model.ppo.{key}"), factor, twin_len)
             if budget is not None:
                 out.append(f"--model.ppo.{key}={budget}")
         if _get(config, "model.reward_model.max_length") is not None:
@@ -280,6 +287,8 @@ def twin_length(overrides: list[str]) -> int:
     values = dict(o[2:].split("=", 1) for o in overrides)
     if "data.max_length" in values:
         return int(values["data.max_length"])
+    if "model.multi_turn.max_total_tokens" in values:
+        return int(values["model.multi_turn.max_total_tokens"])
     return int(values["data.max_prompt_length"]) + int(values["model.generation.max_new_tokens"])
 
 

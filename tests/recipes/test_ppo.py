@@ -18,6 +18,7 @@ from lightning_mem.offload import module_location, optimizer_state_location
 from lightning_mem.rl.config import CriticConfig, GRPOConfig, KLConfig, PPOConfig, RewardModelConfig
 from lightning_mem.rl.memory_plan import PhaseMemoryPlan, PhasePlacement
 from lightning_mem.rl.rollout import GenerationConfig
+from lightning_mem.settings import SettingError
 from recipes.rewards import ArithmeticReward
 from tests.helpers import ARITH, REPO, TINY_MODEL, csv_logger_args, read_metric, run_recipe
 
@@ -405,7 +406,7 @@ def test_memory_plan_that_parks_a_model_it_needs(tmp_path, no_model_load):
 
 
 def test_reward_rule_and_reward_model_together(tmp_path, no_model_load):
-    with pytest.raises(ValueError, match=r"set exactly one of `model.reward`"):
+    with pytest.raises(SettingError, match=r"^set exactly one of `model.reward` \(a rule's class_path\) and `model.reward_model`.*; this config sets both$"):
         _cli(tmp_path, f"--model.reward_model.name_or_path={TINY_MODEL}")
 
 

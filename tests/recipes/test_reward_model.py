@@ -214,7 +214,7 @@ def test_neither_reward_nor_reward_model_is_one_line_at_the_command_line(tmp_pat
     assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-2000:]
     assert run.stderr.strip().splitlines()[-1] == (
         "error: set exactly one of `model.reward` (a rule's class_path) and `model.reward_model` (a learned reward's"
-        " folder); this config sets neither")
+        " folder), or `model.environment`, or neither beside `model.teacher`; this config sets neither")
 
 
 PPO_SHORT_EPOCHS = 8  # 128 PPO steps of the config's 512
