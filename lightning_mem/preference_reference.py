@@ -32,7 +32,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from lightning_mem.offload import module_residency, offload_module, reload_module
+from lightning_mem import offload
+from lightning_mem.offload import module_residency
 from lightning_mem.rl.reference import AdaptersOff, FrozenCopy
 from lightning_mem.settings import SettingError, check_fields
 
@@ -120,7 +121,8 @@ class HostParked(FrozenCopy):
         if ledger.location == "host":
             return
         if self._host is None:
-            offload_module(self.module, pin_memory=self.pin_memory)
+            # Called through the module: the memory estimate counts what these allocate by wrapping them there.
+            offload.offload_module(self.module, pin_memory=self.pin_memory)
             self._host = [t.data for t in self._tensors()]
             return
         for tensor, host in zip(self._tensors(), self._host):
@@ -128,7 +130,7 @@ class HostParked(FrozenCopy):
         ledger.location = "host"
 
     def logprobs(self, actor: nn.Module, score: Callable[[nn.Module], Tensor]) -> Tensor:
-        reload_module(self.module)  # copies to where each tensor came from; the kept host tensors stay
+        offload.reload_module(self.module)  # copies to where each tensor came from; the kept host tensors stay
         try:
             return score(self.module)
         finally:  # also on an exception: the plan's resting place is the host

@@ -11,6 +11,11 @@ times, and *who runs the step* decides whether every repetition must run:
 - **the rollout engine** -- ``io.rollout_engine(config, generation, ...)`` builds the engine that
   samples the rollouts. The estimate cannot run vLLM on fake tensors: it builds a stand-in that
   holds what vLLM holds on the device (:mod:`lightning_mem.estimate.engine`);
+- **a pass over the data outside the steps** -- ``io.data_pass(split)``: the DPO recipe's reference
+  precompute, before its first step. The plain run returns None (the recipe's data module serves
+  the pass); the estimate has no data, and hands the recipe its largest micro-batch once, which
+  stands for every batch of the pass (a pass without gradients leaves nothing from one batch to the
+  next);
 - **the generator processes** of separate placement -- ``io.async_client(spec, ...)``, a training
   rank's end of the rollout group. The estimate starts no process: its stand-in hands the trainer
   samples of the generator's shapes and estimates a generating rank on its own
@@ -65,12 +70,24 @@ class StepIO:
 
         return build_rollout_engine(config, generation, **kwargs)
 
+    def multi_turn_rollout(self, environment: Any, config: Any, **kwargs: Any) -> Any:
+        """:func:`lightning_mem.rl.multi_turn.multi_turn_rollout`: trajectories of ``environment``
+        within ``config``'s budgets (``model.environment``, ``model.multi_turn``)."""
+        from lightning_mem.rl.multi_turn import multi_turn_rollout
+
+        return multi_turn_rollout(environment, config, **kwargs)
+
     def async_client(self, spec: Any, **kwargs: Any) -> Any:
         """:class:`lightning_mem.rl.async_client.AsyncRolloutClient`: a training rank's end of separate
         placement's rollout group (rank 0 starts the generator processes ``spec`` describes)."""
         from lightning_mem.rl.async_client import AsyncRolloutClient
 
         return AsyncRolloutClient(spec, **kwargs)
+
+    def data_pass(self, split: str) -> list[dict[str, Any]] | None:
+        """The batches of a pass over ``split`` outside the training steps (the DPO recipe's reference
+        precompute): None, the recipe's data module serves them."""
+        return None
 
     def compute_dtype(self, trainer: Any, precision_dtype: Any) -> Any:
         """The dtype the model computes in: a sharding strategy's ``param_dtype`` (FSDP2's mixed

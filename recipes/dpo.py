@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,7 @@ from lightning_mem.data import PreferenceDataModule
 from lightning_mem.data.packing import VARLEN_ATTENTION, flatten_rows
 from lightning_mem.dtypes import dtype_name, trainer_dtypes
 from lightning_mem.export import export_main
-from lightning_mem.logits import ChunkSize, next_token_targets, score_tokens
+from lightning_mem.logits import ChunkSize, check_supported, next_token_targets, score_tokens
 from lightning_mem.lora import LoraSettings, merge_main
 from lightning_mem.models import check_model_source, load_causal_lm
 from lightning_mem.preference_losses import (
@@ -55,11 +56,14 @@ from lightning_mem.preference_reference import (
     reference_mode,
     reference_table,
 )
+from lightning_mem.quantization import QuantizationSettings
+from lightning_mem.quantized_lora import load_quantized_lora
 from lightning_mem.ranks import check_model_splits, data_parallel
 from lightning_mem.reference_cache import ReferenceLogpCache, cache_key, code_version, weights_identity
 from lightning_mem.rl.memory_plan import release_cached_memory
 from lightning_mem.rl.reference import disable_dropout
 from lightning_mem.settings import SettingError, settings_at
+from lightning_mem.step_io import step_io
 from recipes.sft import SFTModule
 
 
@@ -85,6 +89,10 @@ class DPOModule(SFTModule):
             ``cache_dir``, ``pin_memory``). Reference-free objectives (simpo, orpo, sft) load none.
         disable_dropout: switch the policy's dropout off, LoRA's included (TRL's default): the
             log-ratio then compares two deterministic forwards.
+        quantization: a quantized base under the LoRA adapters (QLoRA's 4-bit NF4, or 8-bit:
+            :class:`~lightning_mem.quantization.QuantizationSettings`, as in ``recipes.qlora``): needs
+            ``lora``; the reference is then that base with the adapters off. Its unquantized tensors
+            take ``dtype``, or the compute dtype when it is unset.
     """
 
     def __init__(
@@ -103,6 +111,7 @@ class DPOModule(SFTModule):
         dpo: PreferenceLossSettings = PreferenceLossSettings(),
         reference: ReferenceSettings = ReferenceSettings(),
         disable_dropout: bool = True,
+        quantization: QuantizationSettings | None = None,
     ) -> None:
         super().__init__(name_or_path=name_or_path, dtype=dtype, attn_implementation=attn_implementation,
                          trust_remote_code=trust_remote_code, optimizer=optimizer, lr_scheduler=lr_scheduler,
@@ -119,6 +128,11 @@ class DPOModule(SFTModule):
             self.reference_mode = reference_mode(self.reference_settings, needs_reference=self.dpo.needs_reference,
                                                  lora=self.lora is not None,
                                                  loss=f"`model.dpo.loss_type: {self.dpo.loss_type}`")
+        with settings_at("model.quantization"):
+            self.quantization = QuantizationSettings(**quantization) if isinstance(quantization, dict) else quantization
+        if self.quantization is not None and self.lora is None:
+            raise SettingError("model.quantization", ": a quantized base cannot train, only adapters on it can; set"
+                                                     " `model.lora` too, or train the base unquantized")
         if self.reference_mode is None and self.reference_settings.mode not in ("auto", "none"):
             rank_zero_warn(f"`model.reference.mode: {self.reference_settings.mode}` has no effect: `model.dpo.loss_type:"
                            f" {self.dpo.loss_type}` reads no reference, so none is loaded")
@@ -145,12 +159,14 @@ class DPOModule(SFTModule):
                 f" {type(self.trainer.strategy).__name__} shards every model and owns where its shards live; use"
                 " `copy` with the strategy's `cpu_offload`, or `precompute`")
         self._reference_loads = self.reference_mode in ("copy", "host")
-        if self.reference_mode == "precompute" and getattr(self.trainer.datamodule, "data_identity", None):
-            with settings_at("model.reference"):
-                self._check_reference_cache()
+        if self.reference_mode == "precompute":
+            if getattr(self.trainer.datamodule, "data_identity", None):  # else no cache (the estimate has no data)
+                with settings_at("model.reference"):
+                    self._check_reference_cache()
             # A miss is computed from a loaded copy only when other weights are named: the policy's
             # start (or a LoRA policy's base) scores it itself, loading nothing.
-            self._reference_loads = not all(self._cached.values()) and self.reference_settings.name_or_path is not None
+            hit = bool(self._cached) and all(self._cached.values())
+            self._reference_loads = not hit and self.reference_settings.name_or_path is not None
         if self._reference_loads:
             self.reference_dtype()  # a dtype the precision contradicts fails now
             if self.reference_settings.name_or_path is not None:  # the SFT setup checked the policy's source
@@ -203,7 +219,15 @@ class DPOModule(SFTModule):
     def configure_model(self) -> None:
         if self.model is not None:
             return
-        super().configure_model()  # the policy, from policy_source(), LoRA applied, in train mode
+        if self.quantization is None:
+            super().configure_model()  # the policy, from policy_source(), LoRA applied, in train mode
+        else:
+            self.model = load_quantized_lora(
+                self.policy_source(), self.quantization, self.lora, frozen_dtype=self.model_dtype(),
+                trained_dtype=trainer_dtypes(self._trainer).trained, attn_implementation=self.hparams.attn_implementation,
+                trust_remote_code=self.hparams.trust_remote_code)
+            if self.logits_chunk_size:  # a model the chunked path cannot score fails here, naming our key
+                check_supported(self.model, key="model.logits_chunk_size")
         if self.hparams.disable_dropout:
             disable_dropout(self.model)
         mode = self.reference_mode
@@ -245,6 +269,11 @@ class DPOModule(SFTModule):
         """Each split's ``[pairs, 2]`` table, read from the cache or computed by :meth:`reference_pass`
         (and saved for the next run); then nothing that scored it stays in memory."""
         for split in splits:
+            stand_in = step_io(self.trainer).data_pass(split)  # the memory estimate's batches, or None
+            if stand_in is not None:  # values that are not values: nothing to check or save
+                pairs = sum(batch["pair_index"].numel() for batch in stand_in)
+                self.reference_tables[split] = self.reference_pass([(batch, True) for batch in stand_in], pairs)
+                continue
             if self._cached.get(split):
                 table = self.reference_cache.load(split, self._cache_keys[split], device=self.device)
             else:
@@ -329,7 +358,9 @@ class DPOModule(SFTModule):
             chosen, rejected = looked_up(self.reference_tables[split], batch["pair_index"])
             tokens, half = batch["sequence_tokens"], batch["pair_index"].numel()
             return SequenceLogps(chosen, tokens[:half]), SequenceLogps(rejected, tokens[half:])
-        with memory_phase(self._trainer, "reference"), torch.no_grad():
+        # Part of the step's phase (train): its forward keeps nothing, and a host-parked copy's
+        # transfer to the device is what the step holds while it runs.
+        with torch.no_grad():
             sums = self.reference_policy.logprobs(self.model, lambda model: self.sequence_logps(model, batch))
         return self.sides(sums, batch)
 
@@ -387,6 +418,10 @@ class DPOModule(SFTModule):
         sums = self.trainer.strategy.reduce(self._val_sums, reduce_op="sum")
         loss = sums[0] / sums[1].clamp(min=1) + self._val_nll_weight * sums[2] / sums[3].clamp(min=1)
         self.log("val_loss", loss, prog_bar=True)
+
+    def adapter_base_record(self) -> dict[str, Any]:
+        record = super().adapter_base_record()  # a quantized base says so: merge and reload quantize it again
+        return record if self.quantization is None else {**record, "quantization": asdict(self.quantization)}
 
     # -- checkpoints: what trains, never the reference ---------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -102,7 +102,7 @@ from lightning_mem.rl.memory_plan import PhaseMemory, PhaseMemoryPlan
 from lightning_mem.rl.microbatch import PackedBudget
 from lightning_mem.rl.environments import EnvironmentFactory
 from lightning_mem.rl.multi_turn import (MultiTurnConfig, MultiTurnRollout, check_multi_turn, check_template,
-                                         environment_keys, multi_turn_rollout, trajectory_metrics)
+                                         environment_keys, trajectory_metrics)
 from lightning_mem.rl.reference import AdaptersOff, FrozenCopy, ReferenceMode, disable_dropout, reference_policy
 from lightning_mem.rl.reward import RewardFunction, RewardModel, check_reward_model_source, load_reward_model
 from lightning_mem.rl.rng import SamplingRNG
@@ -217,7 +217,7 @@ class PPOModule(LightningModule):
         self._validate(name_or_path, dtype, lora, advantage_estimator, reward, reward_model, reference,
                        generation, ppo, kl, grpo, critic, memory_plan, logits_chunk_size,
                        trust_remote_code=trust_remote_code, attn_implementation=attn_implementation,
-                       environment=environment, multi_turn=multi_turn, rollout_engine=rollout_engine, teacher=teacher)
+                       environment=environment, multi_turn=multi_turn, teacher=teacher)
         # logger=False: the CLI logs the whole resolved config (lightning_mem.cli.RunConfigCallback).
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "critic_optimizer", "environment"], logger=False)
         for name in ("reward", "gold_reward"):
@@ -326,7 +326,7 @@ class PPOModule(LightningModule):
     def _validate(name_or_path, dtype, lora, advantage_estimator, reward, reward_model, reference,
                   generation, ppo, kl, grpo, critic, memory_plan, logits_chunk_size, *,
                   trust_remote_code=False, attn_implementation=None, environment=None, multi_turn=None,
-                  rollout_engine=None, teacher=None) -> None:
+                  teacher=None) -> None:
         check_model_source(name_or_path, key="model.name_or_path")
         if ppo.packing:  # the actor, reference and critic all load with this attention
             check_packing_attention(attn_implementation, key="model.attn_implementation", packing_key="model.ppo.packing")
@@ -335,7 +335,7 @@ class PPOModule(LightningModule):
             raise SettingError("model.advantage_estimator", f" must be one of {ADVANTAGE_ESTIMATORS}, got {advantage_estimator!r}")
         with settings_at("model"):  # what an environment cannot work with (lightning_mem.rl.multi_turn)
             check_multi_turn(environment, multi_turn, scored_otherwise=reward is not None or reward_model is not None,
-                             advantage_estimator=advantage_estimator, engine=rollout_engine, generation=generation)
+                             advantage_estimator=advantage_estimator, generation=generation)
         check_signals(reward, reward_model, teacher, environment, advantage_estimator, filter_groups=ppo.filter_groups)
         if reward is not None and not callable(reward):
             raise TypeError(f"`model.reward` must be a RewardFunction, got {type(reward).__name__}")
@@ -557,7 +557,7 @@ class PPOModule(LightningModule):
             dtype=dtypes["compute"], trust_remote_code=hp.trust_remote_code,
         )
         if self.environment is not None:  # multi-turn: the trajectory loop samples with this engine
-            self.trajectories = multi_turn_rollout(
+            self.trajectories = step_io(self._trainer).multi_turn_rollout(
                 self.environment, self.multi_turn, tokenizer=self.tokenizer, generation=self.generation,
                 engine=self.rollout_engine, eos_token_ids=self.eos_token_ids, pad_token_id=self.tokenizer.pad_token_id)
 
@@ -637,6 +637,7 @@ class PPOModule(LightningModule):
             # The behaviour log-probs run in the score phase's micro-batches: same budget, same packing.
             logprob_max_tokens=self.ppo.logprob_budget, packing=self.ppo.packing,
             engine=self.rollout_engine_config,  # its `name` picks the generators' engine
+            environment=self.environment, multi_turn=self.multi_turn,  # with an environment, they run the trajectories
         )
 
     def _generator_dtype(self) -> torch.dtype:
@@ -657,7 +658,7 @@ class PPOModule(LightningModule):
         group = self.grpo.group_size if self.advantage_estimator in GROUPED else 1
         self.async_rollouts = AsyncRollouts(self.async_config, client, self._prompts_of, group_size=group,
                                             greedy_baseline=self.advantage_estimator in GREEDY_BASELINE,
-                                            say=rank_zero_info)
+                                            multi_turn=self.environment is not None, say=rank_zero_info)
         if self._async_state is not None:
             self.async_rollouts.load_state_dict(self._async_state)
 
@@ -761,8 +762,9 @@ class PPOModule(LightningModule):
         if greedy is not None:
             exp.baseline_responses = self._decode(greedy)
         for name in ("input_ids", "attention_mask", "prompt_lengths", "response_ids", "response_mask",
-                     "engine_logprobs", "versions"):
-            setattr(exp, name, getattr(exp, name).to(self.device))
+                     "engine_logprobs", "versions", "scores", "sample_keep"):  # (the last two: an environment's)
+            if getattr(exp, name) is not None:
+                setattr(exp, name, getattr(exp, name).to(self.device))
         counts = {k: v for k, v in metrics.items() if k.startswith("async/staleness_") or k in ("async/dropped", "async/late")}
         exp.sample_stats.update({k: torch.tensor(v, dtype=torch.float64) for k, v in counts.items()})
         self._async_metrics = {k: v for k, v in metrics.items() if k not in counts}

@@ -32,22 +32,20 @@ import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info
 
-from lightning_mem.activation_checkpointing import checkpoint_blocks
 from lightning_mem.cli import RecipeCLI, run_command
-from lightning_mem.dtypes import cast_trainable, dtype_name, trainer_dtypes
+from lightning_mem.dtypes import dtype_name, trainer_dtypes
 from lightning_mem.data import SFTDataModule
 from lightning_mem.export import export_main
 from lightning_mem.logits import ChunkSize, check_supported
-from lightning_mem.lora import LoraSettings, apply_lora, base_record, merge_main, saved_base
+from lightning_mem.lora import LoraSettings, base_record, merge_main, saved_base
 from lightning_mem.models import count_parameters
 from lightning_mem.strategies.device_map import DeviceMapStrategy
 from lightning_mem.quantization import (
     QuantizationSettings,
     check_placement,
-    freeze_quantized_base,
-    load_quantized_causal_lm,
     quantized_weight_bytes,
 )
+from lightning_mem.quantized_lora import load_quantized_lora
 from lightning_mem.settings import SettingError, SettingNotSupported, settings_at
 from recipes.sft import SFTModule
 
@@ -155,28 +153,12 @@ class QLoRAModule(SFTModule):
             return
         hp = self.hparams
         base_path = saved_base(self.trainer, hp.name_or_path, hp.random_init_dir, seed=hp.init_seed)
-        with settings_at("model"):  # the placement arguments are this module's
-            base = load_quantized_causal_lm(
-                base_path,
-                self.quantization,
-                device_map=hp.device_map,
-                max_memory=hp.max_memory,
-                offload_folder=hp.offload_folder,
-                attn_implementation=hp.attn_implementation,
-                trust_remote_code=hp.trust_remote_code,
-            )
-        base.config.use_cache = False  # training never reuses the KV cache
-        base = freeze_quantized_base(base, self.model_dtype())
-        if hp.activation_checkpointing:
-            # The library's one checkpointing primitive, per decoder block, non-reentrant: it
-            # recomputes correctly even though no input of a block needs a grad (the embeddings
-            # are frozen), so no hook has to force requires_grad on the inputs.
-            checkpoint_blocks(base)
-        # from_pretrained returns a model in eval mode; Lightning keeps modules in the mode they
-        # are in, so without this the adapters' dropout would never be active.
-        with settings_at("model"):
-            self.model = apply_lora(base, self.lora).train()
-        cast_trainable(self.model, trainer_dtypes(self._trainer).trained)
+        self.model = load_quantized_lora(
+            base_path, self.quantization, self.lora, frozen_dtype=self.model_dtype(),
+            trained_dtype=trainer_dtypes(self._trainer).trained, activation_checkpointing=hp.activation_checkpointing,
+            device_map=hp.device_map, max_memory=hp.max_memory, offload_folder=hp.offload_folder,
+            attn_implementation=hp.attn_implementation, trust_remote_code=hp.trust_remote_code,
+        )  # fmt: skip
         if self.logits_chunk_size:  # a model the chunked path cannot score fails here, naming our key
             check_supported(self.model, key="model.logits_chunk_size")
         held, dense = quantized_weight_bytes(self.model)

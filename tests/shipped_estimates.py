@@ -14,6 +14,8 @@ from typing import Any
 
 #: The xdist group of the PPO 0.5B config's tests (the gate's and the H100 check).
 PPO_0_5B_GROUP = "ppo-0.5b-estimate"
+#: The xdist group of the DPO 8B LoRA config's tests (the gate's and its reference's cost).
+DPO_8B_GROUP = "dpo-8b-estimate"
 
 
 def shipped_estimate(path: Path, world_size: int) -> Any:

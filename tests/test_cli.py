@@ -11,6 +11,7 @@ import torch
 import recipes.ppo as ppo
 import recipes.qlora as qlora
 import recipes.sft as sft
+from lightning_mem import quantized_lora
 from lightning_mem.checkpointing import AtomicCheckpointIO, ResumeCheck, staged_directory
 from lightning_mem.cli import DEBUG_ENV, run_command
 from lightning_mem.data.rows import DataFormatError
@@ -120,7 +121,7 @@ def test_a_value_outside_its_typed_constraint_fails_while_parsing_naming_the_key
     ],
 )
 def test_a_rule_relating_fields_names_the_full_key_before_any_model(recipe, config, overrides, message, tmp_path, monkeypatch):
-    for module in (sft, qlora, ppo):
+    for module in (sft, qlora, ppo, quantized_lora):  # the QLoRA recipe loads through quantized_lora
         for name in ("load_causal_lm", "load_quantized_causal_lm"):
             if hasattr(module, name):
                 monkeypatch.setattr(module, name, _refuse)
@@ -350,7 +351,7 @@ def _command_line(main, args, capsys) -> str:
 def test_a_refused_setting_prints_one_line_naming_its_key(recipe, config, overrides, line, tmp_path, capsys,
                                                            monkeypatch):
     monkeypatch.delenv(DEBUG_ENV, raising=False)
-    for module in (sft, qlora, ppo):
+    for module in (sft, qlora, ppo, quantized_lora):  # the QLoRA recipe loads through quantized_lora
         for name in ("load_causal_lm", "load_quantized_causal_lm"):
             if hasattr(module, name):
                 monkeypatch.setattr(module, name, _refuse)

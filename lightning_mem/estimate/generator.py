@@ -51,6 +51,7 @@ from torch import Tensor, nn
 from lightning_mem.estimate.decode_peak import last_decode_step
 from lightning_mem.estimate.recorder import PhaseEstimate, attribution
 from lightning_mem.estimate.tracker import CATEGORIES, MemoryLedger, TrackingMode
+from lightning_mem.estimate.trajectories import at_budget, zero_extras
 
 #: The training rank's phase that, in separate placement, only receives the generator's samples.
 RECEIVE_PHASE = "receive"
@@ -99,7 +100,9 @@ class GeneratorStandIn:
         pass
 
     def submit(self, iteration: int, prompt_ids: Tensor, prompt_mask: Tensor, *, group_size: int = 1,
-               rng_state: Tensor | None = None, greedy_baseline: bool = False) -> None:
+               rng_state: Tensor | None = None, greedy_baseline: bool = False, rows: Any = None) -> None:
+        # With an environment (``rows``), the generator's trajectories reach their token budget.
+        _, prompt_ids, prompt_mask = at_budget(self.spec, prompt_ids, prompt_mask)
         self.requests.append((iteration, prompt_ids, prompt_mask, group_size, rng_state, greedy_baseline))
         self.submitted = max(self.submitted, iteration)
 
@@ -115,8 +118,11 @@ class GeneratorStandIn:
         was_training = actor.training
         with ledger.unmeasured(), self.run.generation(actor):
             try:
-                samples = GeneratorModel(self.spec, model=actor, plan=self.run.micro_batches).sample(
+                spec = at_budget(self.spec, prompt_ids, prompt_mask)[0]
+                samples = GeneratorModel(spec, model=actor, plan=self.run.micro_batches).sample(
                     prompt_ids, prompt_mask, group_size, greedy=greedy)
+                if spec.environment is not None:  # the trajectories' scores and counts, as the link sends them
+                    samples.append(rl.json_tensor(zero_extras(len(samples[0]), spec.environment().counters)))
             finally:
                 actor.train(was_training)
         take_peak_now(ledger)  # the samples have arrived: they count from here
@@ -164,6 +170,7 @@ def generating_rank(run: Any, stand_in: GeneratorStandIn, *, ranks: int, max_sta
         else contextlib.nullcontext()
     phases = []
     ids, mask, group_size, greedy = stand_in.largest
+    spec = at_budget(spec, torch.tensor(ids), torch.tensor(mask))[0]  # (the request was cut to the budget)
     with attribution(ledger, run.fake), weights_source(run.fake), padded, mode:
         if run.device_model is not None and not vllm:  # one thread's cuBLAS workspaces: it runs no backward
             # (vLLM's profile counts its own inside `gpu_memory_utilization`)

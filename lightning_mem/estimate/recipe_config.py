@@ -21,7 +21,8 @@ from lightning_mem.assets import ASSETS, HUB_ASSETS
 from lightning_mem.settings import SettingError, SettingNotSupported, SettingPathError
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
-_RECIPES = {"sft": "recipes.sft", "qlora": "recipes.qlora", "ppo": "recipes.ppo", "reward_model": "recipes.reward_model"}
+_RECIPES = {"sft": "recipes.sft", "qlora": "recipes.qlora", "ppo": "recipes.ppo", "reward_model": "recipes.reward_model",
+            "dpo": "recipes.dpo"}
 
 
 def recipe_for(config: str | Path, recipe: str | None = None) -> str:
@@ -122,11 +123,12 @@ def config_only_copy(name_or_path: str, key: str, workdir: Path) -> str:
 
 
 #: Where a recipe config names its models (the policy; PPO's critic and reward model; a
-#: distillation teacher, SFT's and PPO's), by their section's dotted path under ``model``.
+#: distillation teacher, SFT's and PPO's; DPO's reference when it names other weights than the
+#: policy's), by their section's dotted path under ``model``.
 MODEL_KEYS = (("", "model.name_or_path"), ("critic", "model.critic.name_or_path"),
               ("reward_model", "model.reward_model.name_or_path"),
               ("distillation.teacher", "model.distillation.teacher.name_or_path"),
-              ("teacher", "model.teacher.name_or_path"))
+              ("teacher", "model.teacher.name_or_path"), ("reference", "model.reference.name_or_path"))
 
 
 def _model_locations(model_cfg: Any) -> Iterator[tuple[Any, str]]:

@@ -132,7 +132,8 @@ class PhaseRecorder(Callback):
     forward, backward and optimizer step are around it). Over several measured steps a phase keeps
     its largest peak.
     :meth:`measured` says which optimizer steps count (the estimate: the one after its warm-up; a
-    real run: every one after the first).
+    real run: every one after the first). A phase reported outside the training steps (a pass over
+    the data before the first one: the DPO recipe's ``precompute``) is recorded wherever it runs.
     """
 
     def __init__(self, ledger: MemoryLedger, *, sharding: Sharding | None = None, world_size: int = 1) -> None:
@@ -146,6 +147,7 @@ class PhaseRecorder(Callback):
         self._grad_size = 4
         self._stepping = False
         self._measuring = False
+        self._in_step = False  # between a micro-batch's start and its end
         self._named = False  # the current step reported a phase
         self._depth = 0  # open phases: nested ones (an engine's sleep inside the rollout) are part of theirs
         self._shape = ""
@@ -187,6 +189,7 @@ class PhaseRecorder(Callback):
     @override
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self.retag()
+        self._in_step = True
         accumulate = trainer.accumulate_grad_batches
         if batch_idx % accumulate == 0 and self.measured(self.step_of(trainer, batch_idx)):  # a measured step begins
             self._measuring, self._named = True, False
@@ -196,6 +199,7 @@ class PhaseRecorder(Callback):
 
     @override
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._in_step = False
         accumulate = trainer.accumulate_grad_batches
         if not self._measuring or (batch_idx + 1) % accumulate:
             return
@@ -220,10 +224,11 @@ class PhaseRecorder(Callback):
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         self._depth += 1
-        top = self._depth == 1 and self._measuring
+        outside = not self._in_step  # a pass before (or between) the steps: measured wherever it runs
+        top = self._depth == 1 and (self._measuring or outside)
         if top:
             self._fold_rest(f"batch of {self._shape}")
-            self._named, self._phase = True, name
+            self._named, self._phase = self._named or not outside, name
             self._names.add(name)
             self.retag()
             self.ledger.reset_peak()
@@ -234,7 +239,7 @@ class PhaseRecorder(Callback):
             if top:
                 self._phase = None
         if top:
-            self._record(name, f"batch of {self._shape}")
+            self._record(name, f"batch of {self._shape}" if self._shape else "before the first step")
             self.ledger.reset_peak()  # what follows, outside any phase, is measured on its own
 
     def _fold_rest(self, shape: str) -> None:

@@ -244,11 +244,29 @@ class EstimateRun(RankView, StepIO):
                               **kwargs)
 
     @override
+    def multi_turn_rollout(self, environment: Any, config: Any, **kwargs: Any) -> Any:
+        from lightning_mem.estimate.trajectories import LongestTrajectories
+
+        # Every trajectory to its token budget; the warm-up step's prompts are its short rows.
+        return LongestTrajectories(config, kwargs["engine"], fill_token=lambda: self.mode.fill_token,
+                                   prompt_tokens=lambda: getattr(self.data, "max_prompt_length", 8) if self._measuring else 8,
+                                   counters=environment().counters)
+
+    @override
     def async_client(self, spec: Any, **kwargs: Any) -> Any:
         from lightning_mem.estimate.generator import GeneratorStandIn
 
         self.stand_in = GeneratorStandIn(spec, run=self, **kwargs)
         return self.stand_in
+
+    @override
+    def data_pass(self, split: str) -> list[dict[str, Any]]:
+        # A pass over the data before training (DPO's precompute) has the training micro-batches'
+        # budget: the largest one stands for all of them (a pass without gradients leaves nothing
+        # behind from one batch to the next). The recorder measures it as the phase it reports.
+        batch = self.batches(self._fill)[-1]
+        self._shape = self.describe(batch)
+        return [batch]
 
     @override
     def compute_dtype(self, trainer: Any, precision_dtype: Any) -> Any:

@@ -119,10 +119,13 @@ class AsyncRolloutClient:
 
     # -- traffic ---------------------------------------------------------------------------------
     def submit(self, iteration: int, prompt_ids: Tensor, prompt_mask: Tensor, *, group_size: int = 1,
-               rng_state: Tensor | None = None, greedy_baseline: bool = False) -> None:
-        """Send iteration ``iteration``'s prompts (and, to sample in lockstep, the trainer's random
-        state); ``greedy_baseline``: ask for one greedy answer per row too (ReMax)."""
-        tensors = [prompt_ids.cpu(), prompt_mask.cpu()] + ([rng_state] if rng_state is not None else [])
+               rng_state: Tensor | None = None, greedy_baseline: bool = False,
+               rows: list[dict[str, Any]] | None = None) -> None:
+        """Send iteration ``iteration``'s prompts (with an environment, their data rows; and, to sample
+        in lockstep, the trainer's random state); ``greedy_baseline``: ask for one greedy answer per
+        row too (ReMax)."""
+        tensors = [prompt_ids.cpu(), prompt_mask.cpu()] + ([rl.json_tensor(rows)] if rows is not None else [])
+        tensors += [rng_state] if rng_state is not None else []
         number = rl.request_number(group_size, greedy_baseline)
         self._sends += self.link.isend(rl.REQUEST, iteration, number, tensors, tag=rl.CONTROL,
                                        what=f"sending the prompts of iteration {iteration}")

@@ -77,6 +77,9 @@ class GeneratorSpec:
     devices: list[str] | None = None
     # ``model.rollout_engine`` (a RolloutEngineConfig): its ``name`` picks the engine; None: ``hf``.
     engine: Any = None
+    # ``model.environment`` (a factory) and ``model.multi_turn``: the generator runs the trajectories.
+    environment: Any = None
+    multi_turn: Any = None
 
     @property
     def engine_name(self) -> str:
@@ -157,14 +160,19 @@ class GeneratorModel:
             model.eval()
         self.model = model
         self.engine = RolloutEngine(spec.generation, eos_token_ids=spec.eos_token_ids, pad_token_id=spec.pad_token_id)
+        self.trajectories = trajectory_rollout(spec, self.engine)
         self.tensors = dict(self.model.named_parameters())
         self.tensors.update(self.model.named_buffers())
 
     def sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int, *,
-               greedy: bool = False) -> list[torch.Tensor]:
+               greedy: bool = False, rows: list[dict[str, Any]] | None = None) -> list[torch.Tensor]:
         """One request's samples: ``input_ids, attention_mask, prompt_lengths, response_ids,
         response_mask`` and the behaviour log-probs (the sampled tokens scored with the same weights);
-        with ``greedy``, then one greedy answer per row (:func:`greedy_answers`), same weights."""
+        with ``greedy``, then one greedy answer per row (:func:`greedy_answers`), same weights. With
+        ``rows`` (an environment's run), one trajectory per row instead, and its extras after them."""
+        if rows is not None:
+            exp = self.trajectories.rollout(self.model, rows)
+            return _trajectory_batch(exp, self.behaviour_logprobs(exp))
         device = self.spec.device
         prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
         exp = self.engine.generate(self.model, prompt_ids, prompt_mask, group_size=group_size)
@@ -234,10 +242,15 @@ class VLLMGeneratorModel:
                 trust_remote_code=spec.trust_remote_code, prefix_caching=True)
             engine.start()  # config only, dummy weights: the trainer's first sync brings the real ones
         self.engine = engine
+        self.trajectories = trajectory_rollout(spec, engine)
 
     def sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int, *,
-               greedy: bool = False) -> list[torch.Tensor]:
+               greedy: bool = False, rows: list[dict[str, Any]] | None = None) -> list[torch.Tensor]:
         """As :meth:`GeneratorModel.sample`, the behaviour log-probs vLLM's own (greedy: temperature 0)."""
+        if rows is not None:
+            exp = self.trajectories.rollout(None, rows)
+            behaviour = exp.engine_logprobs if exp.engine_logprobs is not None else torch.zeros(exp.response_ids.shape)
+            return _trajectory_batch(exp, behaviour.float())
         exp = self.engine.generate(None, prompt_ids, prompt_mask, group_size=group_size)
         out = [exp.input_ids, exp.attention_mask, exp.prompt_lengths, exp.response_ids, exp.response_mask,
                exp.engine_logprobs.float()]
@@ -262,6 +275,27 @@ def greedy_answers(engine: Any, model: torch.nn.Module | None, prompt_ids: torch
 
     exp = greedy_rollout(engine, model, prompt_ids, prompt_mask)
     return [exp.response_ids, exp.response_lengths]
+
+
+def trajectory_rollout(spec: GeneratorSpec, engine: Any) -> Any:
+    """With an environment, the multi-turn rollout the generator runs with ``engine``; else None."""
+    if spec.environment is None:
+        return None
+    from lightning_mem.models import load_tokenizer
+    from lightning_mem.rl.multi_turn import multi_turn_rollout
+
+    tokenizer = load_tokenizer(spec.name_or_path, trust_remote_code=spec.trust_remote_code, key="model.name_or_path")
+    return multi_turn_rollout(spec.environment, spec.multi_turn, tokenizer=tokenizer, generation=spec.generation,
+                              engine=engine, eos_token_ids=spec.eos_token_ids, pad_token_id=spec.pad_token_id)
+
+
+def _trajectory_batch(exp: Experience, behaviour: torch.Tensor) -> list[torch.Tensor]:
+    """A multi-turn batch as the link sends it: the samples' six tensors, then the trajectories'
+    scores, masks, counts and texts as one (:func:`~lightning_mem.rl.multi_turn.trajectory_extras`)."""
+    from lightning_mem.rl.multi_turn import trajectory_extras
+
+    out = [exp.input_ids, exp.attention_mask, exp.prompt_lengths, exp.response_ids, exp.response_mask, behaviour]
+    return [t.cpu() for t in out] + [rl.json_tensor(trajectory_extras(exp))]
 
 
 def generator_model(spec: GeneratorSpec, *, plan: Callable[..., list[list[int]]] | None = None) -> Any:
@@ -375,12 +409,14 @@ class Generator:
         r, number, payload = request
         group_size, greedy = rl.read_request_number(number)
         prompt_ids, prompt_mask = payload[0], payload[1]
-        lockstep = len(payload) > 2  # the trainer's random state: sample exactly as it would have
+        multi_turn = self.spec.environment is not None  # the prompts' data rows come next
+        rows = rl.json_of(payload[2]) if multi_turn else None
+        lockstep = len(payload) > 2 + multi_turn  # the trainer's random state: sample exactly as it would have
         if lockstep:
-            torch.set_rng_state(payload[2])
+            torch.set_rng_state(payload[-1])
         if self.spec.delay_s:
             time.sleep(self.spec.delay_s)
-        out = self.copy.sample(prompt_ids, prompt_mask, group_size, greedy=greedy)
+        out = self.copy.sample(prompt_ids, prompt_mask, group_size, greedy=greedy, rows=rows)
         if self.spec.trace_path:
             with open(self.spec.trace_path, "a") as f:
                 f.write(f"{r} {self.version}\n")

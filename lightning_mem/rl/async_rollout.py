@@ -26,6 +26,8 @@ from torch import Tensor, nn
 
 from lightning_mem.rl.async_client import AsyncRolloutClient
 from lightning_mem.rl.async_config import AsyncRolloutConfig
+from lightning_mem.rl.multi_turn import with_trajectory_extras
+from lightning_mem.rl.rollout_link import json_of
 from lightning_mem.rl.rollout import Experience
 
 log = logging.getLogger(__name__)
@@ -48,13 +50,16 @@ class AsyncRollouts:
         prompts: iteration -> that iteration's prompt batch on this rank (``input_ids``, ``attention_mask``).
         group_size: copies of each prompt sampled (GRPO's group).
         greedy_baseline: ask for one greedy answer per row too (ReMax's baseline).
+        multi_turn: the generator runs trajectories against an environment: requests carry the data
+            rows, and batches the trajectories' scores, masks and counts.
         say: where the run's lines go (resume, drain); a recipe passes its rank-zero logger.
     """
 
     def __init__(self, config: AsyncRolloutConfig, client: AsyncRolloutClient, prompts: Callable[[int], dict[str, Any]],
-                 *, group_size: int = 1, greedy_baseline: bool = False, say: Callable[[str], None] = log.info) -> None:
+                 *, group_size: int = 1, greedy_baseline: bool = False, multi_turn: bool = False,
+                 say: Callable[[str], None] = log.info) -> None:
         self.config, self.client, self.prompts, self.group_size = config, client, prompts, group_size
-        self.greedy_baseline = greedy_baseline
+        self.greedy_baseline, self.multi_turn = greedy_baseline, multi_turn
         self.say = say
         self.version = 0  # the weights' version: PPO iterations whose update they hold
         self.resumed = False
@@ -94,9 +99,11 @@ class AsyncRollouts:
             version, tensors = self._take(iteration)
         waited = time.perf_counter() - t0
         greedy = GreedyAnswers(*tensors[_SAMPLES: _SAMPLES + 2]) if self.greedy_baseline else None
-        if len(tensors) > _SAMPLES + 2 * self.greedy_baseline:  # sent in lockstep: the generator's random state
+        if len(tensors) > _SAMPLES + 2 * self.greedy_baseline + self.multi_turn:  # lockstep: the generator's random state
             torch.set_rng_state(tensors[-1])
         exp = _experience(tensors, self.group_size)
+        if self.multi_turn:  # the trajectories' scores, masks, counts and texts
+            with_trajectory_extras(exp, json_of(tensors[_SAMPLES]))
         exp.versions = torch.full((len(exp),), version, dtype=torch.long, device=exp.input_ids.device)
         stale = iteration - version
         n = float(len(exp))
@@ -138,8 +145,9 @@ class AsyncRollouts:
         if self.group_size > 1:
             ids, mask = ids.repeat_interleave(self.group_size, dim=0), mask.repeat_interleave(self.group_size, dim=0)
         self._sent[iteration] = batch["input_ids"].cpu()
+        rows = [row for row in batch["rows"] for _ in range(self.group_size)] if self.multi_turn else None
         self.client.submit(iteration, ids, mask, group_size=self.group_size, rng_state=rng_state,
-                           greedy_baseline=self.greedy_baseline)
+                           greedy_baseline=self.greedy_baseline, rows=rows)
 
     def _check_same_prompts(self, iteration: int, batch: dict[str, Any]) -> None:
         sent = self._sent.pop(iteration)

@@ -43,6 +43,7 @@ from lightning_mem.rl.environments import Environment, as_step
 from lightning_mem.rl.rollout import Experience
 from lightning_mem.rl.tools import Timeout, call_with_timeout, tool_schemas
 from lightning_mem.rl.trajectory import ChatRenderer, PrefixError, Trajectory, experience_from_trajectories
+from lightning_mem.rl.turn_sampling import device_of
 from lightning_mem.settings import check_fields
 
 #: Counts every rollout reports (each rank the same names: the step sums them over ranks).
@@ -107,9 +108,11 @@ class MultiTurnRollout:
                 room = max((self.config.max_total_tokens - trajectories[i].length for i in running), default=1)
                 sampled = self.sampler.sample(model, running, [trajectories[i].pending for i in running],
                                               min(self.max_new_tokens, room), synced=synced)
-                for i, ids in zip(running, sampled):
-                    self._turn(trajectories[i], ids)
-        device = next(model.parameters()).device
+                # The engine's log-probs of what it sampled, where it reports them (vLLM).
+                logprobs = getattr(self.sampler, "last_logprobs", None) or [None] * len(sampled)
+                for i, ids, lp in zip(running, sampled, logprobs):
+                    self._turn(trajectories[i], ids, lp)
+        device = device_of(model)
         exp = experience_from_trajectories(trajectories, pad_token_id=self.pad_token_id, device=device,
                                            mask_at_budget=self.config.at_budget == "mask")
         exp.prompts = [self.renderer.tokenizer.decode(t.prompt_ids, skip_special_tokens=True) for t in trajectories]
@@ -136,13 +139,13 @@ class MultiTurnRollout:
             t.add_count("prompts_over_budget")
         return t
 
-    def _turn(self, t: Trajectory, ids: list[int]) -> None:
+    def _turn(self, t: Trajectory, ids: list[int], logprobs: list[float] | None = None) -> None:
         """Append one sampled turn (cut to the token budget) and hand it to the environment."""
         room = self.config.max_total_tokens - t.length
         ids = ids[:room]
         ended = bool(ids) and ids[-1] in self.end_ids
         cut = len(ids) == room and not ended  # the budget, not the end token, stopped it
-        t.add_sampled(ids)
+        t.add_sampled(ids, logprobs)
         t.turns += 1
         t.last_answer = self.renderer.tokenizer.decode([i for i in ids if i not in self.end_ids],
                                                        skip_special_tokens=True)
@@ -199,6 +202,22 @@ class MultiTurnRollout:
         return {PREFIX + k: torch.tensor(v, dtype=torch.float64, device=device) for k, v in sums.items()}
 
 
+def trajectory_extras(exp: Experience) -> dict[str, Any]:
+    """What a multi-turn Experience holds beyond its token tensors, as plain data: the scores, which
+    trajectories train, the step's sums, the texts. Separate placement sends it back with the samples."""
+    return {"scores": exp.scores.tolist(), "keep": exp.sample_keep.tolist(), "prompts": exp.prompts,
+            "responses": exp.responses, "stats": {k: float(v) for k, v in exp.sample_stats.items()}}
+
+
+def with_trajectory_extras(exp: Experience, extras: dict[str, Any]) -> Experience:
+    """``exp`` (a generator's tensors) with :func:`trajectory_extras` back in place, exactly."""
+    exp.scores = torch.tensor(extras["scores"], dtype=torch.float32)
+    exp.sample_keep = torch.tensor(extras["keep"], dtype=torch.bool)
+    exp.prompts, exp.responses = extras["prompts"], extras["responses"]
+    exp.sample_stats.update({k: torch.tensor(v, dtype=torch.float64) for k, v in extras["stats"].items()})
+    return exp
+
+
 def trajectory_metrics(totals: dict[str, Tensor]) -> dict[str, Tensor]:
     """The step's multi-turn metrics from its sums over all ranks: turns and observation tokens per
     trajectory, the share that ended at its budget, and every count as it is."""
@@ -219,7 +238,7 @@ def trajectory_metrics(totals: dict[str, Tensor]) -> dict[str, Tensor]:
 
 
 def check_multi_turn(environment: Any, config: MultiTurnConfig, *, scored_otherwise: bool, advantage_estimator: str,
-                     engine: Any, generation: Any) -> None:
+                     generation: Any) -> None:
     """Refuse the settings a multi-turn run cannot work with, named relative to the recipe's model
     section (``environment``, ``multi_turn.*``...); nothing when ``environment`` is None."""
     from lightning_mem.rl.advantages import GREEDY_BASELINE
@@ -235,9 +254,6 @@ def check_multi_turn(environment: Any, config: MultiTurnConfig, *, scored_otherw
     if advantage_estimator in GREEDY_BASELINE:
         raise SettingNotSupported("advantage_estimator", f": `{advantage_estimator}`'s greedy baseline is one greedy"
                                   " answer, not yet a greedy trajectory: pick another estimator with `environment`")
-    if engine.name != "hf" or engine.placement != "colocated":
-        raise SettingNotSupported("rollout_engine", f" `name: {engine.name}`, `placement: {engine.placement}`: multi-turn"
-                                  " rollouts run on the hf engine, colocated, so far")
     if generation.kv_cache == "static" and config.cache_across_turns:
         raise SettingError("multi_turn.cache_across_turns", "`multi_turn.cache_across_turns: true` continues Hugging Face"
                            " generate's cache, but the static decode loop (`generation.kv_cache: static`) lays out its"
@@ -286,8 +302,14 @@ def environment_keys(environment: Callable[[], Environment] | None) -> Any:
 def multi_turn_rollout(environment: Callable[[], Environment], config: MultiTurnConfig, *, tokenizer: Any,
                        generation: Any, engine: Any, eos_token_ids: list[int], pad_token_id: int) -> MultiTurnRollout:
     """The rollout a recipe runs each step: the hf engine continuing its cache across turns
-    (``cache_across_turns``), or ``engine``'s ``generate`` on each whole conversation every turn."""
+    (``cache_across_turns``), or ``engine``'s ``generate`` on each whole conversation every turn
+    (vLLM: its token-id prompts, with its prefix cache on)."""
     from lightning_mem.rl.turn_sampling import CachedTurns, PrefillTurns
+
+    if getattr(engine, "prefix_caching", None) is False and getattr(engine, "llm", None) is None:
+        # Each turn's prompt is the previous turn's conversation and more: vLLM's prefix cache
+        # prefills only the new ids. Every weight load empties it, so no KV outlives its weights.
+        engine.prefix_caching = True
 
     renderer = ChatRenderer(tokenizer, end_token_ids=eos_token_ids, chat_template=_template(config))
     cached = config.cache_across_turns and engine.name == "hf" and generation.kv_cache == "dynamic"

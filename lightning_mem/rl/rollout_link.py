@@ -160,6 +160,19 @@ def names_of(tensor: Tensor) -> list[str]:
     return bytes(tensor.tolist()).decode().split("\n") if tensor.numel() else []
 
 
+def json_tensor(value: object) -> Tensor:
+    """Plain data (a request's data rows, a multi-turn batch's scores and counts) as one uint8 tensor."""
+    import json
+
+    return torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8).clone()
+
+
+def json_of(tensor: Tensor) -> object:
+    import json
+
+    return json.loads(bytes(tensor.tolist()).decode())
+
+
 class _KeepAlive:
     """Holds a message's buffers until its sends are waited."""
 

@@ -140,19 +140,26 @@ class Trajectory:
     pending: list[int] = field(default_factory=list)  # ids the sampler has not seen yet
     last_answer: str = ""
     counts: dict[str, float] = field(default_factory=dict)
+    # The engine's log-prob of each id of the buffer (0 on observations), where the engine reports
+    # them (vLLM); None once a turn came without them.
+    engine_logprobs: list[float] | None = field(default_factory=list)
 
     @property
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.ids)
 
-    def add_sampled(self, ids: list[int]) -> None:
+    def add_sampled(self, ids: list[int], logprobs: list[float] | None = None) -> None:
         self.ids += ids
         self.sampled += [True] * len(ids)
+        self.engine_logprobs = None if logprobs is None or self.engine_logprobs is None else (
+            self.engine_logprobs + list(logprobs[: len(ids)]))
 
     def add_observation(self, ids: list[int]) -> None:
         self.ids += ids
         self.sampled += [False] * len(ids)
         self.pending = list(ids)
+        if self.engine_logprobs is not None:
+            self.engine_logprobs += [0.0] * len(ids)
 
     def add_count(self, name: str, n: float = 1) -> None:
         self.counts[name] = self.counts.get(name, 0) + n
@@ -172,7 +179,7 @@ def experience_from_trajectories(trajectories: list[Trajectory], *, pad_token_id
     response_ids, _ = pad_sequences([t.ids for t in trajectories], pad_token_id, length=width, device=device)
     response_mask, _ = pad_sequences([[int(s) for s in t.sampled] for t in trajectories], 0, length=width, device=device)
     keep = [not (t.failed or (mask_at_budget and t.at_budget)) for t in trajectories]
-    return Experience(
+    exp = Experience(
         input_ids=input_ids, attention_mask=attention_mask,
         prompt_lengths=torch.tensor([len(t.prompt_ids) for t in trajectories], device=device),
         response_ids=response_ids, response_mask=response_mask,
@@ -181,3 +188,8 @@ def experience_from_trajectories(trajectories: list[Trajectory], *, pad_token_id
         scores=torch.tensor([t.reward for t in trajectories], dtype=torch.float32, device=device),
         sample_keep=torch.tensor(keep, dtype=torch.bool, device=device),
     )
+    if all(t.engine_logprobs is not None for t in trajectories) and any(t.ids for t in trajectories):
+        logprobs, _ = pad_sequences([t.engine_logprobs for t in trajectories], 0, length=width, dtype=torch.float32,
+                                    device=device)
+        exp.engine_logprobs = logprobs * response_mask  # as a single-turn engine's: 0 off the sampled ids
+    return exp

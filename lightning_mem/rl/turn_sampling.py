@@ -114,11 +114,11 @@ class CachedTurns:
         """One turn for ``rows``: each row's sampled ids up to and including its end token."""
         if not rows:
             if synced:  # the other ranks still sample: run their forward passes alongside
-                dummy = torch.tensor([[self.pad_token_id]], device=_device(model))
+                dummy = torch.tensor([[self.pad_token_id]], device=device_of(model))
                 model.generate(input_ids=dummy, attention_mask=torch.ones_like(dummy), synced_gpus=True,
                                generation_config=self._settings(1))
             return []
-        self._layout(rows, new_ids, _device(model))
+        self._layout(rows, new_ids, device_of(model))
         width = self.ids.shape[1]
         sequences = model.generate(input_ids=self.ids, attention_mask=self.mask, synced_gpus=synced,
                                    generation_config=self._settings(max_new_tokens),
@@ -142,6 +142,8 @@ class PrefillTurns:
         self.engine = engine
         self.end_ids = set(engine.eos_token_ids)
         self.sequences: dict[int, list[int]] = {}
+        # The engine's log-probs of the ids the last call returned (None if it reports none).
+        self.last_logprobs: list[list[float]] | None = None
 
     @contextlib.contextmanager
     def session(self, model: torch.nn.Module) -> Iterator[None]:
@@ -158,7 +160,7 @@ class PrefillTurns:
         for r, ids in zip(rows, new_ids):
             self.sequences[r] = self.sequences.get(r, []) + list(ids)
         prompts = [self.sequences[r] for r in rows] or [[self.engine.pad_token_id]]
-        ids, mask = pad_sequences(prompts, self.engine.pad_token_id, side="left", device=_device(model))
+        ids, mask = pad_sequences(prompts, self.engine.pad_token_id, side="left", device=device_of(model))
         config = self.engine.config
         self.engine.config = replace(config, max_new_tokens=max_new_tokens if rows else 1)
         try:
@@ -167,13 +169,17 @@ class PrefillTurns:
             self.engine.config = config
         lengths = exp.response_lengths.tolist()
         sampled = [exp.response_ids[i, :n].tolist() for i, n in enumerate(lengths)][: len(rows)]
+        self.last_logprobs = None if exp.engine_logprobs is None else [
+            exp.engine_logprobs[i, :n].tolist() for i, n in enumerate(lengths)][: len(rows)]
         for r, ids_r in zip(rows, sampled):
             self.sequences[r] += ids_r
         return sampled
 
 
-def _device(model: torch.nn.Module) -> torch.device:
-    return next(model.parameters()).device
+def device_of(model: torch.nn.Module | None) -> torch.device:
+    """Where a batch for ``model`` goes; the CPU for an engine that holds the weights itself (vLLM's
+    generator has no model of ours)."""
+    return next(model.parameters()).device if model is not None else torch.device("cpu")
 
 
 def _cache_keyword(model: torch.nn.Module) -> str:

@@ -24,7 +24,7 @@ import pytest
 
 from lightning_mem.estimate import tier_of, usable_bytes
 from lightning_mem.estimate.report import training_ranks
-from tests.shipped_estimates import PPO_0_5B_GROUP, shipped_estimate
+from tests.shipped_estimates import DPO_8B_GROUP, PPO_0_5B_GROUP, shipped_estimate
 
 pytestmark = pytest.mark.config_gate
 
@@ -39,6 +39,8 @@ def header_peaks(path: Path) -> dict[str, float]:
     return {k: float(v) for k, v in (item.split("=") for item in match.group(1).split())}
 
 
+DPO_8B_LORA = ROOT / "configs" / "dpo" / "llama-3.1-8b_1x24gb.yaml"
+
 # Configs too long to gate even in the gate's own step (none today: the 70B QLoRA config, 80 blocks
 # of 4-bit layers through forward, recompute and backward on fake tensors, the costliest, takes
 # about 30 s).
@@ -52,6 +54,8 @@ def _marks(path: Path) -> list:
         return [pytest.mark.slow]
     if path.name == "qwen2.5-0.5b-instruct_1x24gb.yaml":  # test_cuda_model.py reads its estimate too
         return [pytest.mark.xdist_group(PPO_0_5B_GROUP)]
+    if path == DPO_8B_LORA:  # the reference's cost below reads its estimate too
+        return [pytest.mark.xdist_group(DPO_8B_GROUP)]
     return []
 
 
@@ -73,3 +77,22 @@ def test_config_fits_its_tier_and_header(path: Path):
     assert set(stated) == set(measured), (path.name, stated, measured)
     for name, value in measured.items():
         assert abs(stated[name] - value) <= 0.05 * value, (path.name, name, stated[name], value)
+
+
+@pytest.mark.xdist_group(DPO_8B_GROUP)
+def test_the_8b_lora_dpo_reference_costs_nothing_beyond_the_adapters_forward():
+    """The shipped config's reference is the base with its adapters off; the same step with no
+    reference forward at all (its log-probs looked up, ``precompute``) holds the same weights,
+    gradients and optimizer state, and peaks within 1 MiB of it (the looked-up table against the
+    forward's per-sequence sums): the base's forward without gradients keeps nothing to the policy's
+    backward, and no weight is loaded twice."""
+    shipped = {p.phase: p for p in shipped_estimate(DPO_8B_LORA, 1).phases}
+    assert list(shipped) == ["train"]
+    from lightning_mem.estimate import estimate
+
+    looked_up = {p.phase: p for p in estimate(DPO_8B_LORA, ["--model.reference.mode=precompute"]).phases}
+    assert list(looked_up) == ["precompute", "train"]
+    with_forward, without = shipped["train"], looked_up["train"]
+    for category in ("weights", "gradients", "optimizer_state", "logits"):
+        assert with_forward.device_breakdown_bytes[category] == without.device_breakdown_bytes[category], category
+    assert abs(with_forward.device_peak_bytes - without.device_peak_bytes) < 2**20

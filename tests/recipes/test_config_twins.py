@@ -1,4 +1,4 @@
-"""Every shipped GPU-tier config trains on CPU as its tiny twin: 2 optimizer steps of SFT/QLoRA,
+"""Every shipped GPU-tier config trains on CPU as its tiny twin: 2 optimizer steps of SFT/QLoRA/DPO,
 2 iterations (rollouts and their updates) of PPO, 2 optimizer steps of a reward model, through the real CLI.
 
 A twin is the config as shipped, with only these overrides, derived from the YAML by
@@ -13,7 +13,9 @@ A twin is the config as shipped, with only these overrides, derived from the YAM
   a tensor or context degree is kept where the ranks and the tiny model's heads (8 query, 4 KV)
   allow it, else the largest degree that divides all three;
 * the lengths: ``data.max_length`` / ``max_prompt_length`` / ``generation.max_new_tokens`` cut to
-  what the tiny model holds, each token budget scaled by the same factor (never below one sequence);
+  what the tiny model holds, each token budget scaled by the same factor (never below one sequence;
+  DPO's and a reward model's: one pair, two sides); a multi-turn config's trajectory budget
+  (``model.multi_turn.max_total_tokens``) is its length;
   PPO's prompt batch cut to a few sequences per mini-batch;
 * the run: 2 steps (PPO: 2 prompt batches), no validation, one checkpoint at the end, under tmp.
 
@@ -50,9 +52,9 @@ from tests.helpers import (  # noqa: E402
 
 CONFIGS = sorted((REPO / "configs").glob("*/*.yaml"))
 GPU_CONFIGS = [p for p in CONFIGS if not p.name.startswith("tiny_")]
-RECIPES = {"sft", "qlora", "ppo", "reward_model"}
+RECIPES = {"sft", "qlora", "ppo", "reward_model", "dpo"}
 #: Recipes whose data are preference pairs: a micro-batch holds both sides, so its budget is two rows a pair.
-PAIR_RECIPES = {"reward_model"}
+PAIR_RECIPES = {"reward_model", "dpo"}
 
 #: The tiny model's shape, which bounds the parallel degrees and lengths a twin can keep.
 _TINY_CONFIG = json.loads((TINY_MODEL / "config.json").read_text())
@@ -63,6 +65,7 @@ MAX_RANKS_MIXED = 4  # data parallel x a model-parallel degree: both dimensions 
 SFT_LENGTH = 64  # tokens per row: the arithmetic rows are ~16 tokens
 PROMPT_LENGTH = 96  # the longest shipped system prompt and a question fit
 NEW_TOKENS = 8
+TRAJECTORY_LENGTH = 160  # a multi-turn twin's token budget: a tiny prompt, a few turns and replies
 
 FSDP2 = "lightning_mem.strategies.FSDP2Strategy"
 ZERO = "lightning_mem.strategies.deepspeed.ZeroStrategy"
@@ -250,10 +253,15 @@ def twin_of(path: Path, model: Path) -> Twin:
         if prompt is None or new is None:
             raise NoTwinRule(f"{path}: data.max_prompt_length and model.generation.max_new_tokens must be set")
         twin_prompt, twin_new = min(prompt, PROMPT_LENGTH), min(new, NEW_TOKENS)
-        factor = (twin_prompt + twin_new) / (prompt + new)
+        length, twin_len = prompt + new, twin_prompt + twin_new
         out += [f"--data.max_prompt_length={twin_prompt}", f"--model.generation.max_new_tokens={twin_new}"]
+        trajectory = _get(config, "model.multi_turn.max_total_tokens")
+        if trajectory is not None:  # multi-turn: a trajectory's token budget is its sequences' length
+            length, twin_len = trajectory, min(trajectory, TRAJECTORY_LENGTH)
+            out.append(f"--model.multi_turn.max_total_tokens={twin_len}")
+        factor = twin_len / length
         for key in ("max_tokens_per_microbatch", "logprob_max_tokens_per_microbatch"):
-            budget = _scaled(_get(config, f"model.ppo.{key}"), factor, twin_prompt + twin_new)
+            budget = _scaled(_get(config, f"model.ppo.{key}"), factor, twin_len)
             if budget is not None:
                 out.append(f"--model.ppo.{key}={budget}")
         if _get(config, "model.reward_model.max_length") is not None:
@@ -279,6 +287,8 @@ def twin_length(overrides: list[str]) -> int:
     values = dict(o[2:].split("=", 1) for o in overrides)
     if "data.max_length" in values:
         return int(values["data.max_length"])
+    if "model.multi_turn.max_total_tokens" in values:
+        return int(values["model.multi_turn.max_total_tokens"])
     return int(values["data.max_prompt_length"]) + int(values["model.generation.max_new_tokens"])
 
 
@@ -388,7 +398,7 @@ def test_twin_trains_two_steps_on_cpu(path: Path, bf16_tiny: Path, tmp_path: Pat
     checkpoints = list((tmp_path / "checkpoints").glob("*"))
     assert checkpoints, f"{twin.id}: no checkpoint under {tmp_path}"
     assert (tmp_path / "export").is_dir(), f"{twin.id}: no export"
-    # It trained: SFT/QLoRA logs a loss at both optimizer steps, PPO a reward per rollout; all finite.
+    # It trained: SFT/QLoRA/DPO logs a loss at both optimizer steps, PPO a reward per rollout; all finite.
     if twin.recipe == "ppo":
         rewards, losses = read_metric(tmp_path, "reward_mean"), read_metric(tmp_path, "policy_loss")
         assert len(rewards) == 2 and losses, (twin.id, rewards, losses)

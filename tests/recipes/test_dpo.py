@@ -47,6 +47,7 @@ def _args(root, pairs, *extra, steps=STEPS):
         "--data.max_tokens_per_batch=null", "--data.batch_size=8", f"--trainer.max_steps={steps}",
         f"--trainer.val_check_interval={steps}", f"--checkpoint.every_n_train_steps={steps}", "--trainer.callbacks=[]",
         "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false", "--model.logits_chunk_size=16",
+        "--model.dpo.loss_type=sigmoid",  # DPO's loss alone (the config adds the chosen NLL): ln 2 at step 0
         # A learning rate that moves the policy away from its reference within a few steps.
         "--model.optimizer.init_args.lr=0.001", "--model.lr_scheduler.init_args.warmup_steps=1",
         *csv_logger_args(root), *extra,
@@ -336,6 +337,12 @@ def test_adapters_off_with_other_weights_named(tmp_path, pairs, no_model_load):
                                            r" `model.reference.mode: adapters_off` is the policy's own base"):
         dpo.main(_args(tmp_path, pairs, "--model.lora.r=4", "--model.reference.mode=adapters_off",
                        f"--model.reference.name_or_path={_weights(pairs)}"))
+
+
+def test_a_quantized_base_without_adapters(tmp_path, pairs, no_model_load):
+    with pytest.raises(SettingError, match=r"^`model.quantization`: a quantized base cannot train, only adapters on it can;"
+                                           r" set `model.lora` too"):
+        dpo.main(_args(tmp_path, pairs, "--model.quantization={bits: 4}"))
 
 
 # -- from the SFT demo's export: a short run learns the preference -------------------------------------------

@@ -7,6 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 import recipes.qlora as qlora
+from lightning_mem import quantized_lora
 from lightning_mem.lora import BASE_SIDECAR, load_adapter_model, merge_adapter
 from lightning_mem.models import load_causal_lm
 from tests.helpers import PROBE_IDS, REPO, fit_and_probe, read_metric, run_recipe, short_fit_args
@@ -159,7 +160,7 @@ def no_model_load(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded before the bad input was reported")
 
-    monkeypatch.setattr(qlora, "load_quantized_causal_lm", refuse)
+    monkeypatch.setattr(quantized_lora, "load_quantized_causal_lm", refuse)  # what the recipe's model loads through
 
 
 def _cli(tmp_path, *extra):
