@@ -26,7 +26,7 @@ def test_the_runs_are_every_one_gpu_tier_config():
     found = tiers.single_gpu_configs()
     named = sorted(p for p in (REPO / "configs").glob("*/*.yaml") if "_1x" in p.name)
     assert found == named and len(found) >= 3
-    assert {p.parent.name for p in found} == {"sft", "qlora", "ppo"}
+    assert {p.parent.name for p in found} == set(tiers.RECIPES)  # every recipe with a 1-GPU config can run
     assert tiers.single_gpu_configs(only=["sft/qwen2.5-1.5b_1x24gb"]) == [REPO / "configs/sft/qwen2.5-1.5b_1x24gb.yaml"]
     assert tiers.single_gpu_configs(only=["8x80gb"]) == []  # a multi-GPU tier is never run capped to one card
 
@@ -65,7 +65,9 @@ def test_generated_data_fills_the_configs_largest_micro_batch():
 
 
 @pytest.mark.parametrize("config", ["sft/qwen2.5-1.5b_1x24gb.yaml", "qlora/llama-3.1-8b_1x24gb.yaml",
-                                    "ppo/qwen2.5-0.5b-instruct_1x24gb.yaml"])
+                                    "ppo/qwen2.5-0.5b-instruct_1x24gb.yaml", "dpo/qwen2.5-1.5b_1x24gb.yaml",
+                                    "reward_model/qwen2.5-1.5b_1x24gb.yaml",
+                                    "sft/llama-3.2-1b-instruct_distill_llama-3.1-8b-instruct_1x24gb.yaml"])
 def test_overrides_make_a_tier_config_a_short_offline_run(config, tmp_path):
     from lightning.pytorch import LightningDataModule, LightningModule
 
@@ -95,6 +97,13 @@ def test_overrides_make_a_tier_config_a_short_offline_run(config, tmp_path):
     assert cli.trainer.max_steps == raw["trainer"].get("max_steps", -1)  # the LR schedule stays the config's
     assert cli.trainer.checkpoint_callback.save_last is False and cli.model.hparams.export_dir is None
     assert cli.trainer.limit_val_batches == 0
+    teacher = (raw["model"].get("distillation") or {}).get("teacher")
+    if teacher:  # a second model, built at random too
+        assert Path(cli.model.hparams.distillation["teacher"]["name_or_path"]).is_relative_to(tmp_path)
+    if path.parent.name in tiers.PAIR_RECIPES:  # generated preference pairs, each side past max_length
+        rows = [json.loads(line) for line in Path(next(a for a in args if a.startswith("--data.train_file=")).split("=", 1)[1]).read_text().splitlines()]
+        assert rows and all(set(row) == {"prompt", "chosen", "rejected"} and row["chosen"] != row["rejected"]
+                            for row in rows)
 
 
 @pytest.fixture(scope="module")

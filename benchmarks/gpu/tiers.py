@@ -53,8 +53,11 @@ from typing import Any
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-RECIPES = {"sft": "recipes.sft", "qlora": "recipes.qlora", "ppo": "recipes.ppo"}
-MODEL_KEYS = ("name_or_path", "critic.name_or_path", "reward_model.name_or_path")  # under `model`
+RECIPES = {"sft": "recipes.sft", "qlora": "recipes.qlora", "ppo": "recipes.ppo", "dpo": "recipes.dpo",
+           "reward_model": "recipes.reward_model"}
+PAIR_RECIPES = ("dpo", "reward_model")  # their data are preference pairs
+MODEL_KEYS = ("name_or_path", "critic.name_or_path", "reward_model.name_or_path", "teacher.name_or_path",
+              "distillation.teacher.name_or_path", "reference.name_or_path")  # under `model`
 GiB = 1 << 30
 HEADER = re.compile(r"^# estimated peak per rank \(GiB\):((?:\s+\w+=[0-9.]+)+)", re.MULTILINE)
 DEFAULT_TIMEOUT_S = 540  # one config per 10-minute device command, with room for the start-up
@@ -229,6 +232,9 @@ def overrides_for(path: Path, workdir: Path, steps: int) -> list[str]:
         per_batch = max(1, int(data.get("max_tokens_per_batch") or 0) // max_length) or int(data.get("batch_size") or 1)
         accumulate = int(trainer.get("accumulate_grad_batches") or 1)
         rows = sft_rows(2 * steps * accumulate * per_batch + 8, max_length, tokenizer)
+        if recipe in PAIR_RECIPES:  # two rows make a pair whose sides are each truncated to max_length
+            rows = [{"prompt": a["prompt"], "chosen": a["completion"], "rejected": b["completion"]}
+                    for a, b in zip(rows[::2], rows[1::2])]
         batches = steps * accumulate
         args.append("--data.val_file=null")
     args.append(f"--data.train_file={_write_jsonl(rows, files / ('prompts.jsonl' if recipe == 'ppo' else 'train.jsonl'))}")

@@ -147,7 +147,9 @@ def test_two_ranks_share_the_pass_and_write_what_one_process_computes(tmp_path, 
     for split in ("train", "val"):
         two = load_file(tmp_path / "reference_logps" / f"{split}.safetensors")["logps"]
         one = load_file(full_modes["precompute"][0] / "reference_logps" / f"{split}.safetensors")["logps"]
-        torch.testing.assert_close(two, one, rtol=0, atol=1e-6)
+        # Each rank pads its own micro-batches, so the matmuls' shapes (and float sums) differ: 2e-6
+        # apart on sums near -17 was seen; a wrong or missing pair is off by whole units.
+        torch.testing.assert_close(two, one, rtol=1e-5, atol=1e-5)
 
 
 @pytest.fixture(scope="module")
