@@ -52,12 +52,13 @@ from typing import Any
 
 import yaml
 
+from lightning_mem.estimate import recipe_config
+from lightning_mem.estimate.recipe_config import RECIPES  # the recipe module of each configs/ folder
+
 ROOT = Path(__file__).resolve().parents[2]
-RECIPES = {"sft": "recipes.sft", "qlora": "recipes.qlora", "ppo": "recipes.ppo", "dpo": "recipes.dpo",
-           "reward_model": "recipes.reward_model"}
 PAIR_RECIPES = ("dpo", "reward_model")  # their data are preference pairs
-MODEL_KEYS = ("name_or_path", "critic.name_or_path", "reward_model.name_or_path", "teacher.name_or_path",
-              "distillation.teacher.name_or_path", "reference.name_or_path")  # under `model`
+#: Every model folder a config names, under `model` (the estimator's list: each is built at random here).
+MODEL_KEYS = tuple(key.removeprefix("model.") for _, key in recipe_config.MODEL_KEYS)
 GiB = 1 << 30
 HEADER = re.compile(r"^# estimated peak per rank \(GiB\):((?:\s+\w+=[0-9.]+)+)", re.MULTILINE)
 DEFAULT_TIMEOUT_S = 540  # one config per 10-minute device command, with room for the start-up

@@ -26,7 +26,7 @@ def check_messages(messages: Any, where: str, field: str = "messages") -> None:
             raise DataFormatError(f"{where}: each message in `{field}` needs string `role` and `content`, got {m!r}")
 
 
-def _as_messages(value: Any, role: str, where: str, field: str) -> list[dict[str, str]]:
+def as_messages(value: Any, role: str, where: str, field: str) -> list[dict[str, str]]:
     # A string prompt is one user turn, a string completion one assistant turn; a list is TRL's
     # conversational form.
     if isinstance(value, str):
@@ -35,7 +35,7 @@ def _as_messages(value: Any, role: str, where: str, field: str) -> list[dict[str
     return value
 
 
-def _system(row: dict[str, Any], messages: list[dict[str, str]]) -> list[dict[str, str]]:
+def with_system(row: dict[str, Any], messages: list[dict[str, str]]) -> list[dict[str, str]]:
     if row.get("system") and messages[0]["role"] != "system":
         return [{"role": "system", "content": row["system"]}]
     return []
@@ -52,11 +52,11 @@ def row_to_conversation(row: dict[str, Any]) -> tuple[list[dict[str, str]], int]
             raise DataFormatError(f"{where}: `messages` has no assistant turn to learn from")
         return messages, 0
     if isinstance(row.get("prompt"), (str, list)) and isinstance(row.get("completion"), (str, list)):
-        prompt = _as_messages(row["prompt"], "user", where, "prompt")
-        completion = _as_messages(row["completion"], "assistant", where, "completion")
+        prompt = as_messages(row["prompt"], "user", where, "prompt")
+        completion = as_messages(row["completion"], "assistant", where, "completion")
         if not any(m["role"] == "assistant" for m in completion):
             raise DataFormatError(f"{where}: `completion` has no assistant turn to learn from")
-        prompt = _system(row, prompt) + prompt
+        prompt = with_system(row, prompt) + prompt
         return prompt + completion, len(prompt)
     keys = sorted(k for k in row if k != "_where")
     raise DataFormatError(
@@ -75,8 +75,8 @@ def row_to_prompt_messages(row: dict[str, Any]) -> list[dict[str, str]]:
     ending in a turn that is not the assistant's."""
     where = row.get("_where", "row")
     if isinstance(row.get("prompt"), (str, list)):
-        messages, field = _as_messages(row["prompt"], "user", where, "prompt"), "prompt"
-        messages = _system(row, messages) + messages
+        messages, field = as_messages(row["prompt"], "user", where, "prompt"), "prompt"
+        messages = with_system(row, messages) + messages
     elif "messages" in row:
         messages, field = row["messages"], "messages"
         check_messages(messages, where)

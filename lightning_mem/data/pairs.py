@@ -25,9 +25,9 @@ from typing import Any
 import numpy as np
 
 from lightning_mem.data.cache import BLANK, DROPPED, KEPT, parse_rows
-from lightning_mem.data.chat import _as_messages, _system, encode_rendered, render_with_spans
+from lightning_mem.data.chat import as_messages, encode_rendered, render_with_spans, with_system
 from lightning_mem.data.rows import DataFormatError
-from lightning_mem.data.sft import IGNORE_INDEX, _labels
+from lightning_mem.data.sft import IGNORE_INDEX, span_labels
 
 #: ``status`` of a pair dropped because its two sides became identical under the cut (beside the
 #: cache's KEPT, DROPPED -- a side with no completion token left -- and BLANK).
@@ -59,7 +59,7 @@ def _completion(value: Any, where: str, side: str) -> list[dict[str, str]]:
     turn, and no assistant turn of it may be empty."""
     if isinstance(value, str) and not value.strip():
         raise DataFormatError(f"{where}: `{side}` is an empty completion")
-    messages = _as_messages(value, "assistant", where, side)
+    messages = as_messages(value, "assistant", where, side)
     assistant = [m for m in messages if m["role"] == "assistant"]
     if not assistant:
         raise DataFormatError(f"{where}: `{side}` has no assistant turn to score")
@@ -90,7 +90,7 @@ def row_to_pair(row: dict[str, Any]) -> tuple[list[dict[str, str]], list[dict[st
     if "prompt" in row:
         if not isinstance(row["prompt"], (str, list)):
             raise DataFormatError(f"{where}: `prompt` must be a string or a list of messages, got {type(row['prompt']).__name__}")
-        prompt = _as_messages(row["prompt"], "user", where, "prompt")
+        prompt = as_messages(row["prompt"], "user", where, "prompt")
         chosen, rejected = (_completion(v, where, side) for v, side in ((chosen, "chosen"), (rejected, "rejected")))
     else:
         if not (isinstance(chosen, list) and isinstance(rejected, list)):
@@ -99,7 +99,7 @@ def row_to_pair(row: dict[str, Any]) -> tuple[list[dict[str, str]], list[dict[st
                 f" messages) sharing their prompt; it has keys {keys}"
             )
         for value, side in ((chosen, "chosen"), (rejected, "rejected")):
-            _as_messages(value, "assistant", where, side)  # the messages' own checks
+            as_messages(value, "assistant", where, side)  # the messages' own checks
         if chosen == rejected:
             raise DataFormatError(f"{where}: `chosen` equals `rejected`: a pair must differ")
         shared = _common_prefix(chosen, rejected)
@@ -117,7 +117,7 @@ def row_to_pair(row: dict[str, Any]) -> tuple[list[dict[str, str]], list[dict[st
         margin = 0.0
     if isinstance(margin, bool) or not isinstance(margin, Real) or not math.isfinite(margin):
         raise DataFormatError(f"{where}: `margin` must be a finite number, got {margin!r}")
-    return _system(row, prompt) + prompt, chosen, rejected, float(margin)
+    return with_system(row, prompt) + prompt, chosen, rejected, float(margin)
 
 
 def tokenize_pair_batch(
@@ -126,7 +126,7 @@ def tokenize_pair_batch(
     """``datasets.map`` function: raw rows (:func:`~lightning_mem.data.cache.raw_rows`) to the cached
     pair columns, one output row per input row. Each side is rendered and labelled exactly as an SFT
     prompt/completion row (:func:`~lightning_mem.data.chat.render_with_spans` from the completion's
-    first message, :func:`~lightning_mem.data.sft._labels`), then cut to ``max_length``.
+    first message, :func:`~lightning_mem.data.sft.span_labels`), then cut to ``max_length``.
 
     ``<side>_targets`` counts the side's labels that a previous token predicts (what its log-prob
     sums over); ``status`` marks dropped pairs and blank lines, so that the counts and the rows'
@@ -157,7 +157,7 @@ def tokenize_pair_batch(
             values, truncated = {}, False
             for side in SIDES:
                 ids, offsets, side_spans = next(sides)
-                labels = _labels(ids, offsets, side_spans)[:max_length]
+                labels = span_labels(ids, offsets, side_spans)[:max_length]
                 truncated |= len(ids) > max_length
                 values.update({f"{side}_ids": np.asarray(ids[:max_length], dtype=np.int32), f"{side}_labels": labels,
                                f"{side}_length": len(labels), f"{side}_targets": int((labels[1:] != IGNORE_INDEX).sum())})

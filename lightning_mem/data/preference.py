@@ -42,7 +42,7 @@ from lightning_mem.data.cache import (
 from lightning_mem.data.chat import encode_rendered
 from lightning_mem.data.pairs import IDENTICAL, SIDES, PairStats, pair_features, tokenize_pair_batch
 from lightning_mem.data.rows import DataFormatError, warn_once
-from lightning_mem.data.sft import IGNORE_INDEX, SFTDataModule, _labels, collate_right_padded, with_targets
+from lightning_mem.data.sft import IGNORE_INDEX, SFTDataModule, collate_right_padded, span_labels, with_targets
 from lightning_mem.ranks import data_parallel, per_rank_budget
 from lightning_mem.settings import SettingError, check_arguments, join_key, settings_at
 
@@ -265,7 +265,7 @@ class PreferenceDataModule(SFTDataModule):
     def cache_folder(self, name: str) -> Path:
         """The cache folder of the ``"train"`` or ``"val"`` pairs under these settings."""
         parts = ["preference", source_identity(self.source, name), tokenizer_identity(self.tokenizer), self.max_length,
-                 code_version(tokenize_pair_batch, encode_rendered, _labels)]
+                 code_version(tokenize_pair_batch, encode_rendered, span_labels)]
         return self.cache_root / f"preference-{name}-{cache_key(parts)}"
 
     def data_identity(self, name: str = "train") -> str:

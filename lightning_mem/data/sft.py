@@ -108,7 +108,7 @@ def tokenize_rows(
     return examples, stats
 
 
-def _labels(ids: Any, offsets: Any, spans: list[tuple[int, int]]) -> np.ndarray:
+def span_labels(ids: Any, offsets: Any, spans: list[tuple[int, int]]) -> np.ndarray:
     # tokenize_example's rule on arrays: a token is learned when it starts inside an assistant
     # span and covers at least one character.
     offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
@@ -148,7 +148,7 @@ def tokenize_batch(
             values = (empty, empty, 0, 0, False, BLANK, "")
         else:
             ids, offsets, row_spans, where = next(done)
-            labels = _labels(ids, offsets, row_spans)[:max_length]
+            labels = span_labels(ids, offsets, row_spans)[:max_length]
             ids = np.asarray(ids[:max_length], dtype=np.int32)
             learned = int((labels[1:] != IGNORE_INDEX).sum())
             status = DROPPED if not (labels != IGNORE_INDEX).any() else KEPT

@@ -21,20 +21,21 @@ from lightning_mem.assets import ASSETS, HUB_ASSETS
 from lightning_mem.settings import SettingError, SettingNotSupported, SettingPathError
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
-_RECIPES = {"sft": "recipes.sft", "qlora": "recipes.qlora", "ppo": "recipes.ppo", "reward_model": "recipes.reward_model",
-            "dpo": "recipes.dpo"}
+#: The recipe module of each ``configs/<recipe>/`` folder.
+RECIPES = {"sft": "recipes.sft", "qlora": "recipes.qlora", "ppo": "recipes.ppo", "reward_model": "recipes.reward_model",
+           "dpo": "recipes.dpo"}
 
 
 def recipe_for(config: str | Path, recipe: str | None = None) -> str:
     """The recipe module of a config: ``recipe`` if given, else from ``configs/<recipe>/``."""
     if recipe is not None:
-        return _RECIPES.get(recipe, recipe)
+        return RECIPES.get(recipe, recipe)
     parent = Path(config).resolve().parent.name
-    if parent not in _RECIPES:
+    if parent not in RECIPES:
         raise SettingError(
             "--recipe", f" is needed: cannot tell the recipe of --config {config} from its folder {parent!r}; pass"
-            f" --recipe ({', '.join(_RECIPES)} or a module path)")
-    return _RECIPES[parent]
+            f" --recipe ({', '.join(RECIPES)} or a module path)")
+    return RECIPES[parent]
 
 
 def recipe_parts(module_name: str) -> tuple[Any, type, type, type]:

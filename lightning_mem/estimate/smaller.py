@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lightning_mem.estimate.recipe_config import _RECIPES, parse_config
+from lightning_mem.estimate.recipe_config import RECIPES, parse_config
 
 #: The adapters of the shipped LoRA and QLoRA configs, as the recipes' CLI overrides.
 LORA_OVERRIDES = ["--model.lora.r=16", "--model.lora.lora_alpha=32", "--model.lora.target_modules=all-linear"]
@@ -79,7 +79,7 @@ def shipped(config: str | Path, recipe: str, name_or_path: str, above: int, rank
     ``above`` that run on at most ``ranks`` ranks, in ladder order (then by name)."""
     import yaml
 
-    folders = {name: module for name, module in _RECIPES.items()
+    folders = {name: module for name, module in RECIPES.items()
                if module == recipe or (name == "qlora" and recipe.endswith(".sft"))}
     roots = dict.fromkeys(root.resolve() for root in (Path(config).resolve().parent.parent, Path.cwd() / "configs"))
     own = Path(config).resolve()
