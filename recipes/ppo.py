@@ -220,27 +220,15 @@ class PPOModule(LightningModule):
                        environment=environment, multi_turn=multi_turn, teacher=teacher)
         # logger=False: the CLI logs the whole resolved config (lightning_mem.cli.RunConfigCallback).
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "critic_optimizer", "environment"], logger=False)
-        for name in ("reward", "gold_reward"):
-            # From the CLI a rule is its class_path, plain data that load_from_checkpoint builds again;
-            # one built in Python is an object, kept out of the checkpoint (it need not pickle).
-            if isinstance(self.hparams.get(name), RewardFunction):
-                del self.hparams[name]
         ppo = self._check_rollout_engine(rollout_engine, generation, ppo, async_rollout)
-        self.rollout_engine_config = rollout_engine
-        self.async_config = async_rollout
+        self.rollout_engine_config, self.async_config = rollout_engine, async_rollout
         self.automatic_optimization = False  # several optimizer steps per rollout
         self.strict_loading = False  # checkpoints hold only what trains (on_save_checkpoint)
         self.optimizer_factory, self.critic_optimizer_factory = optimizer, critic_optimizer
         self.lr_scheduler_factory = lr_scheduler
-        self.reward_fn = NoReward() if teacher_alone(reward, reward_model, teacher, environment) else reward
-        self.gold_reward_fn = gold_reward
-        self.environment, self.multi_turn = environment, multi_turn
-        self.lora = lora
-        self.generation, self.ppo, self.kl, self.grpo = generation, ppo, kl, grpo
+        self._signals(reward, gold_reward, reward_model, teacher, environment, multi_turn)
+        self.lora, self.generation, self.ppo, self.kl, self.grpo = lora, generation, ppo, kl, grpo
         self.critic_config, self.memory_plan = critic, memory_plan
-        # Kept as given: under the CLI, hparams hold the parsed config's plain dicts, not this dataclass.
-        self.reward_model_config = reward_model
-        self.distillation = on_policy_distillation(teacher)
         self.logits_chunk_size = check_chunk_size(logits_chunk_size, key="model.logits_chunk_size")
         self.advantage_estimator = advantage_estimator
         self.use_critic = advantage_estimator in WITH_CRITIC
@@ -253,6 +241,23 @@ class PPOModule(LightningModule):
             value_function(critic.layout) if self.use_critic else None)
         self.kl_controller = self._kl_controller(kl)
         self._unbuilt()
+
+    def _signals(self, reward: RewardFunction | None, gold_reward: RewardFunction | None,
+                 reward_model: RewardModelConfig | None, teacher: TeacherConfig | None, environment: EnvironmentFactory | None,
+                 multi_turn: MultiTurnConfig) -> None:
+        """What scores the samples (a rule, a reward model, an environment, a teacher alone) and
+        the gold rule logged beside them."""
+        for name in ("reward", "gold_reward"):
+            # From the CLI a rule is its class_path, plain data that load_from_checkpoint builds again;
+            # one built in Python is an object, kept out of the checkpoint (it need not pickle).
+            if isinstance(self.hparams.get(name), RewardFunction):
+                del self.hparams[name]
+        self.reward_fn = NoReward() if teacher_alone(reward, reward_model, teacher, environment) else reward
+        self.gold_reward_fn = gold_reward
+        self.environment, self.multi_turn = environment, multi_turn
+        # Kept as given: under the CLI, hparams hold the parsed config's plain dicts, not this dataclass.
+        self.reward_model_config = reward_model
+        self.distillation = on_policy_distillation(teacher)
 
     @staticmethod
     def _check_rollout_engine(rollout_engine: RolloutEngineConfig, generation: GenerationConfig, ppo: PPOConfig,

@@ -210,6 +210,37 @@ class Advice:
         return {"suggestions": self.suggestions, "dropped": self.dropped, "smaller": self.smaller}
 
 
+@dataclass
+class _Trials:
+    """One suggest() call's re-estimates: each candidate combination's entry, and the ones that
+    could not apply (in ``tried``, with their error)."""
+
+    cfg: Any
+    recipe: str
+    overrides: list[str]
+    run_estimate: Callable[[list[str]], Any]
+    base: Any
+    usable: int
+    config: str | None
+    tried: list[dict[str, Any]] = field(default_factory=list)
+
+    def attempt(self, parts: list[Candidate]) -> dict[str, Any] | None:
+        args = [arg for part in parts for arg in part.overrides]
+        label = " + ".join(part.what for part in parts)
+        try:
+            result = self.run_estimate(self.overrides + args)
+        except Exception as err:  # noqa: BLE001 - a candidate that cannot apply is skipped, and said
+            self.tried.append({"what": label, "overrides": args, "error": str(err).splitlines()[0]})
+            return None
+        peak = result.device_peak_bytes
+        entry: dict[str, Any] = {"what": label, "overrides": args, "device_peak_bytes": peak, "fits": peak <= self.usable}
+        cost = cost_of([p.kind for p in parts], self.base, result, _accumulation(self.cfg, self.overrides + args))
+        entry["cost"] = {**asdict(cost), "text": cost.describe()}
+        if self.config is not None:
+            entry["command"] = command(self.recipe, self.config, self.overrides + args)
+        return entry
+
+
 def suggest(
     cfg: Any,
     recipe: str,
@@ -229,27 +260,10 @@ def suggest(
     (:class:`Cost` as a dict, with ``text``); given ``config``, ``command`` (the full line,
     ``overrides`` included). When none fits and ``config`` and ``estimate_config`` are given,
     :func:`~lightning_mem.estimate.smaller.smaller_ways` looks for the smallest way that does."""
-    usable = usable_bytes(device_bytes)
-    own_peak = base.device_peak_bytes
+    trials = _Trials(cfg, recipe, overrides, run_estimate, base, usable_bytes(device_bytes), config)
+    attempt, tried, own_peak = trials.attempt, trials.tried, base.device_peak_bytes
     found: list[dict[str, Any]] = []
-    tried: list[dict[str, Any]] = []
     dropped: list[dict[str, Any]] = []
-
-    def attempt(parts: list[Candidate]) -> dict[str, Any] | None:
-        args = [arg for part in parts for arg in part.overrides]
-        label = " + ".join(part.what for part in parts)
-        try:
-            result = run_estimate(overrides + args)
-        except Exception as err:  # noqa: BLE001 - a candidate that cannot apply is skipped, and said
-            tried.append({"what": label, "overrides": args, "error": str(err).splitlines()[0]})
-            return None
-        peak = result.device_peak_bytes
-        entry: dict[str, Any] = {"what": label, "overrides": args, "device_peak_bytes": peak, "fits": peak <= usable}
-        cost = cost_of([p.kind for p in parts], base, result, _accumulation(cfg, overrides + args))
-        entry["cost"] = {**asdict(cost), "text": cost.describe()}
-        if config is not None:
-            entry["command"] = command(recipe, config, overrides + args)
-        return entry
 
     combined: list[Candidate] = []  # those that lowered the peak without fitting, while together they lower it more
     combined_peak = own_peak
@@ -280,5 +294,5 @@ def suggest(
     if not found and config is not None and estimate_config is not None:
         from lightning_mem.estimate.smaller import smaller_ways
 
-        advice.smaller = smaller_ways(cfg, recipe, config, overrides, base.world_size, usable, estimate_config)
+        advice.smaller = smaller_ways(cfg, recipe, config, overrides, base.world_size, trials.usable, estimate_config)
     return advice
