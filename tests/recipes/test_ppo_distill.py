@@ -134,6 +134,41 @@ def test_every_teacher_key_from_the_command_line_beside_a_reward(tmp_path):
     assert (root / "random_teacher").is_dir()  # the config-only teacher's seeded weights, for the 4-bit load
 
 
+def test_the_dense_top_k_signal_from_the_command_line(tmp_path):
+    """Two iterations with every key of the dense signal set (the teacher's top-8 at every sampled
+    position, TRL's JSD at beta 0.3, its weight, the one-sample advantage off), in two micro-batches
+    a step: the divergence is logged per token and the one-sample term adds nothing."""
+    root = _cli_fit(
+        tmp_path, f"--model.name_or_path={STUDENT}", f"--model.teacher.name_or_path={TINY_MODEL}",
+        "--model.teacher.top_k=8", "--model.teacher.divergence=jsd", "--model.teacher.beta=0.3",
+        "--model.teacher.loss_coef=2.0", "--model.teacher.coef=0", "--model.ppo.max_tokens_per_microbatch=160",
+        "--trainer.max_steps=2", "--data.batch_size=4", "--checkpoint.every_n_train_steps=2",
+    )
+    divergence = read_metric(root, "teacher_divergence")
+    assert sorted(divergence) == [0, 1] and all(v > 0 for v in divergence.values())
+    assert sorted(read_metric(root, "teacher_kl")) == [0, 1]  # still measured, on the sampled tokens
+    assert set(read_metric(root, "policy_loss").values()) == {0.0}  # no reward, coef 0: every advantage is 0
+
+
+def test_the_estimate_counts_the_stored_top_k():
+    """The estimator runs the teacher's phase and the update on fake tensors, so the ``[N, R, k]``
+    log-probs (fp32) and ids (int32) the teacher keeps are on its books: beyond what every phase
+    gains from the setting's bookkeeping (the rollout's difference), the update phase holds
+    exactly 8 bytes per entry, 128 samples x 6 response tokens x 16, as long as they live; the
+    teacher's phase holds them beside its forward."""
+    from lightning_mem.estimate import estimate
+
+    args = [f"--model.name_or_path={STUDENT}", f"--model.teacher.name_or_path={TINY_MODEL}"]
+    runs = [estimate(REPO / CONFIG, args + extra) for extra in
+            (["--model.teacher.top_k=null", "--model.teacher.coef=1.0"],
+             ["--model.teacher.top_k=16", "--model.teacher.coef=0"])]
+    one, dense = ({p.phase: p for p in run.every_phase} for run in runs)
+    other = {name: dense[name].device_breakdown_bytes["other"] - one[name].device_breakdown_bytes["other"]
+             for name in one}
+    assert other["train"] - other["rollout"] == 128 * 6 * 16 * (4 + 4), other
+    assert dense["teacher"].device_peak_bytes > one["teacher"].device_peak_bytes
+
+
 def test_the_estimate_shows_the_teachers_phase():
     from lightning_mem.estimate import estimate
 
@@ -167,6 +202,11 @@ def test_a_teacher_of_another_tokenizer_is_refused_before_any_model_loads(tmp_pa
     with pytest.raises(SettingError, match=r"^`model.teacher.name_or_path`: the teacher .* and the student .* use"
                                            r" different tokenizers .*; distillation across tokenizers is not built"):
         _main(tmp_path, f"--model.teacher.name_or_path={other}")
+
+
+def test_a_top_k_wider_than_the_vocabulary_is_refused_before_any_model_loads(tmp_path, no_model_load):
+    with pytest.raises(SettingError, match=r"^`model.teacher.top_k` \(400\) exceeds the 307 tokens compared$"):
+        _main(tmp_path, "--model.teacher.top_k=400")
 
 
 def test_the_reward_rules_name_their_keys_from_the_cli(tmp_path, no_model_load):
