@@ -2,7 +2,8 @@
 a real step; its phase and metric; separate placement scoring the generator's samples on the
 training ranks as colocated does; the tiny config through the CLI, where a short run lowers the
 student's reverse KL to the SFT demo's export; every teacher key from the command line beside a
-reward; the estimate's teacher phase; and bad settings refused in one line before any model loads."""
+reward; the dense top-k signal's keys from the command line; the estimate's teacher phase and the
+bytes of the stored top-k; and bad settings refused in one line before any model loads."""
 
 from __future__ import annotations
 
