@@ -33,6 +33,13 @@ Choices, each as tinker-cookbook makes it:
   iteration, up to ``async_rollout.max_staleness`` versions newer than the generator's that
   sampled (the rollout correction weighs that gap, as for a reward);
 - **no reward needed**: with the teacher alone the reward's part is 0 (every score is 0).
+
+**The dense signal** (``top_k``, :mod:`lightning_mem.distillation.topk`): the teacher phase also
+keeps the teacher's ``top_k`` likeliest tokens at every sampled position (``[N, R, k]`` log-probs
+and ids), and the update adds ``loss_coef`` times the student's ``divergence`` from them (over those
+tokens and the rest of the vocabulary as one outcome), computed inside the student's forward
+(:meth:`OnPolicyDistillation.in_forward`) and aggregated as the policy loss. ``coef: 0`` then
+turns the one-sample advantage off.
 """
 
 from __future__ import annotations

@@ -102,19 +102,21 @@ def _cli_fit(root, *extra):
 
 
 def test_the_tiny_config_lowers_the_students_reverse_kl_to_the_sft_export(tmp_path, sft_export):
-    """configs/ppo/tiny_cpu_distill.yaml (a parked teacher, no reward) from the untrained student for
-    a short run, at a learning rate ten times the shipped one so that 16 steps move it: the sampled
-    tokens' reverse-KL estimate to the SFT demo's export falls (measured: the last 4 steps' mean at
-    0.81 of the first 4's; at the shipped rate 0.99, too slow to see in 16 steps). The mechanics
-    only: docs/distillation.md has the 3-seed comparison with SFT."""
+    """configs/ppo/tiny_cpu_distill.yaml (a parked teacher, no reward, the dense top-16 signal) from
+    the untrained student for a short run, at a learning rate ten times the shipped one so that 16
+    steps move it: the divergence from the teacher's top-16 and the sampled tokens' reverse-KL
+    estimate to the SFT demo's export both fall (measured: the last 4 steps' means at 0.49 and 0.63
+    of the first 4's; at the shipped rate 0.82 and 0.87). The mechanics only: docs/distillation.md
+    has the 3-seed comparison with SFT."""
     steps = 16
     root = _cli_fit(tmp_path, f"--model.name_or_path={STUDENT}", f"--model.teacher.name_or_path={sft_export}",
                     f"--trainer.max_steps={steps}", "--data.batch_size=8", "--model.grpo.group_size=4",
                     "--model.optimizer.init_args.lr=0.01", f"--checkpoint.every_n_train_steps={steps}")
-    kl = read_metric(root, "teacher_kl")
-    assert sorted(kl) == list(range(steps)) and all(v > 0 for v in kl.values())
-    first, last = sum(kl[s] for s in range(4)) / 4, sum(kl[s] for s in range(steps - 4, steps)) / 4
-    assert last < 0.9 * first, kl
+    for name, bound in (("teacher_divergence", 0.7), ("teacher_kl", 0.9)):
+        values = read_metric(root, name)
+        assert sorted(values) == list(range(steps)) and all(v > 0 for v in values.values())
+        first, last = sum(values[s] for s in range(4)) / 4, sum(values[s] for s in range(steps - 4, steps)) / 4
+        assert last < bound * first, (name, values)
     state = torch.load(root / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
     assert not any("teacher" in key for key in state)  # the teacher reloads from its folder
     assert (root / "export" / "config.json").is_file()
