@@ -34,7 +34,9 @@ The divergences, per position, with ``p`` the student's and ``q`` the teacher's 
 
 ``top_k`` (NeMo RL's ``topk_logits_k``): the sum runs over the teacher's ``k`` most likely tokens of
 each position only, with both models' log-probs normalised over the whole vocabulary (neither is
-renormalised over the ``k``), as NeMo RL's distillation loss does.
+renormalised over the ``k``; NeMo RL's ``DistillationLossFn`` by default renormalises both over
+them, and with ``zero_outside_topk`` keeps the student's full normaliser). The on-policy dense
+signal adds the tail as one outcome instead (:mod:`.topk`).
 """
 
 from __future__ import annotations
