@@ -63,13 +63,29 @@ def _by_device_and_dtype(tensors: Iterable[Tensor]) -> dict[tuple[torch.device, 
     return groups
 
 
+#: Elements per slice when a low-precision gradient's norm is taken off CUDA (16 MiB in float32).
+NORM_SLICE = 1 << 22
+
+
+def _norm_inputs(group: list[Tensor], device: torch.device, dtype: torch.dtype) -> list[Tensor]:
+    """The tensors to take float32 norms of: ``group`` itself where the foreach kernel accumulates in
+    float32 without a copy (CUDA, or float32 gradients), else flat slices of at most
+    :data:`NORM_SLICE` elements. Off CUDA, ``_foreach_norm(..., dtype=float32)`` falls back to one
+    ``vector_norm`` per tensor, which casts the whole tensor first: a bf16 embedding gradient of
+    Qwen2.5-0.5B (151,936 x 896) became a 0.51 GiB float32 copy at every clip, the step's peak on a
+    CPU. Sliced, the copy is one slice; the joint norm is the same sum (or max) over the pieces."""
+    if device.type == "cuda" or dtype == torch.float32:
+        return group
+    return [piece for t in group for piece in (t.reshape(-1).split(NORM_SLICE) if t.is_contiguous() else (t,))]
+
+
 def _local_power_sum(locals_: list[Tensor], norm_type: float) -> Tensor:
     """sum(|g|^p) over every element of ``locals_`` (max |g| for p = inf), in float32, on the first
     tensor's device: one foreach norm per device and dtype."""
     device = locals_[0].device
     parts = []
-    for (dev, _), group in _by_device_and_dtype(locals_).items():
-        norms = torch._foreach_norm(group, norm_type, dtype=torch.float32)
+    for (dev, dtype), group in _by_device_and_dtype(locals_).items():
+        norms = torch._foreach_norm(_norm_inputs(group, dev, dtype), norm_type, dtype=torch.float32)
         stacked = torch.stack(norms).to(device)
         parts.append(stacked.max() if math.isinf(norm_type) else stacked.pow(norm_type).sum())
     joined = torch.stack(parts)

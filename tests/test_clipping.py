@@ -24,6 +24,7 @@ import pytest
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 
+from lightning_mem import clipping
 from lightning_mem.clipping import clip_by_norm, clip_by_value, gradient_norm
 from tests.clipping_worker import CLIP, ClippedModule, LightningClipped, fit
 from tests.helpers import HANG_GUARD_S, REPO
@@ -128,6 +129,35 @@ def test_gradient_norm_is_the_norm_of_all_gradients_together(norm_type):
     want = torch.linalg.vector_norm(whole, norm_type)
     torch.testing.assert_close(gradient_norm(grads, norm_type), want)
     assert gradient_norm(grads, norm_type).dtype == torch.float32
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
+def test_a_low_precision_norm_off_cuda_is_taken_in_slices_with_the_same_value(monkeypatch, norm_type):
+    # A bf16 gradient larger than a slice: its float32 norm by pieces equals the norm of its float32 copy.
+    monkeypatch.setattr(clipping, "NORM_SLICE", 10)
+    g = torch.Generator().manual_seed(2)
+    grads = [torch.randn(7, 5, generator=g).bfloat16(), torch.randn(3, generator=g).bfloat16(), torch.randn(23, generator=g)]
+    pieces = clipping._norm_inputs(grads[:2], torch.device("cpu"), torch.bfloat16)
+    assert [p.numel() for p in pieces] == [10, 10, 10, 5, 3]
+    assert all(p.untyped_storage().data_ptr() == grads[i // 4].untyped_storage().data_ptr() for i, p in enumerate(pieces))  # views, not copies
+    assert clipping._norm_inputs(grads[2:], torch.device("cpu"), torch.float32) == grads[2:]  # float32: as they are
+    want = torch.linalg.vector_norm(torch.cat([t.float().flatten() for t in grads]), norm_type)
+    torch.testing.assert_close(gradient_norm(grads, norm_type), want)
+
+
+def test_the_norm_of_a_large_bf16_gradient_allocates_no_float32_copy_of_it():
+    # RSS high-water mark around the norm of a 256 MiB bf16 tensor: its float32 copy would add 512 MiB.
+    big = torch.ones(1 << 27, dtype=torch.bfloat16)
+    clear_refs = Path("/proc/self/clear_refs")
+    if not clear_refs.exists():
+        pytest.skip("needs Linux's /proc to read the peak RSS")
+    def peak() -> int:
+        return int(Path("/proc/self/status").read_text().split("VmHWM:")[1].split()[0]) * 1024
+    clear_refs.write_text("5")
+    before = peak()
+    norm = gradient_norm([big])
+    assert peak() - before < 64 * 2**20, "the norm made a copy of the gradient"
+    torch.testing.assert_close(norm, torch.tensor(float(1 << 27)).sqrt())
 
 
 def test_clip_by_norm_scales_to_the_bound_and_returns_the_norm_before():
