@@ -147,7 +147,9 @@ class PPOModule(LightningModule):
         teacher: on-policy distillation (:class:`~lightning_mem.rl.distillation.TeacherConfig`): a
             frozen teacher scores each sampled token in a phase of its own (``teacher``), and each
             token's advantage gains ``coef * (log p_teacher - log p_old)`` after the estimator's
-            (:mod:`lightning_mem.rl.distillation`). With the teacher, ``reward`` and
+            (:mod:`lightning_mem.rl.distillation`); with ``top_k``, the loss also gains ``loss_coef``
+            times the student's divergence from the teacher's ``top_k`` likeliest tokens at every
+            sampled position (:mod:`lightning_mem.distillation.topk`). With the teacher, ``reward`` and
             ``reward_model`` may both be unset (every score is then 0).
         gold_reward: a rule scored on every rollout and logged as ``gold_reward_mean``, never trained
             on: the true reward beside a learned one (a reward model's score can rise while the
@@ -1002,7 +1004,10 @@ class PPOModule(LightningModule):
         weights = token_weights(loss_mask, self.ppo.agg_mode)
         # With no entropy bonus, the entropy is a metric: no gradient through a vocabulary-wide softmax.
         bonus = self.ppo.entropy_coef > 0
-        out = self._policy(self.actor, mb, with_entropy=True, entropy_grad=bonus, with_hidden=self.reads_actor_hidden)
+        dense = None if self.distillation is None else self.distillation.in_forward(
+            mb, temperature=self.generation.temperature, chunk_size=self.logits_chunk_size)
+        out = self._policy(self.actor, mb, with_entropy=True, entropy_grad=bonus, with_hidden=self.reads_actor_hidden,
+                           extra=dense)
         old_logprobs = out.logprobs.detach() if mb.old_logprobs is None else mb.old_logprobs
         pg = policy_loss(self.ppo.policy_loss, out.logprobs, old_logprobs, mb.advantages, loss_mask,
                          clip_low=self.ppo.clip_low, clip_high=self.ppo.clip_high, clip_c=self.ppo.clip_ratio_c,
@@ -1027,6 +1032,9 @@ class PPOModule(LightningModule):
             terms["kl_sum"] = masked_sum(kl, mask).detach()  # per sample, every response token (the metric)
             if not self.kl.in_reward:
                 loss = loss + self.kl_controller.value * weighted_sum(kl, weights)
+        if out.extra is not None:  # the teacher's top-k at every token (model.teacher.top_k), a token mean as above
+            loss = loss + self.distillation.loss_coef * weighted_sum(out.extra, weights)
+            terms["teacher_divergence"] = masked_sum(out.extra.detach(), loss_mask)
         if self.value_function is not None:
             values = self.value_function.values(mb, out.hidden, packed=self.ppo.packing)
             vl = clipped_value_loss(values, mb.old_values, mb.returns, loss_mask, clip_range=self.ppo.value_clip)
@@ -1091,6 +1099,8 @@ class PPOModule(LightningModule):
             metrics["baseline_reward_mean"] = t["baseline_score"] / samples
         if "overlong_penalty" in t:
             metrics["overlong_penalty"] = t["overlong_penalty"] / samples
+        if "teacher_divergence" in t:  # the student's divergence from the teacher's top-k, per token
+            metrics["teacher_divergence"] = per_token("teacher_divergence")
         if "teacher_kl" in t:  # the sampled tokens' mean log p_old - log p_teacher (a reverse-KL estimate)
             metrics["teacher_kl"] = t["teacher_kl"] / t["response_tokens"].clamp(min=1)
         # The engine's drift over all response tokens, and the share the correction cut or dropped.

@@ -13,7 +13,10 @@ For each seed, the student (assets/tiny-llama-student) is trained three ways, ea
 2. **SFT alone**: the same SFT for ``--warmup-steps + --steps`` steps (one run, its schedule
    spanning them all): the same student, the same number of optimizer steps;
 3. **distilled**: the warm-up's export, then ``configs/ppo/tiny_cpu_distill.yaml`` for ``--steps``
-   optimizer steps (one per iteration) with the SFT demo's export as the teacher.
+   optimizer steps (one per iteration) with the SFT demo's export as the teacher: its dense
+   signal (the teacher's top-16 at every sampled position, ``model.teacher.top_k``); the
+   one-sample signal of the first record is ``--model.teacher.top_k=null --model.teacher.coef=1``
+   with that record's ``--data.batch_size=16 --model.grpo.group_size=8``.
 
 The teacher is ``--teacher`` (trained first when that folder does not exist:
 ``configs/sft/tiny_cpu.yaml``, about 2 minutes on 2 idle cores). Anything else on the command line

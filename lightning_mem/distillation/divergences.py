@@ -34,12 +34,15 @@ The divergences, per position, with ``p`` the student's and ``q`` the teacher's 
 
 ``top_k`` (NeMo RL's ``topk_logits_k``): the sum runs over the teacher's ``k`` most likely tokens of
 each position only, with both models' log-probs normalised over the whole vocabulary (neither is
-renormalised over the ``k``), as NeMo RL's distillation loss does.
+renormalised over the ``k``; NeMo RL's ``DistillationLossFn`` by default renormalises both over
+them, and with ``zero_outside_topk`` keeps the student's full normaliser). The on-policy dense
+signal adds the tail as one outcome instead (:mod:`.topk`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -143,6 +146,12 @@ def reference_rows(student_logits: Tensor, teacher_logits: Tensor, divergence: D
     if top_k:
         index = lt.topk(top_k, dim=-1).indices
         ls, lt = ls.gather(-1, index), lt.gather(-1, index)
+    return logprob_divergence(ls, lt, divergence)
+
+
+def logprob_divergence(ls: Tensor, lt: Tensor, divergence: Divergence) -> Tensor:
+    """``[...]``: the divergence summed over the last dimension of the student's and the teacher's
+    log-probs ``ls`` and ``lt`` (plain autograd: for ``[rows, k]`` tensors, or whole rows in a test)."""
     kind = divergence.resolved
     if kind == "forward_kl":
         return (lt.exp() * (lt - ls)).sum(-1)
@@ -273,37 +282,57 @@ class _SlicedDivergence(torch.autograd.Function):
     def backward(ctx, upstream):
         hs, ws, bs, ht, wt, bt, lse_s, lse_t, g_sum, index, g_top = ctx.saved_tensors
         spec, width, (ds, dt) = ctx.spec, ctx.width, ctx.dtypes
-        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        want_b = bs is not None and ctx.needs_input_grad[2]
         scale = (upstream.float() / spec.temperature).unsqueeze(-1)
         with torch.autocast(ws.device.type, enabled=False):
-            hsc = hs.to(ds)
             htc = ht.to(dt) if index is None else None
-            gh = torch.zeros(hs.shape, dtype=torch.float32, device=hs.device) if want_h else None
-            gw = torch.zeros_like(ws) if want_w else None
-            gb = torch.zeros_like(bs) if want_b else None
-            for start in range(0, spec.width, width):
-                stop = min(start + width, spec.width)
-                ls = _logits(hsc, ws, bs, start, stop, ds, spec.temperature).sub_(lse_s.unsqueeze(-1))
+
+            def slice_grad(ls: Tensor, start: int, stop: int) -> Tensor:
                 if index is None:
                     lt = _logits(htc, wt, bt, start, stop, dt, spec.temperature).sub_(lse_t.unsqueeze(-1))
-                    grad = spec.divergence.slice_grad(ls, lt, g_sum)
-                    del lt
-                else:  # -p * g_sum, and g at the top-k columns of this slice
-                    grad = ls.exp_().mul_(-g_sum.unsqueeze(-1))
-                    inside = (index >= start) & (index < stop)
-                    grad.scatter_add_(-1, (index - start).clamp(0, stop - start - 1), g_top * inside)
-                grad.mul_(scale)
-                del ls
-                if gb is not None:
-                    gb[start:stop] = grad.sum(0)
-                grad = grad.to(ds)
-                if gh is not None:
-                    gh.add_(grad @ ws[start:stop].to(ds))
-                if gw is not None:
-                    gw[start:stop] = grad.T @ hsc
-                del grad
-        return (gh.to(hs.dtype) if gh is not None else None), gw, gb, None, None, None, None
+                    return spec.divergence.slice_grad(ls, lt, g_sum).mul_(scale)
+                return top_k_slice_grad(ls, index, g_top, g_sum, start, stop).mul_(scale)
+
+            gh, gw, gb = student_grads(hs, ws, bs, lse_s, ctx.needs_input_grad[:3], spec.width, width, ds,
+                                       spec.temperature, slice_grad)
+        return gh, gw, gb, None, None, None, None
+
+
+def top_k_slice_grad(ls: Tensor, index: Tensor, g_top: Tensor, g_sum: Tensor, start: int, stop: int) -> Tensor:
+    """``g - p * g_sum`` of one slice (in place of ``ls``, the slice's student log-probs) where ``g``
+    is ``g_top`` at the ``index`` columns (``[n, k]``) and 0 elsewhere: the gradient by the
+    tempered logits of a function of the student's log-probs at ``index`` alone."""
+    grad = ls.exp_().mul_(-g_sum.unsqueeze(-1))
+    inside = (index >= start) & (index < stop)
+    return grad.scatter_add_(-1, (index - start).clamp(0, stop - start - 1), g_top * inside)
+
+
+def student_grads(hs: Tensor, ws: Tensor, bs: Tensor | None, lse_s: Tensor, wanted: tuple[bool, ...], total: int,
+                  width: int, ds: torch.dtype, temperature: float,
+                  slice_grad: Callable[[Tensor, int, int], Tensor]) -> tuple[Tensor | None, ...]:
+    """The gradients of the student's hidden rows, output weight and bias (``wanted``: which), a
+    vocabulary slice of ``width`` columns at a time over the first ``total``: each slice's log-probs
+    recomputed from the saved log-sum-exps, ``slice_grad(ls, start, stop)`` its gradient by the
+    logits (fp32, scaled), written into the weight's rows and summed into the hidden rows'."""
+    want_h, want_w = wanted[0], wanted[1]
+    want_b = bs is not None and wanted[2]
+    hsc = hs.to(ds)
+    gh = torch.zeros(hs.shape, dtype=torch.float32, device=hs.device) if want_h else None
+    gw = torch.zeros_like(ws) if want_w else None
+    gb = torch.zeros_like(bs) if want_b else None
+    for start in range(0, total, width):
+        stop = min(start + width, total)
+        ls = _logits(hsc, ws, bs, start, stop, ds, temperature).sub_(lse_s.unsqueeze(-1))
+        grad = slice_grad(ls, start, stop)
+        del ls
+        if gb is not None:
+            gb[start:stop] = grad.sum(0)
+        grad = grad.to(ds)
+        if gh is not None:
+            gh.add_(grad @ ws[start:stop].to(ds))
+        if gw is not None:
+            gw[start:stop] = grad.T @ hsc
+        del grad
+    return (gh.to(hs.dtype) if gh is not None else None), gw, gb
 
 
 def _extra(dtype: torch.dtype) -> int:

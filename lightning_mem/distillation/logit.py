@@ -46,8 +46,8 @@ class DistillationSettings:
         temperature: both models' logits are divided by it.
         kd_ratio: the loss is ``(1 - kd_ratio) * cross_entropy + kd_ratio * divergence``.
         top_k: the divergence over the teacher's ``top_k`` most likely tokens of each position
-            only, both models' log-probs normalised over the whole vocabulary (NeMo RL's
-            ``topk_logits_k``); null: over the whole vocabulary.
+            only, both models' log-probs normalised over the whole vocabulary (the ``k`` of NeMo
+            RL's ``topk_logits_k``, not its renormalisation); null: over the whole vocabulary.
     """
 
     teacher: TeacherSettings

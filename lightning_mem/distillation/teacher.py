@@ -266,6 +266,21 @@ class Teacher:
                                            temperature=temperature)
         return logprobs.to(self.student_device)
 
+    def top_k(self, input_ids: Tensor, attention_mask: Tensor | None, positions: Tensor, targets: Tensor, *, k: int,
+              chunk_size: int | str | None = "auto", temperature: float = 1.0,
+              position_ids: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`logprobs` and, at the same positions, the teacher's ``k`` most likely tokens:
+        ``(target [n], top [n, k] fp32, ids [n, k] int32)`` on the student's device
+        (:func:`lightning_mem.distillation.topk.teacher_top_k`: one chunk of logits at a time)."""
+        from lightning_mem.distillation.topk import teacher_top_k
+
+        with torch.no_grad():
+            ids, mask, where, wanted = _to(self.home, input_ids, attention_mask, positions, targets)
+            hidden = hidden_states_at(self.model, ids, mask, where, position_ids=_to(self.home, position_ids)[0])
+            out = teacher_top_k(hidden, _sliced(self._head(), self.width), wanted, k=k, width=self.width,
+                                temperature=temperature, chunk_size=chunk_size)
+        return tuple(t.to(self.student_device) for t in out)
+
 
 def _tensors(module: nn.Module) -> list[Tensor]:
     return [*module.parameters(), *(b for b in module.buffers() if b is not None)]

@@ -33,18 +33,26 @@ Choices, each as tinker-cookbook makes it:
   iteration, up to ``async_rollout.max_staleness`` versions newer than the generator's that
   sampled (the rollout correction weighs that gap, as for a reward);
 - **no reward needed**: with the teacher alone the reward's part is 0 (every score is 0).
+
+**The dense signal** (``top_k``, :mod:`lightning_mem.distillation.topk`): the teacher phase also
+keeps the teacher's ``top_k`` likeliest tokens at every sampled position (``[N, R, k]`` log-probs
+and ids), and the update adds ``loss_coef`` times the student's ``divergence`` from them (over those
+tokens and the rest of the vocabulary as one outcome), computed inside the student's forward
+(:meth:`OnPolicyDistillation.in_forward`) and aggregated as the policy loss. ``coef: 0`` then
+turns the one-sample advantage off.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
-from jsonargparse.typing import PositiveFloat
-from torch import Tensor
+from jsonargparse.typing import ClosedUnitInterval, NonNegativeFloat, PositiveFloat, PositiveInt
+from torch import Tensor, nn
 
+from lightning_mem.distillation.divergences import Divergence
 from lightning_mem.distillation.teacher import Teacher, TeacherSettings
 from lightning_mem.distillation.vocabulary import SharedVocabulary, shared_vocabulary
 from lightning_mem.rl.reward import RewardFunction
@@ -59,14 +67,29 @@ class TeacherConfig(TeacherSettings):
 
     Args:
         coef: each token's advantage gains ``coef * (log q - log pi_old)``; beside a reward, the
-            reward's advantage keeps weight 1.
+            reward's advantage keeps weight 1. 0 turns this one-sample signal off (with ``top_k``).
+        top_k: the dense signal (:mod:`lightning_mem.distillation.topk`): the teacher's phase keeps
+            its ``top_k`` likeliest tokens at every sampled position, and the update adds
+            ``loss_coef`` times the student's ``divergence`` from them (over those tokens and the
+            rest as one outcome), a token mean like the policy loss; null: no dense signal.
+        divergence: the dense signal's ``forward_kl`` (KL(q || p)), ``reverse_kl`` (KL(p || q)) or
+            ``jsd`` (TRL GKD's generalized Jensen-Shannon, with ``beta``).
+        beta: ``jsd``'s interpolation: 0 is forward KL, 1 reverse KL (TRL's convention).
+        loss_coef: the dense signal's weight in the loss (the policy loss keeps weight 1).
     """
 
-    coef: PositiveFloat = 1.0
+    coef: NonNegativeFloat = 1.0
+    top_k: PositiveInt | None = None
+    divergence: Literal["forward_kl", "reverse_kl", "jsd"] = "reverse_kl"
+    beta: ClosedUnitInterval = 0.5
+    loss_coef: PositiveFloat = 1.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_fields(self)
+        if self.coef == 0 and self.top_k is None:
+            raise SettingError("coef", " must be positive without `top_k` (then the one-sample advantage is the"
+                                       " teacher's only signal), got 0", siblings=("top_k",))
 
 
 def reverse_kl_advantages(student_logprobs: Tensor, teacher_logprobs: Tensor, mask: Tensor, *, coef: float) -> Tensor:
@@ -102,6 +125,7 @@ class OnPolicyDistillation:
         # The whole teacher parks under `placement: host`: only its own forward reads its output layer.
         self.teacher = Teacher(config, output_layer_with_student=False, key="teacher")
         self.vocabulary: SharedVocabulary | None = None
+        self.measure = Divergence(config.divergence, float(config.beta))
 
     def check(self, student: str, *, trainer: Any = None, trust_remote_code: bool = False,
               packing: bool = False) -> SharedVocabulary:
@@ -126,6 +150,9 @@ class OnPolicyDistillation:
                                     packing_key="ppo.packing")
         self.vocabulary = shared_vocabulary(student, self.config.name_or_path, trust_remote_code=trust_remote_code,
                                             key="teacher.name_or_path")
+        top_k = self.config.top_k
+        if top_k is not None and top_k > self.vocabulary.width:
+            raise SettingError("teacher.top_k", f" ({top_k}) exceeds the {self.vocabulary.width} tokens compared")
         return self.vocabulary
 
     def load(self, trainer: Any, *, compute_dtype: torch.dtype, trust_remote_code: bool = False,
@@ -155,20 +182,57 @@ class OnPolicyDistillation:
               chunk_size: int | str | None, packed: bool = False) -> None:
         """Fill ``exp.teacher_logprobs`` (``[N, R]`` fp32, 0 past each response): the teacher's
         log-prob of every sampled response token, micro-batch by micro-batch (``micro_batches``
-        maps the samples' lengths to their index lists). A teacher parked on the host must be on
+        maps the samples' lengths to their index lists); with ``top_k``, also
+        ``exp.teacher_topk_logprobs`` (``[N, R, k]`` fp32) and ``exp.teacher_topk_ids`` (int32): its
+        ``k`` likeliest tokens at each of those positions. A teacher parked on the host must be on
         its device for the call (the memory plan's ``teacher`` phase brings it in,
         :class:`~lightning_mem.rl.memory_plan.PhaseMemory`; or ``teacher.on_device()``)."""
         from lightning_mem.rl.rollout import response_tokens
 
-        out = torch.zeros(exp.response_ids.shape, dtype=torch.float32, device=exp.response_ids.device)
+        k, device = self.config.top_k, exp.response_ids.device
+        out = torch.zeros(exp.response_ids.shape, dtype=torch.float32, device=device)
+        top = ids = None
+        if k is not None:
+            top = torch.zeros((*exp.response_ids.shape, k), dtype=torch.float32, device=device)
+            ids = torch.zeros((*exp.response_ids.shape, k), dtype=torch.int32, device=device)
         for idx in micro_batches(exp.sequence_lengths):
             mb = exp.select(idx)
             tokens = response_tokens(mb, packed=packed)
-            logprobs = self.teacher.logprobs(tokens.input_ids, tokens.attention_mask, tokens.positions, tokens.targets,
-                                             chunk_size=chunk_size, temperature=temperature,
-                                             position_ids=tokens.position_ids)
-            out[idx, : mb.response_ids.shape[1]] = tokens.aligned(logprobs.to(out.device))
-        exp.teacher_logprobs = out
+            args = (tokens.input_ids, tokens.attention_mask, tokens.positions, tokens.targets)
+            kwargs = dict(chunk_size=chunk_size, temperature=temperature, position_ids=tokens.position_ids)
+            cols = mb.response_ids.shape[1]
+            if k is None:
+                out[idx, :cols] = tokens.aligned(self.teacher.logprobs(*args, **kwargs).to(device))
+                continue
+            target, values, index = self.teacher.top_k(*args, k=k, **kwargs)
+            out[idx, :cols], top[idx, :cols], ids[idx, :cols] = (tokens.aligned(t.to(device)) for t in (target, values, index))
+        exp.teacher_logprobs, exp.teacher_topk_logprobs, exp.teacher_topk_ids = out, top, ids
+
+    def in_forward(self, mb: Any, *, temperature: float, chunk_size: int | str | None
+                   ) -> Callable[[Any], Callable[[Tensor, nn.Module], Tensor]] | None:
+        """With ``top_k``: ``policy_forward``'s ``extra`` for the micro-batch ``mb`` (scored by the
+        teacher): each response token's divergence of the student from the teacher's stored top-k
+        (:func:`~lightning_mem.distillation.topk.top_k_divergence`), the student's log-probs at
+        those ids through its output layer a slice at a time, inside its forward. None without."""
+        from lightning_mem.distillation.topk import student_logprobs_at, top_k_divergence
+
+        if self.config.top_k is None:
+            return None
+        width = self.vocabulary.width
+
+        def per_token(tokens: Any) -> Callable[[Tensor, nn.Module], Tensor]:
+            index = mb.teacher_topk_ids[tokens.rows, tokens.cols].long()
+            teacher = mb.teacher_topk_logprobs[tokens.rows, tokens.cols]
+            return lambda hidden, head: top_k_divergence(
+                student_logprobs_at(hidden, head, index, width=width, temperature=temperature, chunk_size=chunk_size),
+                teacher, self.measure, tail=self.config.top_k < width)
+
+        return per_token
+
+    @property
+    def loss_coef(self) -> float:
+        """The dense signal's weight in the loss (``top_k``'s divergence)."""
+        return float(self.config.loss_coef)
 
     def advantages(self, exp: Any, reward_advantages: Tensor) -> Tensor:
         """``reward_advantages`` (the estimator's, normalised as it normalises them) plus each

@@ -10,6 +10,7 @@ per-token quantities (logprobs, values, advantages) are kept *response-aligned*,
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
@@ -111,6 +112,8 @@ class Experience:
     old_values: Tensor | None = None
     engine_logprobs: Tensor | None = None  # [N, R] the rollout engine's own, when it has its own weights (a diagnostic)
     teacher_logprobs: Tensor | None = None  # [N, R] a distillation teacher's (model.teacher; rl/distillation.py)
+    teacher_topk_logprobs: Tensor | None = None  # [N, R, k] fp32 the teacher's k likeliest tokens' (teacher.top_k)
+    teacher_topk_ids: Tensor | None = None  # [N, R, k] int32 their token ids
     versions: Tensor | None = None  # [N] the weight version each sample was drawn under (separate placement)
     sample_keep: Tensor | None = None  # [N] bool, the rollout's own verdict: False keeps a sample out of the loss
     # Filled by the advantage phase.
@@ -177,7 +180,7 @@ class Experience:
             value = getattr(self, f.name)
             if isinstance(value, Tensor):
                 value = value[idx]
-                if value.dim() == 2:
+                if value.dim() >= 2:  # [N, T], or [N, R, ...] response-aligned
                     value = value[:, : seq_len if f.name in ("input_ids", "attention_mask") else resp_len]
             elif isinstance(value, list) and value:
                 value = [value[i] for i in picked]
@@ -272,6 +275,7 @@ class PolicyOutput:
     logprobs: Tensor  # [n, R]
     entropy: Tensor | None  # [n, R], when asked for
     hidden: Tensor | None  # [n, R, H] final hidden states at response positions (shared critic)
+    extra: Tensor | None = None  # [n, R, ...] what ``policy_forward``'s ``extra`` computed per token
 
 
 def policy_forward(
@@ -284,6 +288,7 @@ def policy_forward(
     with_hidden: bool = False,
     chunk_size: int | None = 512,
     packed: bool = False,
+    extra: Callable[[ResponseTokens], Callable[[Tensor, torch.nn.Module], Tensor]] | None = None,
 ) -> PolicyOutput:
     """Logprobs of ``batch``'s response tokens under ``model`` (and optionally their entropy;
     ``entropy_grad=False`` computes it outside the autograd graph, as a metric only).
@@ -296,15 +301,19 @@ def policy_forward(
 
     ``packed`` runs the batch's sequences as one padding-free row
     (:func:`lightning_mem.data.packing.pack_right_padded`); the results come back ``[n, R]`` as
-    they do padded.
+    they do padded. ``extra(tokens)`` (given the batch's :class:`ResponseTokens`) makes
+    ``score_tokens``' ``extra``, computed inside the forward on the scored rows (a distillation
+    teacher's divergence, :meth:`~lightning_mem.rl.distillation.OnPolicyDistillation.in_forward`).
     """
     from lightning_mem.logits import score_tokens
 
     tokens = response_tokens(batch, packed=packed)
     scores = score_tokens(model, tokens.input_ids, tokens.attention_mask, tokens.positions, tokens.targets,
                           position_ids=tokens.position_ids, chunk_size=chunk_size, temperature=temperature,
-                          with_entropy=with_entropy, entropy_grad=entropy_grad, with_hidden=with_hidden)
-    return PolicyOutput(tokens.aligned(scores.logprobs), tokens.aligned(scores.entropy), tokens.aligned(scores.hidden))
+                          with_entropy=with_entropy, entropy_grad=entropy_grad, with_hidden=with_hidden,
+                          extra=None if extra is None else extra(tokens))
+    return PolicyOutput(tokens.aligned(scores.logprobs), tokens.aligned(scores.entropy), tokens.aligned(scores.hidden),
+                        tokens.aligned(scores.extra))
 
 
 @dataclass

@@ -135,6 +135,42 @@ def test_a_teacher_equal_to_the_student_gives_zero_advantage(teacher_dir, packed
     assert float(advantages.abs().max()) <= 1e-5 and abs(float(exp.sample_stats["teacher_kl"])) < 1e-4
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_the_teachers_top_k_and_the_students_divergence_from_it(teacher_dir, packed):
+    """With ``top_k`` the teacher's phase keeps, at every sampled position, its ``k`` likeliest
+    tokens' log-probs (over its whole vocabulary) and their ids, equal to a whole log-softmax of its
+    logits; the update's divergence (``policy_forward``'s ``extra``, inside the student's forward,
+    a vocabulary slice at a time) equals the one computed from both models' whole logits."""
+    from lightning_mem.distillation.divergences import Divergence
+    from lightning_mem.distillation.topk import top_k_divergence
+    from lightning_mem.rl.rollout import gather_response
+
+    student, exp = _rollout(TINY_MODEL)
+    distillation = _distillation(teacher_dir, top_k=5, coef=0, divergence="jsd", beta=0.3)
+    _score(distillation, exp, temperature=0.7, packed=packed)
+    mask, width = exp.response_mask.bool(), exp.response_ids.shape[1]
+    assert exp.teacher_topk_logprobs.shape == (*mask.shape, 5) and exp.teacher_topk_ids.dtype == torch.int32
+
+    def logprobs(model):
+        with torch.no_grad():
+            logits = model(input_ids=exp.input_ids, attention_mask=exp.attention_mask).logits
+        return torch.log_softmax(gather_response(logits, exp.prompt_lengths, width) / 0.7, -1)
+
+    teacher = logprobs(distillation.teacher.model)
+    top, ids = teacher.topk(5, dim=-1)
+    assert torch.equal(exp.teacher_topk_ids[mask].long(), ids[mask])
+    torch.testing.assert_close(exp.teacher_topk_logprobs[mask], top[mask], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(exp.teacher_logprobs[mask], teacher.gather(-1, exp.response_ids[..., None])[..., 0][mask],
+                               rtol=1e-5, atol=1e-5)
+    dense = distillation.in_forward(exp, temperature=0.7, chunk_size=3)
+    got = policy_forward(student, exp, temperature=0.7, chunk_size=3, packed=packed, extra=dense).extra
+    want = top_k_divergence(logprobs(student).gather(-1, ids), top, Divergence("jsd", 0.3))
+    assert mask.sum() > 10 and bool((want[mask] > 0).all())
+    torch.testing.assert_close(got[mask], want[mask], rtol=1e-5, atol=1e-6)
+    assert bool((got[~mask] == 0).all())
+    assert OnPolicyDistillation(TeacherConfig(str(teacher_dir))).in_forward(exp, temperature=1.0, chunk_size=3) is None
+
+
 def _padded_copy(source, folder, rows: int):
     """``source`` with ``rows`` output rows (and embeddings): its own rows as they are, the new ones
     large, so that a softmax over them would move every log-prob."""
@@ -248,7 +284,15 @@ def test_a_reward_free_objective_refuses_what_learns_from_the_reward(estimator, 
 
 
 def test_teacher_settings_name_their_keys():
-    with pytest.raises(SettingError, match=r"^`model.teacher.coef` must be positive, got 0"):
+    with pytest.raises(SettingError, match=r"^`model.teacher.coef` must be positive without `model.teacher.top_k`"
+                                           r" \(then the one-sample advantage is the teacher's only signal\), got 0$"):
         _build(reward=None, teacher={"name_or_path": str(TINY_MODEL), "coef": 0}, advantage_estimator="grpo")
+    with pytest.raises(SettingError, match=r"^`model.teacher.coef` must be >= 0, got -1"):
+        _build(reward=None, teacher={"name_or_path": str(TINY_MODEL), "coef": -1, "top_k": 4}, advantage_estimator="grpo")
+    with pytest.raises(SettingError, match=r"^`model.teacher.divergence` must be 'forward_kl', 'reverse_kl' or 'jsd', got 'kl'$"):
+        _build(reward=None, teacher={"name_or_path": str(TINY_MODEL), "top_k": 4, "divergence": "kl"},
+               advantage_estimator="grpo")
+    with pytest.raises(SettingError, match=r"^`model.teacher.top_k` must be positive or null, got 0$"):
+        _build(reward=None, teacher={"name_or_path": str(TINY_MODEL), "top_k": 0}, advantage_estimator="grpo")
     with pytest.raises(SettingError, match=r"^`model.teacher.placement` must be 'device', 'host' or a device"):
         _build(reward=None, teacher={"name_or_path": str(TINY_MODEL), "placement": "gpu7"}, advantage_estimator="grpo")
