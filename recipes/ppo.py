@@ -110,6 +110,7 @@ from lightning_mem.rl.reward import (
     RewardModelEnsemble,
     check_reward_model_sources,
     load_reward_models,
+    reward_spread,
 )
 from lightning_mem.rl.rng import SamplingRNG
 from lightning_mem.rl.rollout import Experience, GenerationConfig, RolloutEngine, greedy_rollout, policy_forward
@@ -806,6 +807,8 @@ class PPOModule(LightningModule):
         ``exp.baseline_scores``, of the greedy answers, under ReMax)."""
         if exp.scores is None:  # (an environment scored its trajectories as they ran)
             exp.scores = self._scores(exp, exp.responses)
+            if (spread := reward_spread(self.reward_model)) is not None:  # an ensemble: how far its members disagree
+                exp.sample_stats["reward_model_std"] = spread
         if self.gold_reward_fn is not None:  # logged beside the reward trained on, never trained on
             gold = self.gold_reward_fn(exp.prompts, exp.responses, exp.rows)
             exp.sample_stats["gold_score"] = gold.to(torch.float64).sum()
@@ -1102,6 +1105,8 @@ class PPOModule(LightningModule):
             metrics["truncated_frac"] = t["truncated"] / samples
         if "gold_score" in t:  # model.gold_reward: the rule's mean score of the same samples
             metrics["gold_reward_mean"] = t["gold_score"] / samples
+        if "reward_model_std" in t:  # a reward-model ensemble: its members' mean std per sample
+            metrics["reward_model_std"] = t["reward_model_std"] / samples
         if "baseline_score" in t:  # ReMax: the greedy answers' mean score
             metrics["baseline_reward_mean"] = t["baseline_score"] / samples
         if "overlong_penalty" in t:

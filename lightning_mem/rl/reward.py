@@ -200,6 +200,15 @@ class RewardModelEnsemble(nn.Module):
         return aggregate_scores(scores, self.aggregate, self.uncertainty_coef)
 
 
+def reward_spread(reward_model: nn.Module | None) -> Tensor | None:
+    """The sum over the last scored responses of an ensemble's member std (float64, a step
+    metric's numerator: ``reward_model_std`` is its mean over samples); None unless the reward
+    model is an ensemble of several members."""
+    if not isinstance(reward_model, RewardModelEnsemble) or len(reward_model.members) < 2 or reward_model.last_std is None:
+        return None
+    return reward_model.last_std.to(torch.float64).sum()
+
+
 def load_reward_model(
     name_or_path: str,
     *,
