@@ -150,7 +150,8 @@ class PPOModule(LightningModule):
             prompt; ``remax`` samples one and decodes one greedily.
         reward: a rule, ``class_path`` of a :class:`~lightning_mem.rl.reward.RewardFunction`.
         reward_model: a learned reward instead (:class:`~lightning_mem.rl.config.RewardModelConfig`):
-            a sequence classifier with one output, such as ``recipes.reward_model``'s export.
+            a sequence classifier with one output, such as ``recipes.reward_model``'s export, or a
+            list of them whose scores are aggregated (``aggregate``).
         teacher: on-policy distillation (:class:`~lightning_mem.rl.distillation.TeacherConfig`): a
             frozen teacher scores each sampled token in a phase of its own (``teacher``), and each
             token's advantage gains ``coef * (log p_teacher - log p_old)`` after the estimator's
