@@ -363,8 +363,3 @@ class RewardModelConfig:
     def paths(self) -> list[str]:
         """Every member's checkpoint (one for a plain reward model)."""
         return [self.name_or_path] if isinstance(self.name_or_path, str) else list(self.name_or_path)
-
-    @property
-    def ensemble(self) -> bool:
-        """Whether ``name_or_path`` is a list (even of one): scores go through the aggregate."""
-        return not isinstance(self.name_or_path, str)

@@ -140,10 +140,16 @@ def test_bad_settings_are_one_line_each(tmp_path, no_model_load, classifiers):
 
 def test_two_members_through_the_cli_log_their_spread(tmp_path, classifiers):
     a, b = classifiers
-    _cli(tmp_path, f"--model.reward_model.name_or_path=[{a}, {b}]", "--model.reward_model.aggregate=mean_minus_std",
+    cli = _cli(tmp_path, f"--model.reward_model.name_or_path=[{a}, {b}]", "--model.reward_model.aggregate=mean_minus_std",
          "--model.reward_model.uncertainty_coef=0.5", "--trainer.max_epochs=1", "--trainer.limit_train_batches=2",
          "--data.batch_size=4", "--checkpoint.every_n_train_steps=0", "--model.export_dir=null")
     spread, reward = read_metric(tmp_path, "reward_model_std"), read_metric(tmp_path, "reward_mean")
     assert len(spread) == 2 and set(spread) == set(reward)
     # Two differently initialised classifiers disagree on every sample: a spread above zero.
     assert all(value > 0 for value in spread.values())
+    # The YAML's settings reached the ensemble: it scores mean - 0.5 std of its members' scores.
+    ensemble = cli.model.reward_model
+    assert isinstance(ensemble, RewardModelEnsemble) and cli.model.hparams.reward_model["name_or_path"] == [a, b]
+    messages, responses = [[{"role": "user", "content": "3+4="}]] * 2, ["7", "12"]
+    members = torch.stack([member(messages, responses) for member in ensemble.members])
+    torch.testing.assert_close(ensemble(messages, responses), members.mean(0) - 0.5 * members.std(0, correction=0))
