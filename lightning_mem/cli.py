@@ -373,6 +373,9 @@ class RecipeCLI(LightningCLI):
             value = _get(config, key)
             if isinstance(value, str) and value:
                 config[key] = resolve_input_path(value, key, dirs, may_be_hub_id=key in self.model_path_keys)
+            elif isinstance(value, list):  # several models (a reward-model ensemble): each member alike
+                config[key] = [resolve_input_path(v, f"{key}[{i}]", dirs, may_be_hub_id=key in self.model_path_keys)
+                               if isinstance(v, str) and v else v for i, v in enumerate(value)]
 
     @staticmethod
     def _default_logger(config: Any) -> None:

@@ -104,7 +104,14 @@ from lightning_mem.rl.environments import EnvironmentFactory
 from lightning_mem.rl.multi_turn import (MultiTurnConfig, MultiTurnRollout, check_multi_turn, check_template,
                                          environment_keys, trajectory_metrics)
 from lightning_mem.rl.reference import AdaptersOff, FrozenCopy, ReferenceMode, disable_dropout, reference_policy
-from lightning_mem.rl.reward import RewardFunction, RewardModel, check_reward_model_source, load_reward_model
+from lightning_mem.rl.reward import (
+    RewardFunction,
+    RewardModel,
+    RewardModelEnsemble,
+    check_reward_model_sources,
+    load_reward_models,
+    reward_spread,
+)
 from lightning_mem.rl.rng import SamplingRNG
 from lightning_mem.rl.rollout import Experience, GenerationConfig, RolloutEngine, greedy_rollout, policy_forward
 
@@ -143,7 +150,8 @@ class PPOModule(LightningModule):
             prompt; ``remax`` samples one and decodes one greedily.
         reward: a rule, ``class_path`` of a :class:`~lightning_mem.rl.reward.RewardFunction`.
         reward_model: a learned reward instead (:class:`~lightning_mem.rl.config.RewardModelConfig`):
-            a sequence classifier with one output, such as ``recipes.reward_model``'s export.
+            a sequence classifier with one output, such as ``recipes.reward_model``'s export, or a
+            list of them whose scores are aggregated (``aggregate``).
         teacher: on-policy distillation (:class:`~lightning_mem.rl.distillation.TeacherConfig`): a
             frozen teacher scores each sampled token in a phase of its own (``teacher``), and each
             token's advantage gains ``coef * (log p_teacher - log p_old)`` after the estimator's
@@ -296,7 +304,7 @@ class PPOModule(LightningModule):
         self.value_head: ValueHead | None = None  # the shared layout's module
         self.critic: ValueModel | None = None  # the separate layout's module
         self.reference: nn.Module | None = None  # a frozen copy's module (None with adapters_off)
-        self.reward_model: RewardModel | None = None
+        self.reward_model: RewardModel | RewardModelEnsemble | None = None
         self.tokenizer: Any = None
         self.rollout_engine: RolloutEngine | None = None  # or a VLLMRolloutEngine (same interface)
         # Separate placement: the generator process and the trainer's schedule around it (on_fit_start).
@@ -347,7 +355,7 @@ class PPOModule(LightningModule):
         if reward is not None and not callable(reward):
             raise TypeError(f"`model.reward` must be a RewardFunction, got {type(reward).__name__}")
         if reward_model is not None:  # its config.json: a classifier with more than one output is refused
-            check_reward_model_source(reward_model.name_or_path, key="model.reward_model.name_or_path")
+            check_reward_model_sources(reward_model.name_or_path, key="model.reward_model.name_or_path")
             resolve_dtype(reward_model.dtype, key="model.reward_model.dtype")
         with settings_at("model"):
             reference_policy(reference, kl_enabled=kl.enabled, lora=lora is not None)
@@ -437,7 +445,7 @@ class PPOModule(LightningModule):
         if self.use_critic and self.critic_config.layout == "separate":
             sources.append(self.critic_config.name_or_path or hp.name_or_path)
         if self.reward_model_config is not None:  # not hp.reward_model: under the CLI, hparams hold a plain dict
-            sources.append(self.reward_model_config.name_or_path)
+            sources.extend(self.reward_model_config.paths)
         with settings_at("trainer.strategy.init_args"):
             for source in dict.fromkeys(sources):
                 check_model_splits(self.trainer, source, trust_remote_code=hp.trust_remote_code)
@@ -544,9 +552,10 @@ class PPOModule(LightningModule):
                     use_packed_sdpa(model)
         if self.reward_model_config is not None:
             rm = self.reward_model_config
-            self.reward_model = load_reward_model(
+            self.reward_model = load_reward_models(
                 rm.name_or_path, dtype=dtypes["reward_model"], trust_remote_code=hp.trust_remote_code,
-                max_length=rm.max_length, key="model.reward_model.name_or_path",
+                max_length=rm.max_length, aggregate=rm.aggregate, uncertainty_coef=rm.uncertainty_coef,
+                key="model.reward_model.name_or_path",
             )
         if self.distillation is not None:  # frozen, outside this module's tree, placed as `model.teacher.placement` says
             with settings_at("model"):
@@ -799,6 +808,8 @@ class PPOModule(LightningModule):
         ``exp.baseline_scores``, of the greedy answers, under ReMax)."""
         if exp.scores is None:  # (an environment scored its trajectories as they ran)
             exp.scores = self._scores(exp, exp.responses)
+            if (spread := reward_spread(self.reward_model)) is not None:  # an ensemble: how far its members disagree
+                exp.sample_stats["reward_model_std"] = spread
         if self.gold_reward_fn is not None:  # logged beside the reward trained on, never trained on
             gold = self.gold_reward_fn(exp.prompts, exp.responses, exp.rows)
             exp.sample_stats["gold_score"] = gold.to(torch.float64).sum()
@@ -1095,6 +1106,8 @@ class PPOModule(LightningModule):
             metrics["truncated_frac"] = t["truncated"] / samples
         if "gold_score" in t:  # model.gold_reward: the rule's mean score of the same samples
             metrics["gold_reward_mean"] = t["gold_score"] / samples
+        if "reward_model_std" in t:  # a reward-model ensemble: its members' mean std per sample
+            metrics["reward_model_std"] = t["reward_model_std"] / samples
         if "baseline_score" in t:  # ReMax: the greedy answers' mean score
             metrics["baseline_reward_mean"] = t["baseline_score"] / samples
         if "overlong_penalty" in t:

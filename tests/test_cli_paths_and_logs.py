@@ -4,6 +4,7 @@ hyperparameters, and --ckpt_path files that are not checkpoints."""
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import yaml
@@ -62,6 +63,17 @@ def test_user_config_finds_data_next_to_it_first(tmp_path, elsewhere):
                                       "data": {"train_file": "rows.jsonl", "max_length": 64}}))
     cli = _parse("sft", "--config", str(config), f"--trainer.default_root_dir={tmp_path / 'run'}")
     assert cli.datamodule.train_path == project / "cfg" / "rows.jsonl"
+
+
+def test_each_listed_reward_model_is_found_next_to_the_config(tmp_path, elsewhere):
+    cfg = tmp_path / "project" / "cfg"
+    for name in ("rm_a", "rm_b"):
+        shutil.copytree(TINY_MODEL, cfg / name)
+    config = cfg / "ppo.yaml"
+    config.write_text(yaml.safe_dump({"model": {"reward": None, "reward_model": {"name_or_path": ["rm_a", "rm_b"]}}}))
+    cli = _parse("ppo", "--config", str(PPO_CONFIG), "--config", str(config), "--model.name_or_path=assets/tiny-llama",
+                 f"--trainer.default_root_dir={tmp_path / 'run'}")
+    assert cli.model.reward_model_config.name_or_path == [str(cfg / "rm_a"), str(cfg / "rm_b")]
 
 
 def test_missing_relative_path_names_the_key_and_every_folder_tried(tmp_path, elsewhere):

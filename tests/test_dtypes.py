@@ -236,7 +236,7 @@ def test_a_contradicting_dtype_fails_before_any_model_loads(tmp_path, monkeypatc
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before the bad dtype was reported")
 
-    for loader in ("load_causal_lm", "load_value_model", "load_reward_model"):
+    for loader in ("load_causal_lm", "load_value_model", "load_reward_model", "load_reward_models"):
         if hasattr(module, loader):
             monkeypatch.setattr(module, loader, refuse)
     with pytest.raises(SettingError, match=message):

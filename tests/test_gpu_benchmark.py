@@ -106,6 +106,21 @@ def test_overrides_make_a_tier_config_a_short_offline_run(config, tmp_path):
                             for row in rows)
 
 
+def test_each_member_of_a_reward_model_ensemble_is_built_at_random(tmp_path):
+    path = tmp_path / "ppo" / "ensemble_1x24gb.yaml"
+    path.parent.mkdir()
+    members = ["Qwen/Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-1.5B-Instruct"]
+    path.write_text(yaml.safe_dump({"model": {"name_or_path": members[0], "reward_model": {"name_or_path": members}},
+                                    "data": {"batch_size": 2, "max_prompt_length": 32}}))
+    args = tiers.overrides_for(path, tmp_path / "work", steps=1)
+    listed = next(a for a in args if a.startswith("--model.reward_model.name_or_path="))
+    folders = yaml.safe_load(listed.split("=", 1)[1])
+    assert len(folders) == 2 and all(Path(f).is_relative_to(tmp_path / "work") for f in folders)
+    for member, folder in zip(members, folders):
+        assert json.loads((Path(folder) / "config.json").read_text()) == json.loads(
+            (HUB_ASSETS / member / "config.json").read_text())
+
+
 @pytest.fixture(scope="module")
 def tiny_grpo_run(tmp_path_factory) -> dict:
     """The tiny GRPO config (from the tiny model rather than an SFT export), with an estimate

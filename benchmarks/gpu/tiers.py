@@ -219,6 +219,10 @@ def overrides_for(path: Path, workdir: Path, steps: int) -> list[str]:
             folder = config_only_model(value, workdir)
             args.append(f"--model.{key}={folder}")
             tokenizer_folder = tokenizer_folder or folder
+        elif isinstance(value, list) and value:  # a reward-model ensemble: each member alike
+            folders = [config_only_model(member, workdir) for member in value]
+            args.append(f"--model.{key}={json.dumps(folders)}")
+            tokenizer_folder = tokenizer_folder or folders[0]
     if tokenizer_folder is not None and not Path(tokenizer_folder).is_absolute():
         tokenizer_folder = str(ROOT / tokenizer_folder)  # the tiny configs' relative folders
     tokenizer = load_tokenizer(tokenizer_folder or str(ROOT / "assets" / "tiny-llama"))

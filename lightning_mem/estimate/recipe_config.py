@@ -132,21 +132,27 @@ MODEL_KEYS = (("", "model.name_or_path"), ("critic", "model.critic.name_or_path"
               ("teacher", "model.teacher.name_or_path"), ("reference", "model.reference.name_or_path"))
 
 
-def _model_locations(model_cfg: Any) -> Iterator[tuple[Any, str]]:
-    """``(section holding name_or_path, its key)`` for every model the config names."""
+def _model_locations(model_cfg: Any) -> Iterator[tuple[Any, str, int | None, str]]:
+    """``(section holding name_or_path, its key, index, path)`` for every model the config names;
+    index is None for a single path and each member's position in a list (a reward-model
+    ensemble), whose key is then ``key[i]``."""
     for attr, key in MODEL_KEYS:
         holder = model_cfg
         for part in attr.split(".") if attr else ():
             holder = getattr(holder, part, None)
-        if holder is not None and getattr(holder, "name_or_path", None):
-            yield holder, key
+        value = getattr(holder, "name_or_path", None) if holder is not None else None
+        if isinstance(value, (list, tuple)):
+            for i, path in enumerate(value):
+                yield holder, f"{key}[{i}]", i, path
+        elif value:
+            yield holder, key, None, value
 
 
 def model_vocab_sizes(model_cfg: Any) -> list[int]:
     """The vocabulary size of every model the config names (a ``[..., vocab]`` tensor is logits)."""
     sizes = []
-    for holder, key in _model_locations(model_cfg):
-        config = json.loads((config_folder(holder.name_or_path, key) / "config.json").read_text())
+    for _, key, _, path in _model_locations(model_cfg):
+        config = json.loads((config_folder(path, key) / "config.json").read_text())
         sizes.append(int(config.get("vocab_size") or config.get("text_config", {}).get("vocab_size", 0)))
     return sizes
 
@@ -154,8 +160,12 @@ def model_vocab_sizes(model_cfg: Any) -> list[int]:
 def localize_models(model_cfg: Any, workdir: Path) -> list[int]:
     """Point every model location of ``model_cfg`` at a config-only copy; return the vocabulary sizes."""
     vocab = model_vocab_sizes(model_cfg)
-    for holder, key in _model_locations(model_cfg):
-        holder.name_or_path = config_only_copy(holder.name_or_path, key, workdir)
+    for holder, key, index, path in list(_model_locations(model_cfg)):
+        copy = config_only_copy(path, key, workdir)
+        if index is None:
+            holder.name_or_path = copy
+        else:
+            holder.name_or_path = [*holder.name_or_path[:index], copy, *holder.name_or_path[index + 1:]]
     return vocab
 
 

@@ -310,21 +310,56 @@ class CriticConfig:
         check_fields(self)
 
 
+#: How a reward-model ensemble's member scores become one (``model.reward_model.aggregate``).
+REWARD_AGGREGATES = ("mean", "min", "mean_minus_std")
+
+
 @dataclass
 class RewardModelConfig:
-    """A learned reward (YAML ``model.reward_model``): a sequence classifier with one output.
+    """A learned reward (YAML ``model.reward_model``): a sequence classifier with one output, or an
+    ensemble of them whose scores are aggregated (Coste et al. 2023, "Reward Model Ensembles Help
+    Mitigate Overoptimization": reward models trained apart err on different responses).
 
     Args:
-        name_or_path: its checkpoint (with its own tokenizer).
-        dtype: parameter dtype. It is frozen: None loads it in the compute dtype of
+        name_or_path: its checkpoint (with its own tokenizer), or a list of them: an ensemble,
+            each member with its own tokenizer. A single string keeps the plain reward model.
+        dtype: parameter dtype of every member. It is frozen: None loads it in the compute dtype of
             ``trainer.precision`` (bfloat16 under ``bf16-mixed``, float32 under ``32-true``);
             ``auto`` keeps the checkpoint's; under ``*-true`` only the precision's dtype holds.
         max_length: tokens per scored conversation (cut from the left).
+        aggregate: an ensemble's score of a response from its members': ``mean``; ``min`` (the
+            worst case); ``mean_minus_std`` (mean minus ``uncertainty_coef`` times the members'
+            population std: uncertainty-weighted).
+        uncertainty_coef: the std's weight under ``aggregate: mean_minus_std`` (None: 1.0).
     """
 
-    name_or_path: str
+    name_or_path: str | list[str]
     dtype: str | None = None
     max_length: PositiveInt = 2048
+    aggregate: str = "mean"
+    uncertainty_coef: float | None = None
 
     def __post_init__(self) -> None:
         check_fields(self)
+        paths = self.name_or_path
+        if isinstance(paths, (list, tuple)):
+            if not paths:
+                raise SettingError("name_or_path", " is an empty list: give one reward model's folder, or several")
+            repeated = sorted({p for p in paths if paths.count(p) > 1})
+            if repeated:
+                raise SettingError("name_or_path", f" lists {repeated[0]} twice: a repeated member adds no"
+                                   " second opinion, it only weighs that model more")
+            self.name_or_path = list(paths)
+        if self.aggregate not in REWARD_AGGREGATES:
+            raise SettingError("aggregate", f" must be one of {REWARD_AGGREGATES}, got {self.aggregate!r}")
+        if self.uncertainty_coef is not None:
+            if self.aggregate != "mean_minus_std":
+                raise SettingError("uncertainty_coef", f" is a setting of `aggregate: mean_minus_std`, not of"
+                                   f" `aggregate: {self.aggregate}`", siblings=("aggregate",))
+            if self.uncertainty_coef < 0:
+                raise SettingError("uncertainty_coef", f" must be >= 0, got {self.uncertainty_coef}")
+
+    @property
+    def paths(self) -> list[str]:
+        """Every member's checkpoint (one for a plain reward model)."""
+        return [self.name_or_path] if isinstance(self.name_or_path, str) else list(self.name_or_path)

@@ -153,6 +153,62 @@ def check_reward_model_source(name_or_path: str, *, key: str = "name_or_path") -
             " scores with one (`num_labels: 1`)")
 
 
+def aggregate_scores(member_scores: Tensor, aggregate: str = "mean", uncertainty_coef: float | None = None) -> Tensor:
+    """One score per response from ``[members, N]`` scores: their ``mean``, their ``min`` (the
+    worst case), or ``mean_minus_std`` (mean minus ``uncertainty_coef``, default 1, times the
+    members' population std), as in Coste et al. 2023."""
+    if aggregate == "mean":
+        return member_scores.mean(0)
+    if aggregate == "min":
+        return member_scores.min(0).values
+    if aggregate == "mean_minus_std":
+        coef = 1.0 if uncertainty_coef is None else uncertainty_coef
+        return member_scores.mean(0) - coef * member_scores.std(0, correction=0)
+    raise ValueError(f"unknown reward aggregate {aggregate!r}")
+
+
+class RewardModelEnsemble(nn.Module):
+    """Several :class:`RewardModel` (each with its own tokenizer) scored as one: the members'
+    scores aggregated by :func:`aggregate_scores`. One module, so a memory plan parks and returns
+    the whole ensemble as it does a single reward model.
+
+    After each call ``last_std`` holds the members' population std of each response (``[N]``
+    fp32), the spread the recipe logs as ``reward_model_std``.
+    """
+
+    def __init__(self, members: Sequence[RewardModel], aggregate: str = "mean",
+                 uncertainty_coef: float | None = None) -> None:
+        super().__init__()
+        self.members = nn.ModuleList(members)
+        self.aggregate, self.uncertainty_coef = aggregate, uncertainty_coef
+        self.last_std: Tensor | None = None
+
+    @torch.no_grad()
+    def forward(
+        self,
+        prompt_messages: list[list[dict[str, str]]],
+        responses: list[str],
+        *,
+        max_tokens: int | None = None,
+        agree_on_count: Callable[[int], int] | None = None,
+    ) -> Tensor:
+        """The aggregate score of each (conversation, response), ``[N]`` fp32; each member scores
+        in turn with :meth:`RewardModel.forward`'s micro-batches."""
+        scores = torch.stack([member(prompt_messages, responses, max_tokens=max_tokens, agree_on_count=agree_on_count)
+                              for member in self.members])
+        self.last_std = scores.std(0, correction=0)
+        return aggregate_scores(scores, self.aggregate, self.uncertainty_coef)
+
+
+def reward_spread(reward_model: nn.Module | None) -> Tensor | None:
+    """The sum over the last scored responses of an ensemble's member std (float64, a step
+    metric's numerator: ``reward_model_std`` is its mean over samples); None unless the reward
+    model is an ensemble of several members."""
+    if not isinstance(reward_model, RewardModelEnsemble) or len(reward_model.members) < 2 or reward_model.last_std is None:
+        return None
+    return reward_model.last_std.to(torch.float64).sum()
+
+
 def load_reward_model(
     name_or_path: str,
     *,
@@ -176,3 +232,34 @@ def load_reward_model(
     model = load_pretrained(AutoModelForSequenceClassification, name_or_path, dtype=dtype,
                             trust_remote_code=trust_remote_code, key=key, config_kwargs={"num_labels": 1})
     return RewardModel(model, tokenizer, max_length=max_length)
+
+
+def member_keys(name_or_path: str | Sequence[str], key: str = "name_or_path") -> list[tuple[str, str]]:
+    """``(path, key naming it)`` of each reward model: ``key`` for a single path, ``key[i]`` for a
+    list's members."""
+    if isinstance(name_or_path, str):
+        return [(name_or_path, key)]
+    return [(path, f"{key}[{i}]") for i, path in enumerate(name_or_path)]
+
+
+def check_reward_model_sources(name_or_path: str | Sequence[str], *, key: str = "name_or_path") -> None:
+    """:func:`check_reward_model_source` on each member, named ``key[i]`` in a list."""
+    for path, member_key in member_keys(name_or_path, key):
+        check_reward_model_source(path, key=member_key)
+
+
+def load_reward_models(
+    name_or_path: str | Sequence[str],
+    *,
+    aggregate: str = "mean",
+    uncertainty_coef: float | None = None,
+    key: str = "name_or_path",
+    **kwargs: Any,
+) -> RewardModel | RewardModelEnsemble:
+    """A plain :class:`RewardModel` for one path (the module tree of a single reward model, so its
+    checkpoints load as before); a :class:`RewardModelEnsemble` for a list (even of one).
+    ``kwargs`` go to :func:`load_reward_model` for every member."""
+    if isinstance(name_or_path, str):
+        return load_reward_model(name_or_path, key=key, **kwargs)
+    members = [load_reward_model(path, key=member_key, **kwargs) for path, member_key in member_keys(name_or_path, key)]
+    return RewardModelEnsemble(members, aggregate=aggregate, uncertainty_coef=uncertainty_coef)

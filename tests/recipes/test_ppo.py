@@ -383,7 +383,7 @@ def no_model_load(monkeypatch):
 
     monkeypatch.setattr(ppo, "load_causal_lm", refuse)
     monkeypatch.setattr(ppo, "load_value_model", refuse)
-    monkeypatch.setattr(ppo, "load_reward_model", refuse)
+    monkeypatch.setattr(ppo, "load_reward_models", refuse)
 
 
 def _cli(tmp_path, *extra):

@@ -201,7 +201,7 @@ def test_a_reward_model_with_two_outputs_is_refused_before_any_model_loads(tmp_p
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before the bad reward model was reported")
 
-    for name in ("load_causal_lm", "load_value_model", "load_reward_model"):
+    for name in ("load_causal_lm", "load_value_model", "load_reward_models"):
         monkeypatch.setattr(ppo, name, refuse)
     with pytest.raises(SettingError, match=r"^`model.reward_model.name_or_path`: .*two_labels is a"
                                            r" LlamaForSequenceClassification with 2 outputs \(its config.json\)"):
