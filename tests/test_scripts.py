@@ -140,6 +140,30 @@ def test_reward_model_figure_reads_every_logged_metric_and_splits_quarters(tmp_p
         quarters({0: 1.0})
 
 
+def test_policy_pairs_rank_the_right_answer_above_each_wrong_sample_most_frequent_first():
+    """scripts/make_policy_pairs.py: one pair per distinct wrong sampled answer (empty ones and right
+    ones give none), the most frequent first, at most ``per_prompt``; the training prompts leave out
+    every held-out one."""
+    import random
+
+    from scripts.make_policy_pairs import policy_pairs, training_prompts
+    from scripts.make_preference_pairs import DATA, prompt_of
+
+    rows = [{"prompt": "What is 3 + 4?", "answer": "7"}, {"prompt": "Compute 9 - 5.", "answer": "4"}]
+    answers = [["7", "8", "6", "8", "", "7", "71", "6"], ["4", "4"]]
+    pairs = policy_pairs(rows, answers, 2, random.Random(0))
+    sides = []
+    for pair in pairs:
+        chosen, rejected = pair["chosen"], pair["rejected"]
+        last = lambda side: side if isinstance(side, str) else side[-1]["content"]  # noqa: E731
+        sides.append((last(chosen), last(rejected), pair["answer"]))
+    assert sides == [("7", "6", "7"), ("7", "8", "7")]  # 6 and 8 twice each (a tie: by text), 71 once: cut
+    prompts = training_prompts()
+    held_out = {prompt_of(json.loads(line)) for line in (DATA / "val.jsonl").read_text().splitlines()}
+    assert prompts and not {r["prompt"] for r in prompts} & held_out
+    assert len({r["prompt"] for r in prompts}) == len(prompts)
+
+
 def test_the_distillation_figure_is_the_recorded_runs():
     """docs/distillation.md states what `scripts/distill_figure.py` recorded: distillation above SFT
     alone in each of at least three seeds, on the current config, data and models."""
