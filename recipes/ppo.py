@@ -116,6 +116,13 @@ from lightning_mem.rl.rng import SamplingRNG
 from lightning_mem.rl.rollout import Experience, GenerationConfig, RolloutEngine, greedy_rollout, policy_forward
 
 
+#: Optional per-sample sums of a step and the metric each becomes (their mean over the samples):
+#: truncated responses; model.gold_reward's score of the same samples; a reward-model ensemble's
+#: members' std; ReMax's greedy answers' score; DAPO's overlong penalty.
+_PER_SAMPLE = {"truncated": "truncated_frac", "gold_score": "gold_reward_mean", "reward_model_std": "reward_model_std",
+               "baseline_score": "baseline_reward_mean", "overlong_penalty": "overlong_penalty"}
+
+
 def _adamw(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-6)
 
@@ -1102,16 +1109,7 @@ class PPOModule(LightningModule):
             metrics["clipfrac_dual"] = per_token("dual_clipped")
         if "groups" in t:
             metrics["groups_filtered_frac"] = t["groups_filtered"] / t["groups"]
-        if "truncated" in t:
-            metrics["truncated_frac"] = t["truncated"] / samples
-        if "gold_score" in t:  # model.gold_reward: the rule's mean score of the same samples
-            metrics["gold_reward_mean"] = t["gold_score"] / samples
-        if "reward_model_std" in t:  # a reward-model ensemble: its members' mean std per sample
-            metrics["reward_model_std"] = t["reward_model_std"] / samples
-        if "baseline_score" in t:  # ReMax: the greedy answers' mean score
-            metrics["baseline_reward_mean"] = t["baseline_score"] / samples
-        if "overlong_penalty" in t:
-            metrics["overlong_penalty"] = t["overlong_penalty"] / samples
+        metrics.update({name: t[key] / samples for key, name in _PER_SAMPLE.items() if key in t})
         if "teacher_divergence" in t:  # the student's divergence from the teacher's top-k, per token
             metrics["teacher_divergence"] = per_token("teacher_divergence")
         if "teacher_kl" in t:  # the sampled tokens' mean log p_old - log p_teacher (a reverse-KL estimate)

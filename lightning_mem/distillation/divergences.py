@@ -163,7 +163,7 @@ def logprob_divergence(ls: Tensor, lt: Tensor, divergence: Divergence) -> Tensor
 
 
 @dataclass(frozen=True)
-class _Spec:
+class SliceSpec:
     divergence: Divergence
     temperature: float
     width: int  # vocabulary columns compared (the shared tokenizer's, :mod:`.vocabulary`)
@@ -171,7 +171,7 @@ class _Spec:
     top_k: int
 
 
-def slice_width(n: int, spec: _Spec, student_hidden: int, teacher_hidden: int, *, student_bytes: int,
+def slice_width(n: int, spec: SliceSpec, student_hidden: int, teacher_hidden: int, *, student_bytes: int,
                 teacher_bytes: int) -> int:
     """Vocabulary columns per slice over ``n`` rows: what one and a half chunks of ``[rows, width]``
     fp32 logits hold, less what sits beside the slices (the rows' compute-dtype casts, the top-k
@@ -188,15 +188,15 @@ def slice_width(n: int, spec: _Spec, student_hidden: int, teacher_hidden: int, *
     return max(spec.top_k, 1, min(budget // max(per_column, 1), spec.width))
 
 
-def _compute_dtype(weight: Tensor) -> torch.dtype:
+def compute_dtype(weight: Tensor) -> torch.dtype:
     device = weight.device.type
     if weight.is_floating_point() and torch.is_autocast_enabled(device):
         return torch.get_autocast_dtype(device)
     return weight.dtype
 
 
-def _logits(h: Tensor, w: Tensor, b: Tensor | None, start: int, stop: int, dtype: torch.dtype,
-            temperature: float) -> Tensor:
+def slice_logits(h: Tensor, w: Tensor, b: Tensor | None, start: int, stop: int, dtype: torch.dtype,
+                 temperature: float) -> Tensor:
     """fp32 logits of columns ``[start, stop)`` divided by the temperature; the slice of the
     weight is cast to ``dtype`` here, so no compute-dtype copy of a whole weight is ever kept."""
     ws = w[start:stop].to(dtype)
@@ -204,7 +204,7 @@ def _logits(h: Tensor, w: Tensor, b: Tensor | None, start: int, stop: int, dtype
     return z.div_(temperature) if temperature != 1.0 else z
 
 
-class _RunningLogSumExp:
+class RunningLogSumExp:
     """Each row's log-sum-exp over the slices seen so far (consumes each slice in place)."""
 
     def __init__(self, n: int, device: torch.device) -> None:
@@ -242,18 +242,18 @@ class _SlicedDivergence(torch.autograd.Function):
     docstring); the teacher's inputs never get a gradient."""
 
     @staticmethod
-    def forward(ctx, hs, ws, bs, ht, wt, bt, spec: _Spec):
+    def forward(ctx, hs, ws, bs, ht, wt, bt, spec: SliceSpec):
         n, div, temp = hs.shape[0], spec.divergence, spec.temperature
-        ds, dt = _compute_dtype(ws), _compute_dtype(wt)
+        ds, dt = compute_dtype(ws), compute_dtype(wt)
         with torch.autocast(ws.device.type, enabled=False):
             hsc, htc = hs.to(ds), ht.to(dt)
-            width = slice_width(n, spec, hs.shape[1], ht.shape[1], student_bytes=_extra(ds), teacher_bytes=_extra(dt))
-            lse_s, lse_t = _RunningLogSumExp(n, hs.device), _RunningLogSumExp(n, hs.device)
+            width = slice_width(n, spec, hs.shape[1], ht.shape[1], student_bytes=extra_bytes(ds), teacher_bytes=extra_bytes(dt))
+            lse_s, lse_t = RunningLogSumExp(n, hs.device), RunningLogSumExp(n, hs.device)
             top = _RunningTopK(spec.top_k) if spec.top_k else None
             for start in range(0, spec.width, width):
                 stop = min(start + width, spec.width)
-                zs = _logits(hsc, ws, bs, start, stop, ds, temp)
-                zt = _logits(htc, wt, bt, start, stop, dt, temp)
+                zs = slice_logits(hsc, ws, bs, start, stop, ds, temp)
+                zt = slice_logits(htc, wt, bt, start, stop, dt, temp)
                 if top is not None:
                     top.add(zt, zs, start)
                 lse_s.add(zs)
@@ -268,8 +268,8 @@ class _SlicedDivergence(torch.autograd.Function):
                 index = g_top = None
                 for start in range(0, spec.width, width):
                     stop = min(start + width, spec.width)
-                    ls = _logits(hsc, ws, bs, start, stop, ds, temp).sub_(lse_s.unsqueeze(-1))
-                    lt = _logits(htc, wt, bt, start, stop, dt, temp).sub_(lse_t.unsqueeze(-1))
+                    ls = slice_logits(hsc, ws, bs, start, stop, ds, temp).sub_(lse_s.unsqueeze(-1))
+                    lt = slice_logits(htc, wt, bt, start, stop, dt, temp).sub_(lse_t.unsqueeze(-1))
                     part, g = div.row_sums(ls, lt)
                     value.add_(part)
                     g_sum.add_(g)
@@ -288,7 +288,7 @@ class _SlicedDivergence(torch.autograd.Function):
 
             def slice_grad(ls: Tensor, start: int, stop: int) -> Tensor:
                 if index is None:
-                    lt = _logits(htc, wt, bt, start, stop, dt, spec.temperature).sub_(lse_t.unsqueeze(-1))
+                    lt = slice_logits(htc, wt, bt, start, stop, dt, spec.temperature).sub_(lse_t.unsqueeze(-1))
                     return spec.divergence.slice_grad(ls, lt, g_sum).mul_(scale)
                 return top_k_slice_grad(ls, index, g_top, g_sum, start, stop).mul_(scale)
 
@@ -321,7 +321,7 @@ def student_grads(hs: Tensor, ws: Tensor, bs: Tensor | None, lse_s: Tensor, want
     gb = torch.zeros_like(bs) if want_b else None
     for start in range(0, total, width):
         stop = min(start + width, total)
-        ls = _logits(hsc, ws, bs, start, stop, ds, temperature).sub_(lse_s.unsqueeze(-1))
+        ls = slice_logits(hsc, ws, bs, start, stop, ds, temperature).sub_(lse_s.unsqueeze(-1))
         grad = slice_grad(ls, start, stop)
         del ls
         if gb is not None:
@@ -335,12 +335,12 @@ def student_grads(hs: Tensor, ws: Tensor, bs: Tensor | None, lse_s: Tensor, want
     return (gh.to(hs.dtype) if gh is not None else None), gw, gb
 
 
-def _extra(dtype: torch.dtype) -> int:
+def extra_bytes(dtype: torch.dtype) -> int:
     """Bytes of a compute-dtype copy made beside fp32 (none when computing in fp32)."""
     return 0 if dtype == torch.float32 else torch.empty((), dtype=dtype).element_size()
 
 
-def _module_chunk(hs: Tensor, ht: Tensor, student_head: nn.Module, teacher_head: nn.Module, spec: _Spec) -> Tensor:
+def _module_chunk(hs: Tensor, ht: Tensor, student_head: nn.Module, teacher_head: nn.Module, spec: SliceSpec) -> Tensor:
     student = student_head(hs)[:, : spec.width]
     with torch.no_grad():
         teacher = teacher_head(ht)[:, : spec.width]
@@ -371,7 +371,7 @@ def distillation_divergence(student_hidden: Tensor, student_head: nn.Module, tea
     if top_k > width:
         raise ValueError(f"top_k ({top_k}) exceeds the vocabulary compared ({width})")
     n = student_hidden.shape[0]
-    spec = _Spec(divergence, float(temperature), width, rows_per_chunk(chunk_size, n, width), top_k)
+    spec = SliceSpec(divergence, float(temperature), width, rows_per_chunk(chunk_size, n, width), top_k)
     if fusable(student_head) and fusable(teacher_head):
         return _SlicedDivergence.apply(student_hidden, student_head.weight, student_head.bias,
                                        teacher_hidden.detach(), teacher_head.weight.detach(),

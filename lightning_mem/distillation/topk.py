@@ -39,12 +39,12 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_mem.distillation.divergences import (
     Divergence,
-    _compute_dtype,
-    _extra,
-    _logits,
-    _RunningLogSumExp,
-    _Spec,
+    RunningLogSumExp,
+    SliceSpec,
+    compute_dtype,
+    extra_bytes,
     logprob_divergence,
+    slice_logits,
     slice_width,
     student_grads,
     top_k_slice_grad,
@@ -83,16 +83,16 @@ class _LogprobsAt(torch.autograd.Function):
     columns), from its hidden rows and output weight a vocabulary slice at a time."""
 
     @staticmethod
-    def forward(ctx, hs, ws, bs, index, spec: _Spec):
-        ds = _compute_dtype(ws)
+    def forward(ctx, hs, ws, bs, index, spec: SliceSpec):
+        ds = compute_dtype(ws)
         with torch.autocast(ws.device.type, enabled=False):
             hsc = hs.to(ds)
-            width = slice_width(hs.shape[0], spec, hs.shape[1], 0, student_bytes=_extra(ds), teacher_bytes=0)
-            lse = _RunningLogSumExp(hs.shape[0], hs.device)
+            width = slice_width(hs.shape[0], spec, hs.shape[1], 0, student_bytes=extra_bytes(ds), teacher_bytes=0)
+            lse = RunningLogSumExp(hs.shape[0], hs.device)
             picked = torch.zeros(index.shape, dtype=torch.float32, device=hs.device)
             for start in range(0, spec.width, width):
                 stop = min(start + width, spec.width)
-                z = _logits(hsc, ws, bs, start, stop, ds, spec.temperature)
+                z = slice_logits(hsc, ws, bs, start, stop, ds, spec.temperature)
                 inside = (index >= start) & (index < stop)
                 picked = torch.where(inside, z.gather(-1, (index - start).clamp(0, stop - start - 1)), picked)
                 lse.add(z)  # consumes z
@@ -131,7 +131,7 @@ def student_logprobs_at(hidden: Tensor, head: nn.Module, index: Tensor, *, width
     width = width or head.weight.shape[0]
     index = index.long()
     n = hidden.shape[0]
-    spec = _Spec(Divergence("forward_kl"), float(temperature), width, rows_per_chunk(chunk_size, n, width),
+    spec = SliceSpec(Divergence("forward_kl"), float(temperature), width, rows_per_chunk(chunk_size, n, width),
                  index.shape[-1])
     if fusable(head):
         return _LogprobsAt.apply(hidden, head.weight, head.bias, index, spec)
